@@ -1,0 +1,188 @@
+"""Shared `@triton.jit` codec helpers: one per element codec and block recipe. Every kernel imports these; nothing
+re-implements them. Each helper mirrors a torch reference in `kvtool/formats/` operation by operation (same fp32 ops in
+the same order, IEEE division through `tl.math.div_rn`), so kernel bytes equal the reference bytes.
+
+Portability: only integer bit logic, fp32 arithmetic and bitcasts. No float8 casts (the interpreter rounds fp32 -> fp8
+wrongly, and gfx950 names its fp8 types differently), no inline asm, no lookup tables in memory.
+
+Rule and recipe arguments are constexpr ints: the values of `kvtool.formats.rules.ScaleRule`, `NvRecipe`.
+"""
+
+import triton
+import triton.language as tl
+
+# Constexpr copies of kvtool.formats.rules values (a kernel cannot import Python enums). Tests assert they agree.
+RULE_FLOOR: tl.constexpr = 0
+RULE_EVEN: tl.constexpr = 1
+RULE_CEIL: tl.constexpr = 2
+RULE_RCEIL: tl.constexpr = 3
+RECIPE_RCP: tl.constexpr = 0
+RECIPE_DIV: tl.constexpr = 1
+RECIPE_UNROUNDED: tl.constexpr = 2
+
+E2M1_MAX: tl.constexpr = 6.0  # 0b0_11_1: 2**(3 - 1) * 1.5
+E4M3_MAX: tl.constexpr = 448.0  # 0b0_1111_110: 2**(15 - 7) * 1.75 (0b0_1111_111 is NaN)
+
+
+# ------------------------------------------------------------------------------------------------------------ E2M1
+@triton.jit
+def e2m1_encode(y):
+    """fp32 -> E2M1 code (uint8 0..15), round half to even, saturating at 6, sign bit 3 also for -0.
+
+    Midpoints 0.25, 1.25, 2.5, 5 tie down to the even codes (values 0, 1, 2, 4), midpoints 0.75, 1.75, 3.5 tie up
+    (values 1, 2, 4): strict `>` at the former, `>=` at the latter.
+    """
+    m = tl.abs(y)
+    code = (m > 0.25).to(tl.uint8)
+    code += (m >= 0.75).to(tl.uint8)
+    code += (m > 1.25).to(tl.uint8)
+    code += (m >= 1.75).to(tl.uint8)
+    code += (m > 2.5).to(tl.uint8)
+    code += (m >= 3.5).to(tl.uint8)
+    code += (m > 5.0).to(tl.uint8)
+    sign = (y.to(tl.int32, bitcast=True) >> 31) & 1
+    return code | (sign.to(tl.uint8) << 3)
+
+
+@triton.jit
+def e2m1_decode_f16(code):
+    """E2M1 code (low nibble of a uint8/int) -> fp16 value, without a table: place the 3 magnitude bits at the top of
+    an fp16 exponent/mantissa (`(c & 7) << 9`), the sign at bit 15, then scale by 2**14 (exact in fp16)."""
+    c = code.to(tl.int16)
+    bits = ((c & 7) << 9) | ((c & 8) << 12)
+    return bits.to(tl.float16, bitcast=True) * 16384.0
+
+
+@triton.jit
+def e2m1_decode_f32(code):
+    """E2M1 code -> fp32 value (through the exact fp16 decode)."""
+    return e2m1_decode_f16(code).to(tl.float32)
+
+
+@triton.jit
+def pack_nibbles(codes, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """[ROWS, COLS] uint8 codes -> [ROWS, COLS // 2] bytes: element 2i low nibble, 2i+1 high nibble."""
+    pairs = tl.reshape(codes, [ROWS, COLS // 2, 2])
+    lo, hi = tl.split(pairs)
+    return (lo & 0xF) | ((hi & 0xF) << 4)
+
+
+@triton.jit
+def unpack_nibbles(packed, ROWS: tl.constexpr, HALF_COLS: tl.constexpr):
+    """[ROWS, HALF_COLS] bytes -> [ROWS, 2 * HALF_COLS] codes (inverse of pack_nibbles)."""
+    lo = packed & 0xF
+    hi = (packed >> 4) & 0xF
+    return tl.reshape(tl.join(lo, hi), [ROWS, HALF_COLS * 2])
+
+
+# ------------------------------------------------------------------------------------------------------------ E4M3
+@triton.jit
+def e4m3_encode(x):
+    """fp32 -> E4M3FN byte (uint8): clamp to [-448, 448], round half to even with integer logic. -0 -> 0x80.
+
+    Normal results (|x| >= 2**-6, fp32 biased exponent >= 121): add the RNE bias to the 20 dropped mantissa bits and
+    shift; the carry moves into the exponent by itself, and the rebias is `- (120 << 3)`. Subnormal results (step
+    2**-9): round `M * 2**(e32 - 141)` to an integer, where M is the 24-bit significand; shifts past 25 give 0.
+    """
+    xc = tl.minimum(tl.maximum(x, -E4M3_MAX), E4M3_MAX)
+    bits = xc.to(tl.int32, bitcast=True)
+    sign = (bits >> 31) & 1
+    a = bits & 0x7FFFFFFF
+    e32 = a >> 23
+    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)
+    sig = (a & 0x7FFFFF) | 0x800000
+    shift = tl.minimum(tl.maximum(141 - e32, 21), 25)
+    q = sig >> shift
+    rem = sig & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    sub = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
+    code = tl.where(e32 >= 121, normal, sub)
+    return (code | (sign << 7)).to(tl.uint8)
+
+
+@triton.jit
+def e4m3_decode(byte):
+    """E4M3FN byte -> fp32, by bits: normal `(e + 120) << 23 | m << 20`, subnormal `m * 2**-9`."""
+    b = byte.to(tl.int32) & 0xFF
+    e = (b >> 3) & 0xF
+    m = b & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    sub = m.to(tl.float32) * 0.001953125  # 2**-9
+    mag = tl.where(e == 0, sub, normal).to(tl.int32, bitcast=True)
+    # the sign goes in by bits: negation may be lowered as 0 - x, which loses -0
+    return (mag | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)
+
+
+# ------------------------------------------------------------------------------------------------------------ E8M0
+@triton.jit
+def exp2_int(e):
+    """Exact fp32 2**e for int32 e in [-149, 127] (subnormal results built from bits too)."""
+    normal = (tl.maximum(e + 127, 1) << 23).to(tl.float32, bitcast=True)
+    sub = (1 << tl.minimum(tl.maximum(e + 149, 0), 22)).to(tl.float32, bitcast=True)
+    return tl.where(e >= -126, normal, sub)
+
+
+@triton.jit
+def e8m0_decode(byte):
+    """E8M0 byte -> fp32 2**(byte - 127); byte 0 is 2**-127 (an fp32 subnormal). Byte 255 (NaN) is never written."""
+    return exp2_int(byte.to(tl.int32) - 127)
+
+
+@triton.jit
+def mx_exponent(amax, RULE: tl.constexpr):
+    """Unbiased E8M0 exponent (int32, clamped to [-127, 127]) of an fp32 block amax under a ScaleRule (see there)."""
+    bits = amax.to(tl.int32, bitcast=True)
+    if RULE == RULE_FLOOR:
+        e = ((bits >> 23) & 0xFF) - 127 - 2
+    elif RULE == RULE_EVEN:
+        rounded = (bits + 0x200000) & 0x7F800000
+        e = ((rounded >> 23) & 0xFF) - 127 - 2
+    elif RULE == RULE_CEIL:
+        e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32) - 2
+    else:
+        t = tl.math.div_rn(amax, tl.full(amax.shape, E2M1_MAX, tl.float32))
+        tb = t.to(tl.int32, bitcast=True)
+        normal_e = ((tb >> 23) & 0xFF) - 127 + ((tb & 0x7FFFFF) != 0).to(tl.int32)
+        # subnormal t = m * 2**-149: ceil(log2 t) is -126 when m > 2**22, else <= -127 (clamped below)
+        sub_e = tl.where((tb & 0x7FFFFF) > 0x400000, -126, -127)
+        e = tl.where((tb & 0x7F800000) == 0, sub_e, normal_e)
+    return tl.minimum(tl.maximum(e, -127), 127)
+
+
+# ------------------------------------------------------------------------------------------------ block quantizers
+@triton.jit
+def mxfp4_quantize_block(x, RULE: tl.constexpr):
+    """x: fp32 [R, NB, 32] -> (codes uint8 [R, NB, 32], scale bytes uint8 [R, NB]). Mirrors formats.codecs."""
+    amax = tl.max(tl.abs(x), axis=2)
+    e = mx_exponent(amax, RULE)
+    y = x * exp2_int(-e)[:, :, None]
+    zero = amax == 0.0
+    codes = tl.where(zero[:, :, None], 0, e2m1_encode(y)).to(tl.uint8)
+    scale = tl.where(zero, 0, e + 127).to(tl.uint8)
+    return codes, scale
+
+
+@triton.jit
+def nvfp4_quantize_block(x, g_dec, g_enc, RECIPE: tl.constexpr):
+    """x: fp32 [R, NB, 16]; g_dec / g_enc: fp32 outer scales (decode, encode = fp32(1 / g_dec)) ->
+    (codes uint8 [R, NB, 16], scale bytes uint8 [R, NB]). Mirrors formats.codecs.nvfp4_quantize op by op."""
+    amax = tl.max(tl.abs(x), axis=2)
+    amax_6 = tl.math.div_rn(amax, tl.full(amax.shape, E2M1_MAX, tl.float32))
+    scale = e4m3_encode(amax_6 * g_enc)
+    s = e4m3_decode(scale)
+    if RECIPE == RECIPE_RCP:
+        denom = s * g_dec
+        y = x * tl.math.div_rn(tl.full(denom.shape, 1.0, tl.float32), denom)[:, :, None]
+    elif RECIPE == RECIPE_DIV:
+        denom = s * g_dec
+        y = tl.math.div_rn(x, tl.broadcast_to(denom[:, :, None], x.shape))
+    else:
+        y = tl.math.div_rn(x, tl.broadcast_to(amax_6[:, :, None], x.shape))
+    codes = tl.where((scale == 0)[:, :, None], 0, e2m1_encode(y)).to(tl.uint8)
+    return codes, scale
+
+
+@triton.jit
+def fp8_encode_scaled(x, s):
+    """fp32 x / s (IEEE division) -> E4M3 byte: the fp8 `tensor` / `token` element step."""
+    return e4m3_encode(tl.math.div_rn(x, s))

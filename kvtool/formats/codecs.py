@@ -1,0 +1,155 @@
+"""Block codecs (SPEC section 2) in plain, vectorized torch: the reference every kernel must equal byte for byte.
+
+Each function takes fp32 `x` of shape [..., D] (quantized along the last dimension) plus the format descriptor, and
+returns (payload, scales, outer_scale). All arithmetic is fp32 with IEEE rounding, in the order the SPEC writes it; the
+order is part of the contract because the Triton kernels repeat it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvtool.formats.elements import (
+    E2M1_MAX,
+    E4M3_MAX,
+    E8M0_BIAS,
+    e2m1_decode,
+    e2m1_encode,
+    e4m3_decode,
+    e4m3_encode,
+    e8m0_decode,
+    exp2_int,
+    f32_bits,
+    f32_mantissa_nonzero,
+    f32_unbiased_exponent,
+    pack_nibbles,
+    unpack_nibbles,
+)
+from kvtool.formats.rules import Fp8Scale, NvRecipe, ScaleRule
+
+if TYPE_CHECKING:
+    from kvtool.formats.registry import Format
+
+# DeepSeek V3.2 indexer floor on the per-token amax (fp32 of 1e-4).
+DS_AMAX_FLOOR = 1e-4
+
+
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+
+
+# ----------------------------------------------------------------------------------------------------------- bf16
+def bf16_quantize(fmt: "Format", x: torch.Tensor, tensor_amax: torch.Tensor | None):
+    return x.to(torch.bfloat16), None, 1.0
+
+
+def bf16_dequantize(fmt: "Format", payload, scales, outer_scale) -> torch.Tensor:
+    return payload.float()
+
+
+# ------------------------------------------------------------------------------------------------------------ fp8
+def fp8_row_scale(amax: torch.Tensor, ds_floor: bool, pow2: bool) -> torch.Tensor:
+    """fp32 scale `s` from an fp32 amax: `amax / 448` (1 where amax is 0), or DeepSeek's `max(amax, 1e-4) / 448`,
+    optionally rounded up to a power of two (`2**ceil(log2 s)` by exponent bits: the ue8m0 variant)."""
+    amax = amax.float()
+    if ds_floor:
+        s = torch.clamp(amax, min=DS_AMAX_FLOOR) / E4M3_MAX
+    else:
+        s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    if pow2:
+        e = f32_unbiased_exponent(s) + f32_mantissa_nonzero(s).to(torch.int32)
+        s = exp2_int(e)
+    return s
+
+
+def fp8_quantize(fmt: "Format", x: torch.Tensor, tensor_amax: torch.Tensor | None):
+    if fmt.fp8_scale == Fp8Scale.UNIT:
+        return e4m3_encode(x), None, 1.0
+    if fmt.fp8_scale == Fp8Scale.TENSOR:
+        amax = x.abs().amax() if tensor_amax is None else tensor_amax.float()
+        s = fp8_row_scale(amax.reshape(()), ds_floor=False, pow2=False).to(x.device)
+    else:  # TOKEN: one scale per (token, head) row
+        s = fp8_row_scale(x.abs().amax(-1, keepdim=True), fmt.ds_floor, fmt.pow2)
+    return e4m3_encode(x / s), s, 1.0
+
+
+def fp8_dequantize(fmt: "Format", payload, scales, outer_scale) -> torch.Tensor:
+    values = e4m3_decode(payload)
+    return values if scales is None else values * scales.to(values.device)
+
+
+# ---------------------------------------------------------------------------------------------------------- nvfp4
+def nvfp4_outer_scale(fmt: "Format", x: torch.Tensor, tensor_amax: torch.Tensor | None) -> float:
+    """The decode-direction outer scale `g_dec` as an fp32-representable float: 1, `amax_tensor / (6 * 448)` for
+    `auto` (1 when the tensor is all zero), or the value the format names."""
+    if fmt.outer_scale != "auto":
+        return float(torch.tensor(float(fmt.outer_scale), dtype=torch.float32))
+    amax = x.abs().amax() if tensor_amax is None else tensor_amax.float()
+    g = (amax.float().cpu() / (E2M1_MAX * E4M3_MAX)).reshape(())
+    return float(g) if float(g) > 0 else 1.0
+
+
+def nvfp4_quantize(fmt: "Format", x: torch.Tensor, tensor_amax: torch.Tensor | None):
+    g_dec = nvfp4_outer_scale(fmt, x, tensor_amax)
+    g_dec_t = torch.tensor(g_dec, dtype=torch.float32, device=x.device)
+    g_enc_t = 1.0 / g_dec_t  # fp32 reciprocal; exactly 1 for the default unit outer scale
+    xb = _blocks(x, fmt.block)  # [..., D/16, 16]
+    amax = xb.abs().amax(-1, keepdim=True)  # [..., D/16, 1]
+    scale_bytes = e4m3_encode(amax / E2M1_MAX * g_enc_t)
+    s = e4m3_decode(scale_bytes)
+    if fmt.recipe == NvRecipe.RCP:
+        y = xb * (1.0 / (s * g_dec_t))
+    elif fmt.recipe == NvRecipe.DIV:
+        y = xb / (s * g_dec_t)
+    else:  # UNROUNDED: codes from the fp32 scale before E4M3 rounding
+        y = xb / (amax / E2M1_MAX)
+    # A stored scale of 0 (all-zero block, or amax / 6 * g_enc <= 2**-10) decodes every code to 0: write codes 0.
+    codes = torch.where(scale_bytes == 0, torch.zeros_like(y, dtype=torch.uint8), e2m1_encode(y))
+    return pack_nibbles(codes.reshape(x.shape)), scale_bytes.squeeze(-1), g_dec
+
+
+def nvfp4_dequantize(fmt: "Format", payload, scales, outer_scale) -> torch.Tensor:
+    values = _blocks(e2m1_decode(unpack_nibbles(payload)), fmt.block)
+    # (code * S) is exact in fp32; the outer scale then rounds once.
+    out = values * e4m3_decode(scales).unsqueeze(-1) * float(outer_scale)
+    return out.reshape(*payload.shape[:-1], payload.shape[-1] * 2)
+
+
+# ---------------------------------------------------------------------------------------------------------- mxfp4
+def mx_exponent(amax: torch.Tensor, rule: ScaleRule) -> torch.Tensor:
+    """Unbiased E8M0 exponent `e` (int32, clamped to [-127, 127]) of fp32 block maxima under `rule` (see ScaleRule)."""
+    amax = amax.float()
+    if rule == ScaleRule.FLOOR:
+        e = f32_unbiased_exponent(amax) - 2
+    elif rule == ScaleRule.EVEN:
+        rounded = ((f32_bits(amax) + 0x200000) & 0x7F800000).view(torch.float32)
+        e = f32_unbiased_exponent(rounded) - 2
+    elif rule == ScaleRule.CEIL:
+        e = f32_unbiased_exponent(amax) + f32_mantissa_nonzero(amax).to(torch.int32) - 2
+    else:  # RCEIL: ceil(log2(amax / 6)) exactly, from the bits of the fp32 quotient
+        t = amax / E2M1_MAX
+        bits = f32_bits(t)
+        normal_e = f32_unbiased_exponent(t) + f32_mantissa_nonzero(t).to(torch.int32)
+        # A subnormal t = m * 2**-149 has ceil(log2 t) = -149 + ceil(log2 m): -126 when m > 2**22, else <= -127.
+        subnormal_e = torch.where((bits & 0x7FFFFF) > 0x400000, -126, -127).to(torch.int32)
+        e = torch.where((bits & 0x7F800000) == 0, subnormal_e, normal_e)
+    return e.clamp(-E8M0_BIAS, E8M0_BIAS).to(torch.int32)
+
+
+def mxfp4_quantize(fmt: "Format", x: torch.Tensor, tensor_amax: torch.Tensor | None):
+    xb = _blocks(x, fmt.block)  # [..., D/32, 32]
+    amax = xb.abs().amax(-1, keepdim=True)
+    e = mx_exponent(amax, fmt.scale_rule)
+    y = xb * exp2_int(-e)  # exact: a power-of-two scaling
+    zero = amax == 0
+    codes = torch.where(zero, torch.zeros_like(y, dtype=torch.uint8), e2m1_encode(y))
+    scale_bytes = torch.where(zero, torch.zeros_like(e), e + E8M0_BIAS).to(torch.uint8)
+    return pack_nibbles(codes.reshape(x.shape)), scale_bytes.squeeze(-1), 1.0
+
+
+def mxfp4_dequantize(fmt: "Format", payload, scales, outer_scale) -> torch.Tensor:
+    values = _blocks(e2m1_decode(unpack_nibbles(payload)), fmt.block)
+    out = values * e8m0_decode(scales).unsqueeze(-1)
+    return out.reshape(*payload.shape[:-1], payload.shape[-1] * 2)

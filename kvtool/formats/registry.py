@@ -1,0 +1,282 @@
+"""Format descriptors and the registry (SPEC section 2).
+
+A `Format` is a frozen description: family, element codec, block, scale element, and the recipe options that apply
+to its family. Every command, kernel, test and benchmark reads these fields; adding a format is adding one entry to
+`FAMILIES`. `QTensor` is a quantized cache in memory: payload and scale planes, the outer scale, and the descriptor.
+
+Names: a family name (`bf16`, `fp8`, `nvfp4`, alias `fp4`, `mxfp4`) plus options, or a compact label that spells the
+options after dashes, e.g. `mxfp4-floor`, `nvfp4-div-auto`, `nvfp4-g0.25`, `fp8-token`, `fp8-ds-pow2`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from kvtool.errors import FormatError, InputError
+from kvtool.formats import codecs
+from kvtool.formats.elements import E2M1, E4M3, ElementCodec
+from kvtool.formats.rules import Fp8Scale, NvRecipe, ScaleRule, parse_enum
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a family of formats is made of; one entry per family in FAMILIES."""
+
+    name: str
+    element: ElementCodec | None  # None: payload is bf16 itself
+    payload_bits: int  # bits per element in the payload
+    block: int  # elements per scale (0: no block scale)
+    scale_element: str  # 'none' | 'fp32-tensor' | 'fp32-row' | 'e4m3' | 'e8m0' (bytes per scale derive from it)
+    quantize: Callable
+    dequantize: Callable
+    options: tuple[str, ...]  # which Format option fields apply
+    description: str
+
+
+SCALE_ELEMENT_BYTES = {"none": 0, "fp32-tensor": 0, "fp32-row": 4, "e4m3": 1, "e8m0": 1}
+
+FAMILIES: dict[str, Family] = {
+    "bf16": Family("bf16", None, 16, 0, "none", codecs.bf16_quantize, codecs.bf16_dequantize, (),
+                   "bfloat16, no scale"),
+    "fp8": Family("fp8", E4M3, 8, 0, "none", codecs.fp8_quantize, codecs.fp8_dequantize,
+                  ("fp8_scale", "ds_floor", "pow2"), "E4M3FN with a unit, per-tensor or per-token fp32 scale"),
+    "nvfp4": Family("nvfp4", E2M1, 4, 16, "e4m3", codecs.nvfp4_quantize, codecs.nvfp4_dequantize,
+                    ("recipe", "outer_scale"), "E2M1, one E4M3 scale per 16 elements, optional fp32 outer scale"),
+    "mxfp4": Family("mxfp4", E2M1, 4, 32, "e8m0", codecs.mxfp4_quantize, codecs.mxfp4_dequantize,
+                    ("scale_rule",), "E2M1, one E8M0 scale per 32 elements"),
+}
+ALIASES = {"fp4": "nvfp4", "bfloat16": "bf16", "e4m3": "fp8", "fp8_e4m3": "fp8"}
+
+DEFAULTS = {"scale_rule": ScaleRule.RCEIL, "recipe": NvRecipe.RCP, "outer_scale": "1", "fp8_scale": Fp8Scale.UNIT,
+            "ds_floor": False, "pow2": False}
+
+
+@dataclass(frozen=True)
+class Format:
+    """One fully resolved cache format: a family and the values of the options that apply to it (others are None)."""
+
+    family: str
+    scale_rule: ScaleRule | None = None
+    recipe: NvRecipe | None = None
+    outer_scale: str | None = None  # nvfp4 decode-direction g_dec: "1", "auto" or a float's repr
+    fp8_scale: Fp8Scale | None = None
+    ds_floor: bool | None = None
+    pow2: bool | None = None
+
+    @property
+    def spec(self) -> Family:
+        return FAMILIES[self.family]
+
+    @property
+    def element(self) -> ElementCodec | None:
+        return self.spec.element
+
+    @property
+    def block(self) -> int:
+        return self.spec.block
+
+    @property
+    def scale_element(self) -> str:
+        if self.family == "fp8":
+            return {Fp8Scale.UNIT: "none", Fp8Scale.TENSOR: "fp32-tensor", Fp8Scale.TOKEN: "fp32-row"}[self.fp8_scale]
+        return self.spec.scale_element
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.family != "bf16"
+
+    @property
+    def needs_tensor_amax(self) -> bool:
+        """True when a scale depends on the whole tensor (streaming must take a first pass for the amax)."""
+        return self.fp8_scale == Fp8Scale.TENSOR or self.outer_scale == "auto"
+
+    @property
+    def label(self) -> str:
+        """Compact, parseable name: family plus every non-default option (`mxfp4-floor`, `nvfp4-div-auto`)."""
+        parts = [self.family]
+        if self.scale_rule is not None:
+            parts.append(self.scale_rule.name.lower())
+        if self.recipe is not None:
+            parts.append(self.recipe.name.lower())
+        if self.outer_scale not in (None, "1"):
+            parts.append("auto" if self.outer_scale == "auto" else f"g{self.outer_scale}")
+        if self.fp8_scale is not None:
+            parts.append(self.fp8_scale.name.lower())
+        if self.ds_floor:
+            parts.append("ds")
+        if self.pow2:
+            parts.append("pow2")
+        return "-".join(parts)
+
+    def payload_bytes(self, dim: int) -> int:
+        return dim * self.spec.payload_bits // 8
+
+    def scale_bytes(self, dim: int) -> int:
+        """Scale bytes per row of `dim` elements (a per-tensor scale is amortised to 0)."""
+        elem = self.scale_element
+        if elem == "fp32-row":
+            return 4
+        return dim // self.block * SCALE_ELEMENT_BYTES[elem] if self.block else 0
+
+    def bytes_per_token(self, dim: int = 128) -> int:
+        """Bytes per token per head at head dim `dim` (SPEC section 2 table at dim 128)."""
+        return self.payload_bytes(dim) + self.scale_bytes(dim)
+
+    def check_dim(self, dim: int, name: str = "tensor") -> None:
+        if self.block and dim % self.block:
+            raise FormatError(f"{name}: last dimension {dim} is not divisible by the {self.family} block {self.block}")
+        if self.spec.payload_bits < 8 and dim % 2:
+            raise FormatError(f"{name}: last dimension {dim} must be even to pack two FP4 codes per byte")
+
+    def quantize(self, x: torch.Tensor, *, tensor_amax: torch.Tensor | None = None, name: str = "tensor",
+                 check_finite: bool = True) -> "QTensor":
+        """Quantize floating `x` [..., D] along its last dimension. `tensor_amax` supplies the whole-tensor amax when
+        `x` is a chunk of a larger tensor (fp8 `tensor` scale, nvfp4 `auto` outer scale)."""
+        if not x.is_floating_point():
+            raise InputError(f"{name}: dtype {x.dtype} is not floating point")
+        if x.dim() == 0:
+            raise InputError(f"{name}: a scalar cannot be quantized along a last dimension")
+        self.check_dim(x.shape[-1], name)
+        if check_finite:
+            require_finite(x, name)
+        payload, scales, outer = self.spec.quantize(self, x.float(), tensor_amax)
+        return QTensor(self, payload, scales, outer, tuple(x.shape))
+
+    def dequantize(self, q: "QTensor", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.spec.dequantize(self, q.payload, q.scales, q.outer_scale).to(dtype)
+
+    def to_meta(self) -> dict:
+        """Options as plain strings (for the cache file metadata and JSON reports)."""
+        out = {"family": self.family, "label": self.label, "block": self.block, "scale_element": self.scale_element}
+        for key in self.spec.options:
+            value = getattr(self, key)
+            out[key] = value.name.lower() if hasattr(value, "name") else value
+        return out
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> "Format":
+        opts = {k: meta[k] for k in FAMILIES[_family(meta["family"])].options if k in meta}
+        return get_format(meta["family"], **opts)
+
+
+@dataclass
+class QTensor:
+    """A quantized cache tensor: `payload` [..., D * bits / 8] (uint8, or bf16 for bf16), `scales` (uint8 [..., D/block]
+    for block formats, fp32 [..., 1] per row, an fp32 scalar per tensor, or None), `outer_scale` (nvfp4 g_dec, else 1)
+    and the logical `shape` [..., D] of the original tensor."""
+
+    fmt: Format
+    payload: torch.Tensor
+    scales: torch.Tensor | None
+    outer_scale: float
+    shape: tuple[int, ...]
+    extra: dict = field(default_factory=dict)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.fmt.dequantize(self, dtype)
+
+    @property
+    def nbytes(self) -> int:
+        n = self.payload.numel() * self.payload.element_size()
+        return n + (self.scales.numel() * self.scales.element_size() if self.scales is not None else 0)
+
+    def to(self, device) -> "QTensor":
+        scales = self.scales.to(device) if self.scales is not None else None
+        return dataclasses.replace(self, payload=self.payload.to(device), scales=scales)
+
+
+def require_finite(x: torch.Tensor, name: str) -> None:
+    """Raise InputError naming the tensor and the first non-finite index (SPEC: never guess a NaN code)."""
+    bad = ~torch.isfinite(x)
+    if bool(bad.any()):
+        flat = int(torch.nonzero(bad.reshape(-1))[0])
+        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), x.shape))
+        value = float(x.reshape(-1)[flat])
+        raise InputError(f"{name}: non-finite value {value} at index {list(index)}")
+
+
+def _family(name: str) -> str:
+    key = str(name).strip().lower()
+    key = ALIASES.get(key, key)
+    if key not in FAMILIES:
+        raise FormatError(f"unknown format {name!r} (choose {'|'.join(list(FAMILIES) + list(ALIASES)[:1])})")
+    return key
+
+
+def _outer_scale(value) -> str:
+    text = str(value).strip().lower()
+    if text == "auto":
+        return "auto"
+    try:
+        g = float(text)
+    except ValueError:
+        raise FormatError(f"unknown outer scale {value!r} (choose 1|auto|a positive number)") from None
+    if not (math.isfinite(g) and g > 0):
+        raise FormatError(f"outer scale must be a positive finite number, got {value!r}")
+    return "1" if g == 1.0 else repr(g)
+
+
+def get_format(name: str, *, scale_rule=None, recipe=None, outer_scale=None, fp8_scale=None, ds_floor=None,
+               pow2=None, strict: bool = True) -> Format:
+    """Resolve a name or label plus explicit options into a Format. Options that do not apply to the family raise
+    FormatError when `strict` (a user passing `--scale-rule` for nvfp4 made a mistake); otherwise they are ignored."""
+    family_name, _, rest = str(name).strip().partition("-")
+    family = _family(family_name)
+    given = {"scale_rule": scale_rule, "recipe": recipe, "outer_scale": outer_scale, "fp8_scale": fp8_scale,
+             "ds_floor": ds_floor, "pow2": pow2}
+    for token in filter(None, rest.lower().split("-")):
+        given.update(_label_token(family, token))
+    applicable = FAMILIES[family].options
+    opts = {}
+    for key, value in given.items():
+        if key not in applicable:
+            if value not in (None, False) and strict:
+                raise FormatError(f"option {key.replace('_', '-')} does not apply to {family}")
+            continue
+        opts[key] = DEFAULTS[key] if value is None else value
+    if "scale_rule" in opts:
+        opts["scale_rule"] = parse_enum(ScaleRule, opts["scale_rule"], "scale rule")
+    if "recipe" in opts:
+        opts["recipe"] = parse_enum(NvRecipe, opts["recipe"], "nvfp4 recipe")
+    if "outer_scale" in opts:
+        opts["outer_scale"] = _outer_scale(opts["outer_scale"])
+    if "fp8_scale" in opts:
+        opts["fp8_scale"] = parse_enum(Fp8Scale, opts["fp8_scale"], "fp8 scale")
+        if (opts["ds_floor"] or opts["pow2"]) and opts["fp8_scale"] != Fp8Scale.TOKEN:
+            if given["fp8_scale"] is None:
+                opts["fp8_scale"] = Fp8Scale.TOKEN  # the DeepSeek options imply per-token scales
+            else:
+                raise FormatError("the DeepSeek floor / pow2 options need --fp8-scale token")
+        opts["ds_floor"], opts["pow2"] = bool(opts["ds_floor"]), bool(opts["pow2"])
+    return Format(family, **opts)
+
+
+def _label_token(family: str, token: str) -> dict:
+    """One dash-separated label token -> the option it sets."""
+    for key, enum_cls in (("scale_rule", ScaleRule), ("recipe", NvRecipe), ("fp8_scale", Fp8Scale)):
+        if key in FAMILIES[family].options and token.upper() in enum_cls.__members__:
+            return {key: enum_cls[token.upper()]}
+    if family == "nvfp4" and token == "auto":
+        return {"outer_scale": "auto"}
+    if family == "nvfp4" and token.startswith("g"):
+        return {"outer_scale": token[1:]}
+    if family == "fp8" and token == "ds":
+        return {"ds_floor": True}
+    if family == "fp8" and token == "pow2":
+        return {"pow2": True}
+    raise FormatError(f"unknown option {token!r} in a {family} format label")
+
+
+def all_formats() -> list[Format]:
+    """Every family with every rule / recipe / scale option (outer scales 1 and auto): for sweeps in tests and tables."""
+    out = [get_format("bf16")]
+    out += [get_format("fp8", fp8_scale=s) for s in Fp8Scale]
+    out += [get_format("fp8", fp8_scale="token", ds_floor=True, pow2=p) for p in (False, True)]
+    out += [get_format("nvfp4", recipe=r, outer_scale=g) for r in NvRecipe for g in ("1", "auto")]
+    out += [get_format("mxfp4", scale_rule=r) for r in ScaleRule]
+    return out
