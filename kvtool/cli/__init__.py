@@ -16,8 +16,8 @@ app = typer.Typer(
     add_completion=False,
 )
 
-# Command modules (imported for their registrations on `app`).
-from kvtool.cli import cache_cmds  # noqa: E402,F401
+# Command modules (imported for their registrations on `app` / `bench_app`). One line per module.
+from kvtool.cli import bench  # noqa: E402,F401
 
 
 def main() -> None:

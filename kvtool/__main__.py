@@ -1,0 +1,3 @@
+from kvtool.cli import main
+
+main()
