@@ -12,16 +12,16 @@ import triton
 import triton.language as tl
 
 # Constexpr copies of kvtool.formats.rules values (a kernel cannot import Python enums). Tests assert they agree.
-RULE_FLOOR: tl.constexpr = 0
-RULE_EVEN: tl.constexpr = 1
-RULE_CEIL: tl.constexpr = 2
-RULE_RCEIL: tl.constexpr = 3
-RECIPE_RCP: tl.constexpr = 0
-RECIPE_DIV: tl.constexpr = 1
-RECIPE_UNROUNDED: tl.constexpr = 2
+RULE_FLOOR = tl.constexpr(0)
+RULE_EVEN = tl.constexpr(1)
+RULE_CEIL = tl.constexpr(2)
+RULE_RCEIL = tl.constexpr(3)
+RECIPE_RCP = tl.constexpr(0)
+RECIPE_DIV = tl.constexpr(1)
+RECIPE_UNROUNDED = tl.constexpr(2)
 
-E2M1_MAX: tl.constexpr = 6.0  # 0b0_11_1: 2**(3 - 1) * 1.5
-E4M3_MAX: tl.constexpr = 448.0  # 0b0_1111_110: 2**(15 - 7) * 1.75 (0b0_1111_111 is NaN)
+E2M1_MAX = tl.constexpr(6.0)  # 0b0_11_1: 2**(3 - 1) * 1.5
+E4M3_MAX = tl.constexpr(448.0)  # 0b0_1111_110: 2**(15 - 7) * 1.75 (0b0_1111_111 is NaN)
 
 
 # ------------------------------------------------------------------------------------------------------------ E2M1
