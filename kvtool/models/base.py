@@ -6,7 +6,7 @@ where a KV-cache engine steps in:
     h = model.embed(tokens)                                   # h: [T, hidden]
     for layer in range(config.n_layers):
         q, k, v = model.qkv(layer, h, pos)                    # q: [T, Hq, D], k, v: [T, Hkv, D] (post-RoPE)
-        iq, ik = model.index_qk(layer, q, k, h)               # iq: [T, Hi, Di], ik: [T, Di] (one shared index key)
+        iq, ik = model.index_qk(layer, q, k, h, pos)          # iq: [T, Hi, Di], ik: [T, Di] (one shared index key)
         attn = <attention of q over the cached k, v>          # attn: [T, Hq, D]
         h = model.attn_out(layer, h, attn)                    # o_proj + residual + MLP block
     logits = model.logits(h)                                  # [T, vocab]
@@ -84,10 +84,12 @@ class CausalLM(abc.ABC):
         q and k are post-RoPE (what an engine stores in its K cache)."""
 
     @abc.abstractmethod
-    def index_qk(self, layer: int, q: torch.Tensor, k: torch.Tensor,
-                 h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def index_qk(self, layer: int, q: torch.Tensor, k: torch.Tensor, h: torch.Tensor,
+                 pos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The M3-style lightning indexer: q [T, Hq, D], k [T, Hkv, D] (post-RoPE, from `qkv`), h [T, hidden] (the
-        layer input) -> iq [T, Hi, Di], ik [T, Di] (one shared index key per token)."""
+        layer input), pos LongTensor [T] (pass the positions given to `qkv`; an indexer with its own RoPE needs them,
+        and when omitted it uses those of the last `qkv(layer, ...)` call) -> iq [T, Hi, Di], ik [T, Di] (one shared
+        index key per token)."""
 
     @abc.abstractmethod
     def attn_out(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
@@ -136,7 +138,7 @@ def dense_forward(model: CausalLM, tokens: torch.Tensor, hook: Callable | None =
     for layer in range(model.config.n_layers):
         q, k, v = model.qkv(layer, h, pos)
         if hook is not None:
-            iq, ik = model.index_qk(layer, q, k, h)
+            iq, ik = model.index_qk(layer, q, k, h, pos)
             hook(layer, q, k, v, iq, ik)
         h = model.attn_out(layer, h, dense_causal_attention(q, k, v))
     return model.logits(h)

@@ -37,9 +37,12 @@ def rope_cos_sin(pos: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tenso
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] -> x * cos + rotate_half(x) * sin (rotate_half(a, b) = (-b, a) on the two halves)."""
-    a, b = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-b, a], dim=-1) * sin
+    """x [T, H, D] -> x * cos + rotate_half(x) * sin (rotate_half(a, b) = (-b, a) on the two halves). With cos/sin
+    narrower than D (partial rotary, R = cos.shape[-1]) only the first R dims rotate; the rest pass through."""
+    r = cos.shape[-1]
+    rot, rest = x[..., :r], x[..., r:]
+    a, b = rot.chunk(2, dim=-1)
+    return torch.cat([rot * cos + torch.cat([-b, a], dim=-1) * sin, rest], dim=-1)
 
 
 class Llama(CausalLM):
@@ -67,7 +70,7 @@ class Llama(CausalLM):
         cos, sin = rope_cos_sin(pos.to(self.device), c.head_dim, self.rope_theta)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def index_qk(self, layer: int, q: torch.Tensor, k: torch.Tensor, h: torch.Tensor):
+    def index_qk(self, layer: int, q: torch.Tensor, k: torch.Tensor, h: torch.Tensor, pos=None):
         c = self.config
         iq = q.reshape(q.shape[0], c.n_kv_heads, c.group, c.head_dim).mean(dim=2)   # [T, Hkv, D]
         ik = k.mean(dim=1)                                                          # [T, D]

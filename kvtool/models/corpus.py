@@ -1,0 +1,88 @@
+"""Text for teacher forcing that every machine has: prompts from the command line or a file, else the documentation
+the Python standard library carries (so a default run needs no download).
+
+`default_corpus(n_chars)` concatenates, in a fixed order, `inspect.getdoc` of a fixed list of stdlib modules, then the
+docstrings of their public classes and functions (sorted by name), separated by blank lines, and cuts at `n_chars`.
+The text is deterministic for a given Python version (docstrings change between versions).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from pathlib import Path
+
+import torch
+
+from kvtool.errors import InputError
+
+# Prose-rich modules first; order is part of the corpus definition.
+STDLIB_MODULES = (
+    "re", "statistics", "json", "argparse", "http.client", "urllib.request", "csv", "unittest", "copy", "heapq",
+    "inspect", "itertools", "io", "subprocess", "os", "typing", "random", "sqlite3", "tempfile", "collections",
+    "string", "pickle", "logging", "codecs", "shutil", "textwrap", "functools", "threading", "contextlib",
+)
+
+
+def _module_docs(name: str) -> tuple[str, list[str]]:
+    module = importlib.import_module(name)
+    members = []
+    for attr in sorted(vars(module)):
+        obj = getattr(module, attr)
+        if attr.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
+            continue
+        if inspect.isclass(obj) or inspect.isfunction(obj):
+            doc = inspect.getdoc(obj)
+            if doc:
+                members.append(doc)
+    return inspect.getdoc(module) or "", members
+
+
+def default_corpus(n_chars: int = 20000) -> str:
+    """About `n_chars` characters (exactly, unless the stdlib runs out) of stdlib documentation, deterministic."""
+    if n_chars <= 0:
+        raise InputError(f"corpus size must be positive, got {n_chars}")
+    docs = [_module_docs(name) for name in STDLIB_MODULES]
+    parts = [head for head, _ in docs if head] + [doc for _, members in docs for doc in members]
+    out, size = [], 0
+    for part in parts:
+        out.append(part)
+        size += len(part) + 2
+        if size >= n_chars:
+            break
+    return "\n\n".join(out)[:n_chars]
+
+
+def read_prompt(prompt: str | None = None, prompt_file: Path | None = None, default_chars: int = 20000) -> str:
+    """The text to run: `prompt`, else the contents of `prompt_file` (UTF-8), else `default_corpus(default_chars)`."""
+    if prompt is not None and prompt_file is not None:
+        raise InputError("give --prompt or --prompt-file, not both")
+    if prompt is not None:
+        if not prompt:
+            raise InputError("--prompt is empty")
+        return prompt
+    if prompt_file is not None:
+        try:
+            text = Path(prompt_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise InputError(f"cannot read prompt file {prompt_file}: {err}") from None
+        if not text:
+            raise InputError(f"prompt file {prompt_file} is empty")
+        return text
+    return default_corpus(default_chars)
+
+
+def tokenize(model, text: str, max_tokens: int | None = None) -> torch.Tensor:
+    """Token ids LongTensor [T] for `model`: its tokenizer, or for tokenizer-less synthetic models the UTF-8 bytes of
+    `text` folded into the vocabulary (byte % vocab_size). Truncated to `max_tokens`."""
+    if model.tokenizer is not None:
+        ids = model.tokenizer.encode(text)
+    else:
+        ids = [b % model.config.vocab_size for b in text.encode("utf-8")]
+    if max_tokens is not None:
+        if max_tokens <= 0:
+            raise InputError(f"--max-tokens must be positive, got {max_tokens}")
+        ids = ids[:max_tokens]
+    if not ids:
+        raise InputError("the prompt produced no tokens")
+    return torch.tensor(ids, dtype=torch.long)
