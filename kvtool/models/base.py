@@ -102,11 +102,11 @@ class CausalLM(abc.ABC):
 
 
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor | None = None,
-                           k_pos: torch.Tensor | None = None) -> torch.Tensor:
+                           k_pos: torch.Tensor | None = None, chunk: int = 512) -> torch.Tensor:
     """Full causal GQA attention in fp32: q [T, Hq, D], k/v [S, Hkv, D] -> [T, Hq, D].
 
     Query t sees key s when k_pos[s] <= q_pos[t]; by default q occupies the last T positions of the S keys (prefill
-    when T == S, a decode step when T == 1). Scale 1/sqrt(D).
+    when T == S, a decode step when T == 1). Scale 1/sqrt(D). Queries run `chunk` at a time to bound memory.
     """
     T, Hq, D = q.shape
     S, Hkv, _ = k.shape
@@ -114,6 +114,9 @@ def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
         q_pos = torch.arange(S - T, S, device=q.device)
     if k_pos is None:
         k_pos = torch.arange(S, device=q.device)
+    if T > chunk:  # bound the [Hq, T, S] score matrix for long prompts
+        return torch.cat([dense_causal_attention(q[i:i + chunk], k, v, q_pos[i:i + chunk], k_pos, chunk)
+                          for i in range(0, T, chunk)])
     g = Hq // Hkv
     qg = q.float().reshape(T, Hkv, g, D).permute(1, 2, 0, 3)              # [Hkv, g, T, D]
     kf = k.float().permute(1, 0, 2)                                       # [Hkv, S, D]
