@@ -146,3 +146,75 @@ def all_blocks_selection(q_pos: torch.Tensor, block_size: int, num_kv_heads: int
     ids = torch.arange(nblocks, device=pos.device)[None, :].expand(pos.shape[0], -1)
     ids = torch.where(ids <= (pos // block_size)[:, None], ids, torch.full_like(ids, -1))
     return ids[None].expand(num_kv_heads, -1, -1).to(torch.int32).contiguous()
+
+
+# ------------------------------------------------------------------------------------------ over paged caches (torch)
+def _request_kv(k_cache: PagedCache, v_cache: PagedCache, block_table: torch.Tensor, req: int, length: int,
+                device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantized K, V [length, Hkv, D] fp32 of one request's first `length` tokens."""
+    p = k_cache.page_size
+    tok = torch.arange(length, device=block_table.device)
+    pages = block_table[req].long()[tok // p] if length else tok
+    if length and int(pages.min()) < 0:
+        raise InputError(f"request {req}: a block-table entry below its context length is -1")
+    slots = pages * p + tok % p
+    return k_cache.dequantize(slots).to(device), v_cache.dequantize(slots).to(device)
+
+
+def paged_sparse_prefill_ref(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, block_table: torch.Tensor,
+                             q_req: torch.Tensor, q_pos: torch.Tensor, block_ids: torch.Tensor, block_size: int,
+                             scale: float | None = None) -> torch.Tensor:
+    """The torch path of `kvtool.kernels.sparse_attn.sparse_prefill`: each request's tokens dequantized from the paged
+    caches, then `sparse_attention_ref`. q [N, Hq, D]; q_req, q_pos [N] int; block_ids [N, Hkv, topk]; block_table
+    [B, max_pages]. Returns fp32 [N, Hq, D]."""
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    req_ids, pos = q_req.long().cpu(), q_pos.long().cpu()
+    for r in torch.unique(req_ids).tolist():
+        rows = torch.nonzero(req_ids == r).squeeze(1)
+        length = int(pos[rows].max()) + 1
+        k, v = _request_kv(k_cache, v_cache, block_table, r, max(length, 0), q.device)
+        rows_d = rows.to(q.device)
+        res = sparse_attention_ref(q[rows_d].transpose(0, 1), k, v, pos[rows].to(q.device),
+                                   block_ids[rows_d].transpose(0, 1), block_size, scale)
+        out[rows_d] = res.transpose(0, 1)
+    return out
+
+
+def paged_sparse_decode_ref(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, block_table: torch.Tensor,
+                            context_lens: torch.Tensor, block_ids: torch.Tensor, block_size: int,
+                            scale: float | None = None) -> torch.Tensor:
+    """The torch path of `kvtool.kernels.sparse_attn.sparse_decode` (same arguments): one query per request at
+    position context_lens[b] - 1. Returns fp32 [B, Hq, D]."""
+    b = q.shape[0]
+    req = torch.arange(b, device=q.device)
+    return paged_sparse_prefill_ref(q, k_cache, v_cache, block_table, req, context_lens.to(q.device).long() - 1,
+                                    block_ids, block_size, scale)
+
+
+def paged_sparse_decode(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, block_table: torch.Tensor,
+                        context_lens: torch.Tensor, block_ids: torch.Tensor, block_size: int,
+                        scale: float | None = None, backend: str = "auto", **kernel_options) -> torch.Tensor:
+    """Decode-step sparse attention with the backend resolved in one place: Triton (`sparse_decode`, bf16 out) or the
+    torch path (`paged_sparse_decode_ref`, fp32 out). Shapes as in `kvtool.kernels.sparse_attn.sparse_decode`."""
+    from kvtool.backend import resolve_backend
+
+    if resolve_backend(backend, q.device) == "torch":
+        return paged_sparse_decode_ref(q, k_cache, v_cache, block_table, context_lens, block_ids, block_size, scale)
+    from kvtool.kernels.sparse_attn import sparse_decode
+
+    return sparse_decode(q, k_cache, v_cache, block_table, context_lens, block_ids, block_size, scale,
+                         **kernel_options)
+
+
+def paged_sparse_prefill(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, block_table: torch.Tensor,
+                         q_req: torch.Tensor, q_pos: torch.Tensor, block_ids: torch.Tensor, block_size: int,
+                         scale: float | None = None, backend: str = "auto", **kernel_options) -> torch.Tensor:
+    """Prefill sparse attention, backend resolved as in `paged_sparse_decode`."""
+    from kvtool.backend import resolve_backend
+
+    if resolve_backend(backend, q.device) == "torch":
+        return paged_sparse_prefill_ref(q, k_cache, v_cache, block_table, q_req, q_pos, block_ids, block_size, scale)
+    from kvtool.kernels.sparse_attn import sparse_prefill
+
+    return sparse_prefill(q, k_cache, v_cache, block_table, q_req, q_pos, block_ids, block_size, scale,
+                          **kernel_options)
