@@ -57,7 +57,10 @@ def fp8_row_scale(amax: torch.Tensor, ds_floor: bool, pow2: bool) -> torch.Tenso
     if ds_floor:
         s = torch.clamp(amax, min=DS_AMAX_FLOOR) / E4M3_MAX
     else:
-        s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+        # 1 where the QUOTIENT is 0: amax = 0, and also 0 < amax < 448 * 2**-150 (fp32 subnormal), whose quotient
+        # underflows to 0 and would turn x / s into inf / NaN codes (SPEC: finite input never gives NaN).
+        s = amax / E4M3_MAX
+        s = torch.where(s > 0, s, torch.ones_like(s))
     if pow2:
         e = f32_unbiased_exponent(s) + f32_mantissa_nonzero(s).to(torch.int32)
         s = exp2_int(e)
@@ -81,14 +84,20 @@ def fp8_dequantize(fmt: "Format", payload, scales, outer_scale) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------- nvfp4
+# Smallest `auto` outer scale: with g_dec >= 2**-118 every non-zero block scale S >= 2**-9 keeps S * g_dec >= 2**-127,
+# so fp32(1 / (S * g_dec)) (the rcp recipe) and g_enc = 1 / g_dec stay finite. A smaller amax_tensor / 2688 (a tensor
+# whose amax is below 2688 * 2**-118 ~ 8e-33, all-zero included) uses g_dec = 1: its blocks then store scale 0, codes 0.
+NV_AUTO_MIN_OUTER = 2.0**-118
+
+
 def nvfp4_outer_scale(fmt: "Format", x: torch.Tensor, tensor_amax: torch.Tensor | None) -> float:
     """The decode-direction outer scale `g_dec` as an fp32-representable float: 1, `amax_tensor / (6 * 448)` for
-    `auto` (1 when the tensor is all zero), or the value the format names."""
+    `auto` (1 when that is below NV_AUTO_MIN_OUTER, the all-zero tensor included), or the value the format names."""
     if fmt.outer_scale != "auto":
         return float(torch.tensor(float(fmt.outer_scale), dtype=torch.float32))
     amax = x.abs().amax() if tensor_amax is None else tensor_amax.float()
     g = (amax.float().cpu() / (E2M1_MAX * E4M3_MAX)).reshape(())
-    return float(g) if float(g) > 0 else 1.0
+    return float(g) if float(g) >= NV_AUTO_MIN_OUTER else 1.0
 
 
 def nvfp4_quantize(fmt: "Format", x: torch.Tensor, tensor_amax: torch.Tensor | None):
