@@ -1,0 +1,97 @@
+"""`kvtool convert` (move a cache's bytes between engine layouts) and `kvtool layouts` (the presets and byte maps)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+from rich.text import Text
+
+from kvtool.cli import app
+from kvtool.cli.common import JsonOpt, OutOpt, emit, handle_errors, stdout
+from kvtool.layouts.presets import PRESETS
+from kvtool.layouts.workflows import ConvertReport, LayoutsReport, convert_layout, list_layouts
+
+_NAMES = "|".join(PRESETS)
+GeometryOpt = Annotated[Optional[str], typer.Option(
+    "--geometry", help="Input geometry KEY=VAL[,KEY=VAL...]: format, page, heads, dim, tokens, tensor_scale, outer "
+                       "(missing keys: file metadata, then the preset, then heads=1, dim=128, whole pages).")]
+
+CONVERT_EXAMPLES = """Examples:
+
+  kvtool convert vllm_dump.bin -o ref.safetensors --from-layout vllm-mxfp4-page --to-layout planes --geometry format=mxfp4,page=128,heads=1,dim=128,tokens=1000
+
+  kvtool convert kv.safetensors -o trt.bin --from-layout vllm-nvfp4-kv --to-layout trtllm-nvfp4-kv --to-geometry page=32 --json
+"""
+
+
+@app.command("convert", epilog=CONVERT_EXAMPLES)
+@handle_errors
+def convert(
+    input: Annotated[Path, typer.Argument(help="Engine dump: raw .bin, .pt or .safetensors.")],
+    output: OutOpt,
+    from_layout: Annotated[str, typer.Option("--from-layout", help=f"Layout of the input ({_NAMES}).")],
+    to_layout: Annotated[str, typer.Option("--to-layout", help=f"Layout to write ({_NAMES}).")],
+    geometry: GeometryOpt = None,
+    to_geometry: Annotated[Optional[str], typer.Option(
+        "--to-geometry", help="Output page size, page=N (default: the target preset's).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Move a quantized cache's bytes from one engine layout to another (the format is unchanged)."""
+    report = convert_layout(input, output, from_layout, to_layout, geometry, to_geometry)
+    for warning in report.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    emit(report, as_json, _render_convert)
+
+
+def _render_convert(report: ConvertReport) -> None:
+    table = Table(title=f"convert {report.from_layout} -> {report.to_layout} ({report.format})")
+    for column in ("", "file", "layout", "pages x page", "bytes"):
+        table.add_column(column)
+    for side, path, layout, geo, nbytes in (
+            ("in", report.input, report.from_layout, report.geometry_in, report.input_bytes),
+            ("out", report.output, report.to_layout, report.geometry_out, report.output_bytes)):
+        table.add_row(side, Text(path), layout, f"{geo['pages']} x {geo['page']}", f"{nbytes:,}")
+    stdout.print(table)
+    stdout.print(Text(f"tensors: {', '.join(report.tensors)}; {report.geometry_in['tokens']} tokens, "
+                      f"{report.geometry_in['heads']} heads, dim {report.geometry_in['dim']}"))
+
+
+LAYOUTS_EXAMPLES = """Examples:
+
+  kvtool layouts
+
+  kvtool layouts --format fp8-token --heads 4 --json
+"""
+
+
+@app.command("layouts", epilog=LAYOUTS_EXAMPLES)
+@handle_errors
+def layouts(
+    dim: Annotated[int, typer.Option("--dim", help="Head dim the byte maps are drawn for.")] = 128,
+    heads: Annotated[int, typer.Option("--heads", help="Heads counted in the bytes per page.")] = 1,
+    fmt: Annotated[Optional[str], typer.Option("--format", help="Draw maps for this format where the preset "
+                                                                "holds it (default: each preset's default).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """List the engine layout presets with their byte maps (per page, P tokens, H heads)."""
+    emit(list_layouts(dim, heads, fmt), as_json, _render_layouts)
+
+
+def _render_layouts(report: LayoutsReport) -> None:
+    table = Table(title=f"layout presets (byte maps per page at D = {report.dim}; bytes at H = {report.heads})",
+                  show_lines=True)
+    for column in ("name", "holds", "tensors", "page", "byte map per page", "page bytes"):
+        table.add_column(column, overflow="fold")
+    for row in report.presets:
+        maps = "\n".join(f"{name}: {m}" for name, m in row.byte_map.items())
+        maps += "".join(f"\n{name}: {formula}" for name, formula in row.rules.items())
+        page = f"{row.page_size}" + (" (fixed)" if row.page_fixed else "")
+        table.add_row(row.name, "/".join(row.families), "/".join(row.tensors), page,
+                      Text(f"({row.format})\n{maps}"), f"{row.page_bytes:,}")
+    stdout.print(table)
+    for row in report.presets:
+        stdout.print(Text(f"{row.name}: {row.note}. Source: {row.source}"))

@@ -1,0 +1,373 @@
+"""Engine dumps on disk: `read_layout` / `write_layout` for raw `.bin`, `.pt` and `.safetensors` files.
+
+- `.bin`: the preset's regions concatenated in preset order, nothing else. kvtool writes a sidecar `<file>.json`
+  ({"layout", "geometry", "scalars"}) next to it so that kvtool can read its own output without `--geometry`.
+- `.safetensors` / `.pt`: one tensor per region, named `<region>` or `<prefix>.<region>` (any dtype and shape: only
+  the bytes count; several prefixes = several caches, e.g. one per layer). For single-region presets a tensor whose
+  name does not end in the region name is that region, its whole name being the prefix. A `.pt` may also hold one
+  bare tensor (read like a `.bin`). kvtool writes its metadata into the safetensors header / a `kvtool.meta` entry.
+Returned keys: `k` / `v` (paired presets) or `x`, prefixed as `<prefix>.k` or just `<prefix>` (single-tensor presets).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvtool.errors import FileFormatError, KvtoolError, LayoutError, OutputError
+from kvtool.formats import QTensor, get_format
+from kvtool.layouts.engine import (
+    Geometry,
+    decode,
+    encode,
+    make_geometry,
+    parse_geometry,
+    qtensor_scalars,
+    resolve_format,
+)
+from kvtool.layouts.presets import LayoutPreset, get_preset
+
+META_KEY = "kvtool.meta"  # safetensors metadata key / .pt dict entry holding {"layout", "geometry", "scalars"}
+PAGE_CHOICES = (1, 16, 32, 64, 128, 256)
+HEAD_CHOICES = (1, 2, 4, 8, 16, 32, 64)
+DIM_CHOICES = (64, 128, 256, 512)
+
+
+@dataclass
+class Dump:
+    """A loaded file: `raw` (one uint8 byte stream) or `named` ({tensor name: uint8 bytes}); `meta` from kvtool."""
+
+    path: Path
+    raw: "torch.Tensor | None" = None
+    named: dict = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.raw.numel()) if self.raw is not None else sum(int(t.numel()) for t in self.named.values())
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _flatten(obj, prefix: str, out: dict, meta: dict) -> None:
+    if isinstance(obj, torch.Tensor):
+        out[prefix or "tensor"] = _as_bytes(obj)
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            if key == META_KEY and isinstance(value, str):
+                meta.update(json.loads(value))
+            else:
+                _flatten(value, f"{prefix}.{key}" if prefix else str(key), out, meta)
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            _flatten(value, f"{prefix}.{i}" if prefix else str(i), out, meta)
+    else:
+        raise FileFormatError(f"{prefix or 'file'}: a .pt entry of type {type(obj).__name__} is not a tensor")
+
+
+def load_dump(path: "str | Path") -> Dump:
+    """Read a dump's bytes (and kvtool metadata, if any) without interpreting them."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileFormatError(f"{path}: no such file")
+    suffix = path.suffix.lower()
+    dump = Dump(path)
+    try:
+        if suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as f:
+                header = f.metadata() or {}
+                dump.named = {name: _as_bytes(f.get_tensor(name)) for name in f.keys()}
+            if META_KEY in header:
+                dump.meta = json.loads(header[META_KEY])
+        elif suffix == ".pt":
+            obj = torch.load(str(path), map_location="cpu", weights_only=True)
+            if isinstance(obj, torch.Tensor):
+                dump.raw = _as_bytes(obj)
+            else:
+                _flatten(obj, "", dump.named, dump.meta)
+        else:
+            dump.raw = torch.from_numpy(np.fromfile(str(path), dtype=np.uint8))
+            sidecar = Path(str(path) + ".json")
+            if sidecar.is_file():
+                dump.meta = json.loads(sidecar.read_text())
+    except KvtoolError:
+        raise
+    except Exception as err:  # noqa: BLE001 - any parser failure is a bad file, said in one line
+        raise FileFormatError(f"{path}: cannot read as {suffix or 'raw bytes'}: {type(err).__name__}: {err}") from None
+    return dump
+
+
+# ------------------------------------------------------------------------------------------------- names <-> regions
+def _match_region(preset: LayoutPreset, name: str) -> tuple[str, str]:
+    """(region name, prefix) of a tensor name in a dump."""
+    for region in preset.regions:
+        if name == region.name:
+            return region.name, ""
+        if name.endswith("." + region.name):
+            return region.name, name[: -len(region.name) - 1]
+    if len(preset.regions) == 1:
+        return preset.regions[0].name, name
+    raise LayoutError(f"tensor {name!r} is none of {preset.name}'s buffers "
+                      f"({'|'.join(r.name for r in preset.regions)}, optionally as PREFIX.NAME)")
+
+
+def _key(preset: LayoutPreset, prefix: str, logical: str) -> str:
+    if preset.paired:
+        return f"{prefix}.{logical}" if prefix else logical
+    return prefix or logical
+
+
+def _split_key(preset: LayoutPreset, key: str) -> tuple[str, str]:
+    """(prefix, logical) of an input tensor name for write_layout."""
+    if not preset.paired:
+        return ("" if key == preset.tensors[0] else key), preset.tensors[0]
+    for logical in preset.tensors:
+        if key == logical:
+            return "", logical
+        if key.endswith("." + logical):
+            return key[: -len(logical) - 1], logical
+    raise LayoutError(f"{preset.name} pairs {'/'.join(preset.tensors)}: name tensors "
+                      f"{' and '.join(preset.tensors)} or PREFIX.{preset.tensors[0]}, got {key!r}")
+
+
+# ------------------------------------------------------------------------------------------------ geometry + sizes
+def _candidates(preset: LayoutPreset, given: dict):
+    """Geometries one change away from `given` (raw keys): what the size hint tries."""
+    labels = [get_format(f).label for f in preset.families] + (["fp8-token"] if "fp8" in preset.families else [])
+    pages = (preset.page_size,) if preset.page_fixed else PAGE_CHOICES
+    for key, values in (("heads", HEAD_CHOICES), ("dim", DIM_CHOICES), ("page", pages), ("format", labels)):
+        for value in values:
+            if given.get(key) != value:
+                yield key, value, {**given, key: value}
+
+
+def _geometry(preset: LayoutPreset, given: dict, tokens: int) -> Geometry:
+    fmt = resolve_format(preset, given.get("format"))
+    return make_geometry(preset, fmt, given.get("page"), given.get("heads", 1), given.get("dim", 128), tokens)
+
+
+def _fit(preset: LayoutPreset, given: dict, sizes: list[int]) -> "Geometry | None":
+    """The geometry `given` implies for region byte counts `sizes` (one per non-empty region, or one total for a
+    raw stream), with tokens inferred as whole pages when not given; None when the sizes do not fit."""
+    geo = _geometry(preset, given, given.get("tokens", 0))
+    per_page = [geo.region_page_bytes(r) for r in preset.regions if geo.region_page_bytes(r)]
+    if len(sizes) == 1 and len(per_page) > 1:
+        per_page = [sum(per_page)]
+    if len(per_page) != len(sizes) or any(s % p for s, p in zip(sizes, per_page)):
+        return None
+    pages = {s // p for s, p in zip(sizes, per_page)}
+    if len(pages) != 1:
+        return None
+    n_pages = pages.pop()
+    if "tokens" in given:
+        return geo if geo.pages == n_pages else None
+    return replace(geo, tokens=n_pages * geo.page) if n_pages else None
+
+
+def _size_error(dump: Dump, preset: LayoutPreset, given: dict, sizes: list[int], what: str) -> LayoutError:
+    hints = []
+    try:
+        geo = _geometry(preset, given, given.get("tokens", 0))
+        need = sum(geo.region_bytes(r) for r in preset.regions) if "tokens" in given else None
+        page_bytes = sum(geo.region_page_bytes(r) for r in preset.regions)
+    except KvtoolError:
+        geo, need, page_bytes = None, None, 0
+    for key, value, cand in _candidates(preset, given):
+        try:
+            fitted = _fit(preset, cand, sizes)
+        except KvtoolError:
+            continue
+        if fitted is not None:
+            hints.append(f"{key}={value}" + ("" if "tokens" in given else f" ({fitted.tokens} tokens)"))
+    if "tokens" in given and page_bytes and sum(sizes) % page_bytes == 0 and len(sizes) == 1:
+        n_pages = sum(sizes) // page_bytes
+        hints.insert(0, f"tokens<={n_pages * geo.page} ({n_pages} page{'s' if n_pages != 1 else ''})")
+    shown = geo.text() if geo is not None else str(given)
+    if need is not None:
+        msg = f"{dump.path.name}: {preset.name} with {shown} needs {need} bytes ({geo.pages} pages x {page_bytes} B)"
+    else:
+        shown = shown.replace(",tokens=0", "")
+        msg = f"{dump.path.name}: {preset.name} with {shown} has {page_bytes}-byte pages"
+    msg += f", {what} {sum(sizes)} bytes"
+    if need is not None and sum(sizes) < need:
+        msg += " (truncated?)"
+    return LayoutError(msg + ("; geometries that fit: " + ", ".join(hints[:4]) if hints else
+                              "; no geometry one key away fits (check --from-layout and format)"))
+
+
+def _scalars(meta: dict, given: dict, key: str, logical: str) -> dict:
+    """Scalars of one tensor: kvtool metadata, then geometry `outer=` / `tensor_scale=`, then `outer.<logical>=`."""
+    out = dict(meta.get("scalars", {}).get(key, {}))
+    for name in ("tensor_scale", "outer"):
+        for geo_key in (name, f"{name}.{logical}"):
+            if geo_key in given:
+                out[name] = given[geo_key]
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------ public API
+def read_layout_info(path: "str | Path", layout: "str | LayoutPreset",
+                     geometry: "str | None" = None) -> tuple[dict, Geometry, int]:
+    """read_layout plus the resolved Geometry and the file's byte count (for reports)."""
+    preset = get_preset(layout)
+    dump = load_dump(path)
+    if dump.meta.get("layout") not in (None, preset.name):
+        raise LayoutError(f"{dump.path.name}: kvtool wrote it as layout {dump.meta['layout']}, not {preset.name}")
+    given = {**parse_geometry(dump.meta.get("geometry")), **parse_geometry(geometry)}
+    if dump.raw is not None:
+        groups = {"": None}
+        sizes_of = {"": [int(dump.raw.numel())]}
+    else:
+        groups: dict = {}
+        for name, data in dump.named.items():
+            region, prefix = _match_region(preset, name)
+            groups.setdefault(prefix, {})[region] = data
+        if not groups:
+            raise LayoutError(f"{dump.path.name}: no tensors in the file")
+    out = {}
+    for prefix, regions in groups.items():
+        geo0 = _geometry(preset, given, given.get("tokens", 0))
+        live = [r.name for r in preset.regions if geo0.region_page_bytes(r)]
+        if regions is not None:
+            missing = [r for r in live if r not in regions]
+            extra = [r for r in regions if r not in live]
+            label = f"{prefix}." if prefix else ""
+            if missing:
+                raise LayoutError(f"{dump.path.name}: {preset.name} ({geo0.fmt.label}) needs buffer(s) "
+                                  f"{', '.join(label + m for m in missing)}; the file lacks them")
+            if extra:
+                raise LayoutError(f"{dump.path.name}: buffer(s) {', '.join(label + e for e in extra)} hold no plane "
+                                  f"of {geo0.fmt.label} in {preset.name} (wrong format?)")
+            sizes = [int(regions[r].numel()) for r in live]
+        else:
+            sizes = sizes_of[prefix]
+        geo = _fit(preset, given, sizes)
+        if geo is None:
+            raise _size_error(dump, preset, given, sizes, "the file has" if regions is None else "its buffers hold")
+        if regions is None:
+            bounds = np.cumsum([0] + [geo.region_bytes(next(r for r in preset.regions if r.name == n)) for n in live])
+            regions = {n: dump.raw[int(a):int(b)] for n, a, b in zip(live, bounds[:-1], bounds[1:])}
+        scalars = {lg: _scalars(dump.meta, given, _key(preset, prefix, lg), lg) for lg in preset.tensors}
+        decoded = decode(preset, regions, replace(geo, scalars=scalars))
+        out.update({_key(preset, prefix, lg): q for lg, q in decoded.items()})
+    return out, geo, dump.nbytes
+
+
+def read_layout(path: "str | Path", layout: "str | LayoutPreset", geometry: "str | None" = None) -> dict:
+    """Read an engine dump in layout `layout` into {name: QTensor of logical shape [tokens, heads, D]}.
+
+    `path`: a raw `.bin`, a `.pt` (torch.load weights_only=True) or a `.safetensors` holding the engine's buffer
+    tensor(s). `geometry`: "KEY=VAL[,KEY=VAL...]" with keys format (a label such as mxfp4, nvfp4-auto, fp8-token),
+    page, heads, dim, tokens, tensor_scale (fp8 `tensor`), outer (nvfp4 g_dec); missing keys come from the file's
+    kvtool metadata, then the preset (format, page), then heads=1, dim=128, tokens = every slot of every page.
+    Names: `k` / `v` for paired presets, `x` otherwise, prefixed by the dump's tensor-name prefixes. Payloads are uint8
+    (bf16 for bf16); scales uint8 [N, H, D/block], fp32 [N, H, 1] (fp8 token) or an fp32 scalar (fp8 tensor).
+    Raises LayoutError when the byte count does not match the geometry, naming expected and actual bytes and the
+    geometries one key away that would fit."""
+    return read_layout_info(path, layout, geometry)[0]
+
+
+def _logical_shape(name: str, q: QTensor) -> tuple[int, int, int]:
+    shape = tuple(int(s) for s in q.shape)
+    if len(shape) == 2:
+        return shape[0], 1, shape[1]
+    if len(shape) != 3:
+        raise LayoutError(f"{name}: a cache tensor is [tokens, heads, D] (or [tokens, D]), got {list(shape)}")
+    return shape
+
+
+def encode_for_write(tensors: dict, layout: "str | LayoutPreset",
+                     geometry: "str | None" = None) -> tuple[dict, Geometry, dict]:
+    """The bytes write_layout would write: ({tensor name: uint8 [pages, region_page_bytes]}, geometry, metadata)."""
+    preset = get_preset(layout)
+    given = parse_geometry(geometry)
+    if not tensors:
+        raise LayoutError("nothing to write: no tensors")
+    groups: dict = {}
+    for key, q in tensors.items():
+        prefix, logical = _split_key(preset, key)
+        if logical in groups.setdefault(prefix, {}):
+            raise LayoutError(f"two tensors map to {_key(preset, prefix, logical)!r}")
+        groups[prefix][logical] = q
+    fmts = {q.fmt for q in tensors.values()}
+    if len(fmts) != 1:
+        raise LayoutError(f"one file holds one format, got {', '.join(sorted(f.label for f in fmts))}")
+    fmt = fmts.pop()
+    if "format" in given and get_format(given["format"]) != fmt:
+        raise LayoutError(f"the tensors are {fmt.label}, the geometry says format={given['format']} "
+                          "(layouts move bytes; use quantize to change the format)")
+    resolve_format(preset, fmt.label)
+    shapes = {_logical_shape(k, q) for k, q in tensors.items()}
+    if len(shapes) != 1:
+        raise LayoutError(f"one file holds one geometry, got shapes {sorted(shapes)}")
+    n, h, d = shapes.pop()
+    for key, value in (("tokens", n), ("heads", h), ("dim", d)):
+        if key in given and given[key] != value:
+            raise LayoutError(f"the tensors have {key}={value}, the geometry says {key}={given[key]}")
+    geo = make_geometry(preset, fmt, given.get("page"), h, d, n)
+    out, scalars = {}, {}
+    for prefix, members in groups.items():
+        missing = [lg for lg in preset.tensors if lg not in members]
+        if missing:
+            raise LayoutError(f"{preset.name} needs {'/'.join(preset.tensors)}; missing "
+                              f"{', '.join(_key(preset, prefix, m) for m in missing)}")
+        for region, data in encode(preset, members, geo).items():
+            out[f"{prefix}.{region}" if prefix else region] = data.reshape(max(geo.pages, 1), -1)
+        for lg, q in members.items():
+            if qtensor_scalars(q):
+                scalars[_key(preset, prefix, lg)] = qtensor_scalars(q)
+    return out, geo, {"layout": preset.name, "geometry": geo.text(), "scalars": scalars}
+
+
+def _atomic(path: Path, write) -> None:
+    """Write through a temporary file in the target directory, then os.replace (never a half-written target)."""
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise OutputError(f"output directory {parent} does not exist")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as err:
+        raise OutputError(f"cannot write in {parent}: {err.strerror}") from None
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_layout(tensors: dict, path: "str | Path", layout: "str | LayoutPreset", geometry: "str | None" = None) -> None:
+    """Write {name: QTensor [tokens, heads, D]} in layout `layout` (names as read_layout returns them: k/v or
+    PREFIX.k/PREFIX.v for paired presets). The format is the tensors' own; `geometry` may set page (default: the
+    preset's) and must agree with the tensors on format, tokens, heads and dim. `.safetensors` / `.pt`: one uint8
+    [pages, page_bytes] tensor per engine buffer plus kvtool metadata; anything else: the raw bytes (one cache only)
+    plus a `<path>.json` sidecar. Atomic: a temporary file in the target directory, then os.replace."""
+    path = Path(path)
+    buffers, geo, meta = encode_for_write(tensors, layout, geometry)
+    suffix = path.suffix.lower()
+    if suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        _atomic(path, lambda tmp: save_file({k: v.contiguous() for k, v in buffers.items()}, tmp,
+                                            metadata={META_KEY: json.dumps(meta)}))
+    elif suffix == ".pt":
+        _atomic(path, lambda tmp: torch.save({**buffers, META_KEY: json.dumps(meta)}, tmp))
+    else:
+        preset = get_preset(layout)
+        if len({_split_key(preset, key)[0] for key in tensors}) > 1:
+            raise LayoutError(f"{path.name}: a raw dump holds one cache; write .safetensors for several")
+        raw = torch.cat([b.reshape(-1) for b in buffers.values()]) if buffers else torch.zeros(0, dtype=torch.uint8)
+        sidecar = Path(str(path) + ".json")
+        _atomic(sidecar, lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=1) + "\n"))
+        _atomic(path, lambda tmp: raw.numpy().tofile(tmp))
