@@ -231,3 +231,42 @@ def accumulation_tolerance(iq: torch.Tensor, ik: torch.Tensor) -> float:
     qn = float(iq.float().norm(dim=-1).nan_to_num(0.0, 0.0, 0.0).max())
     kn = float(ik.float().norm(dim=-1).nan_to_num(0.0, 0.0, 0.0).max())
     return 2.0 * d * 2.0 ** -24 * qn * kn
+
+
+# ------------------------------------------------------------------------------------- paged cache (torch reference)
+def paged_keys(cache, block_table: torch.Tensor, context_len: int, b: int) -> torch.Tensor:
+    """The dequantized index keys fp32 [context_len, D] of request b of a paged cache (H = 1)."""
+    t = torch.arange(context_len, device=block_table.device)
+    pages = block_table[b].long()[t // cache.page_size]
+    slots = pages * cache.page_size + t % cache.page_size
+    return cache.dequantize(slots.to(cache.data.device))[:, 0, :]
+
+
+def default_positions(q_count: int, context_lens: torch.Tensor) -> torch.Tensor:
+    """Positions int64 [B, Q] of the last Q tokens of each context (-1 where the context is shorter)."""
+    pos = context_lens[:, None].long() - q_count + torch.arange(q_count, device=context_lens.device)[None, :]
+    return torch.where(pos < 0, -1, pos)
+
+
+def paged_reference(iq: torch.Tensor, cache, block_table: torch.Tensor, context_lens: torch.Tensor,
+                    cfg: IndexerConfig, q_pos=None, max_context: int | None = None):
+    """The reference on the dequantized paged cache, batched like the kernels: iq [B, Q, Hi, D] at positions q_pos
+    [B, Q] (default: the last Q positions; negative = padding row) -> (ids int32 [B, Q, Hi, topk], block scores fp32
+    [B, Q, Hi, NB] with NB = ceil(max_context / block_size)). Padding rows give -1 ids and -inf scores."""
+    bsz, nq, hi, _ = iq.shape
+    ctx = [int(c) for c in context_lens.cpu()]
+    max_context = max(ctx + [0]) if max_context is None else max_context
+    nb = -(-max_context // cfg.block_size)
+    pos = default_positions(nq, context_lens.cpu()) if q_pos is None else torch.as_tensor(q_pos).cpu().long()
+    ids = torch.full((bsz, nq, hi, cfg.topk), -1, dtype=torch.int32)
+    scores = torch.full((bsz, nq, hi, nb), -math.inf)
+    for b in range(bsz):
+        rows = torch.nonzero(pos[b] >= 0).flatten()
+        if rows.numel() == 0:
+            continue
+        p = pos[b, rows]
+        ik = paged_keys(cache, block_table, ctx[b], b).cpu()
+        bsc = block_scores(token_scores(iq[b, rows].cpu().transpose(0, 1), ik, p), p, cfg)  # [Hi, Qv, nbb]
+        scores[b, rows, :, :bsc.shape[-1]] = bsc.transpose(0, 1)
+        ids[b, rows] = select_topk(bsc, p, cfg).transpose(0, 1)
+    return ids, scores

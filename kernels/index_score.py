@@ -1,0 +1,444 @@
+"""Lightning-indexer scorers (SPEC section 3) over a paged index cache, for bf16, fp8, nvfp4 and mxfp4 caches.
+
+One parameterized kernel scores a tile of (query, index head) rows against the keys of one request, block by block,
+and emits token scores, block scores, or per-program top-k candidates (merged by `kernels/topk.py`). It reads the
+cache as engines hold it: `kvtool.paged.PagedCache` with H = 1, uint8 [num_pages, 1, page_bytes], per page
+`[P x payload][P x scale]`, a block table [B, max_pages] int32 and context lengths [B] int32.
+
+How it stays bandwidth-bound:
+- MQA: all index heads (and, in prefill, a tile of queries) share each key, so one key tile is loaded and decoded once
+  and scored against every row with one tensor-core dot `K [T, D] x Q^T [D, rows]`.
+- the context is split across programs (grid = requests x query tiles x context splits); each program keeps its block
+  scores in registers and emits only its top-k (key, id) pairs; a tiny merge kernel picks the final ids.
+- FP4 keys are never interleaved: the low nibbles are the even elements, the high nibbles the odd ones, so the query's
+  even and odd halves are dotted against the two decoded nibble tiles and the results added (two chained dots).
+
+Exactness (why the kernel equals the reference on the dequantized cache up to fp32 accumulation order):
+- bf16 caches: bf16 keys x bf16 queries, exact products, fp32 accumulation.
+- fp8 / nvfp4 / mxfp4: keys are decoded to fp16, where E4M3 values and E2M1 x E4M3 products (<= 6 significant bits,
+  magnitudes 2**-10 .. 2688) are exact. The bf16 query row is multiplied by a power of two 2**a that puts its max in
+  [2**14, 2**15) and cast to fp16: exact (fp16 has 11 significant bits to bf16's 8) except for elements below
+  2**-28 of the row max, which round at 2**-39 of it. The fp32 scores are multiplied back by 2**-a.
+- mxfp4 scales 2**e span fp32's range, so each token's block factors are taken relative to its largest scale,
+  2**(e - emax) in fp16, and the token's score is multiplied by 2**emax in fp32. Exact unless a token's block
+  exponents span more than 23 binades (then the tiny blocks lose at most one fp16 subnormal step).
+- fp8 `token` row scales, fp8 `tensor` scales and the nvfp4 outer scale multiply the fp32 score.
+- Under the Triton interpreter (which mangles bf16/fp16 dots) the same values are dotted in fp32.
+NaN codes (E4M3 0x7F/0xFF, E8M0 255) decode to NaN as in torch; a NaN token score makes its block NaN, ranked -1e30.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kvtool.errors import KernelArgumentError
+from kvtool.kernels import codecs as kc
+from kvtool.kernels.topk import merge_candidates, pick_next
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # fixed at import: the interpreter dots in fp32
+
+MODE_TOKENS = tl.constexpr(0)  # write token scores [rows, S]
+MODE_BLOCKS = tl.constexpr(1)  # write block scores [rows, NB] (forced blocks applied)
+MODE_TOPK = tl.constexpr(2)  # write per-program top-k candidates [rows, splits * KC]
+INIT_SCORE = tl.constexpr(1e30)  # kvtool.indexer.INIT_SCORE
+LOCAL_SCORE = tl.constexpr(1e29)  # kvtool.indexer.LOCAL_SCORE
+NAN_RANK = tl.constexpr(-1e30)  # kvtool.indexer.NAN_RANK
+
+# Format.scale_element -> the kernel's SCALE_KIND constexpr (whole-tensor scales arrive as the runtime `gscale`).
+SCALE_KIND = {"none": 0, "fp32-tensor": 0, "fp32-row": 1, "e4m3": 2, "e8m0": 3}
+SK_ROW = tl.constexpr(1)
+SK_E4M3 = tl.constexpr(2)
+SK_E8M0 = tl.constexpr(3)
+
+
+# --------------------------------------------------------------------------------------------------------- helpers
+@triton.jit
+def e4m3_decode_f16(byte):
+    """E4M3FN byte -> fp16, exact (every E4M3 value is an fp16 value): the 7 exponent/mantissa bits go to fp16 bits
+    7..13 and the sign to bit 15, then a multiply by 2**8 rebiases (15 - 7); E4M3 subnormals land on fp16 subnormals.
+    0x7F / 0xFF decode to NaN (torch float8_e4m3fn). Cheaper than kc.e4m3_decode (fp32) on a whole key tile."""
+    b = byte.to(tl.int16) & 0xFF
+    bits = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
+    v = bits.to(tl.float16, bitcast=True) * 256.0
+    return tl.where((b & 0x7F) == 0x7F, float("nan"), v)
+
+
+@triton.jit
+def _nanmax(a, b):
+    # torch.amax semantics: NaN wins (tl.maximum's default leaves NaN handling to the hardware)
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _to_dot(x, DOT_F32: tl.constexpr):
+    """fp32 values already exact in fp16 -> the dot operand type (fp16; fp32 under the interpreter)."""
+    x16 = x.to(tl.float16)
+    if DOT_F32:
+        return x16.to(tl.float32)
+    else:
+        return x16
+
+
+@triton.jit
+def _pow2_up_down(amax):
+    """Per row: (2**a, 2**-a) with amax * 2**a in [2**14, 2**15) (a clamped to +-126), by exponent bits."""
+    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    a = tl.minimum(tl.maximum(14 - e, -126), 126)
+    return kc.exp2_int(a), kc.exp2_int(-a)
+
+
+@triton.jit
+def _load_query(q_ptr, q_off, row_ok, gscale, D: tl.constexpr, PAYLOAD_BITS: tl.constexpr, DOT_F32: tl.constexpr):
+    """Rows [MP] of bf16 queries -> (A^T operand [D or D/2, MP], B^T operand (odd half for FP4), column scale [MP])."""
+    if PAYLOAD_BITS == 16:
+        c = tl.arange(0, D)
+        q = tl.load(q_ptr + q_off[:, None] + c[None, :], mask=row_ok[:, None], other=0.0)
+        if DOT_F32:
+            q = q.to(tl.float32)
+        colscale = tl.full(row_ok.shape, 1.0, tl.float32) * gscale
+        return tl.trans(q), tl.trans(q), colscale
+    elif PAYLOAD_BITS == 8:
+        c = tl.arange(0, D)
+        q = tl.load(q_ptr + q_off[:, None] + c[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+        up, down = _pow2_up_down(tl.max(tl.abs(q), axis=1))
+        qa = tl.trans(_to_dot(q * up[:, None], DOT_F32))
+        return qa, qa, down * gscale
+    else:
+        c = tl.arange(0, D // 2)
+        qe = tl.load(q_ptr + q_off[:, None] + 2 * c[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+        qo = tl.load(q_ptr + q_off[:, None] + 2 * c[None, :] + 1, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        up, down = _pow2_up_down(tl.maximum(tl.max(tl.abs(qe), axis=1), tl.max(tl.abs(qo), axis=1)))
+        qa = tl.trans(_to_dot(qe * up[:, None], DOT_F32))
+        qb = tl.trans(_to_dot(qo * up[:, None], DOT_F32))
+        return qa, qb, down * gscale
+
+
+@triton.jit
+def _tile_scores(data_ptr, row_off, sc_off, tok_ok, qa, qb,
+                 D: tl.constexpr, TILE_T: tl.constexpr, PAYLOAD_BITS: tl.constexpr, SCALE_KIND: tl.constexpr,
+                 SCALE_BLOCK: tl.constexpr, DOT_F32: tl.constexpr):
+    """Decode one key tile [TILE_T, D] (byte offsets row_off / sc_off [TILE_T]) and dot it with the query rows:
+    fp32 [TILE_T, MP], already multiplied by any per-token factor (fp8 row scale, mxfp4 2**emax)."""
+    if PAYLOAD_BITS == 16:
+        c = tl.arange(0, D)
+        raw = tl.load(data_ptr.to(tl.pointer_type(tl.int16)) + (row_off // 2)[:, None] + c[None, :],
+                      mask=tok_ok[:, None], other=0)
+        if DOT_F32:
+            k = (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        else:
+            k = raw.to(tl.bfloat16, bitcast=True)
+        acc = tl.dot(k, qa)
+    elif PAYLOAD_BITS == 8:
+        c = tl.arange(0, D)
+        raw = tl.load(data_ptr + row_off[:, None] + c[None, :], mask=tok_ok[:, None], other=0)
+        k = e4m3_decode_f16(raw)
+        if DOT_F32:
+            k = k.to(tl.float32)
+        acc = tl.dot(k, qa)
+    else:
+        HALF: tl.constexpr = D // 2
+        NSB: tl.constexpr = D // SCALE_BLOCK  # scale blocks per token
+        BPS: tl.constexpr = SCALE_BLOCK // 2  # payload bytes per scale block
+        c = tl.arange(0, HALF)
+        raw = tl.load(data_ptr + row_off[:, None] + c[None, :], mask=tok_ok[:, None], other=0)
+        sb = tl.load(data_ptr + sc_off[:, None] + tl.arange(0, NSB)[None, :], mask=tok_ok[:, None], other=0)
+        sbi = sb.to(tl.int32)
+        if SCALE_KIND == SK_E4M3:
+            f = tl.where((sbi & 0x7F) == 0x7F, float("nan"), kc.e4m3_decode(sb))
+        else:
+            e = tl.where(sbi == 255, -127, sbi - 127)
+            emax = tl.max(e, axis=1)
+            f = tl.where(sbi == 255, float("nan"), kc.exp2_int(e - emax[:, None]))
+        f16 = f.to(tl.float16)[:, :, None]
+        lo = tl.reshape(tl.reshape(kc.e2m1_decode_f16(raw & 0xF), [TILE_T, NSB, BPS]) * f16, [TILE_T, HALF])
+        hi = tl.reshape(tl.reshape(kc.e2m1_decode_f16(raw >> 4), [TILE_T, NSB, BPS]) * f16, [TILE_T, HALF])
+        if DOT_F32:
+            lo = lo.to(tl.float32)
+            hi = hi.to(tl.float32)
+        acc = tl.dot(hi, qb, tl.dot(lo, qa))
+        if SCALE_KIND == SK_E8M0:
+            acc = acc * kc.exp2_int(emax)[:, None]
+    if SCALE_KIND == SK_ROW:
+        rs = tl.load(data_ptr.to(tl.pointer_type(tl.float32)) + sc_off // 4, mask=tok_ok, other=1.0)
+        acc = acc * rs[:, None]
+    return acc
+
+
+@triton.jit
+def _block_step(i, blk0, state, col, pos, valid, t_end, bt_row, data_ptr, qa, qb, colscale,
+                out_ptr, out_row, row_ok, n_out, num_pages, page_bytes,
+                D: tl.constexpr, PAGE: tl.constexpr, PB: tl.constexpr, SB: tl.constexpr,
+                PAYLOAD_BITS: tl.constexpr, SCALE_KIND: tl.constexpr, SCALE_BLOCK: tl.constexpr, BS: tl.constexpr,
+                TILE_T: tl.constexpr, MP: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
+                MODE: tl.constexpr, DOT_F32: tl.constexpr):
+    """Score block blk0 + i for every row: write token / block scores, or put the block's rank key in column i of
+    the top-k state [MP, CH]; returns the state."""
+    blk = blk0 + i
+    bmax = tl.full([MP], float("-inf"), tl.float32)
+    for sub in tl.static_range(BS // TILE_T):
+        t = blk * BS + sub * TILE_T + tl.arange(0, TILE_T)
+        tok_ok = t < t_end
+        pg = tl.load(bt_row + t // PAGE, mask=tok_ok, other=-1)
+        tok_ok = tok_ok & (pg >= 0) & (pg < num_pages)
+        base = pg.to(tl.int64) * page_bytes
+        row_off = base + (t % PAGE) * PB
+        sc_off = base + PAGE * PB + (t % PAGE) * SB
+        acc = _tile_scores(data_ptr, row_off, sc_off, tok_ok, qa, qb, D, TILE_T, PAYLOAD_BITS, SCALE_KIND,
+                           SCALE_BLOCK, DOT_F32)
+        keep = tok_ok[:, None] & (t[:, None] <= pos[None, :])
+        s = tl.where(keep, acc * colscale[None, :], float("-inf"))
+        if MODE == MODE_TOKENS:
+            tl.store(out_ptr + out_row[None, :] + t[:, None], s, mask=row_ok[None, :] & (t < n_out)[:, None])
+        bmax = _nanmax(bmax, tl.reduce(s, 0, _nanmax))
+    forced_init = (blk < INIT) & (blk < valid)
+    forced_local = (blk >= valid - LOCAL) & (blk < valid)
+    bsc = tl.where(forced_local, LOCAL_SCORE, tl.where(forced_init, INIT_SCORE, bmax))
+    if MODE == MODE_BLOCKS:
+        tl.store(out_ptr + out_row + blk, bsc, mask=row_ok)
+    if MODE == MODE_TOPK:
+        key = tl.where(bsc != bsc, NAN_RANK, bsc)
+        state = tl.where(col[None, :] == i, key[:, None], state)
+    return state
+
+
+# ----------------------------------------------------------------------------------------------------------- kernel
+@triton.jit
+def _index_score_kernel(
+    q_ptr,  # bf16 [B, Q, Hi, D], last dim contiguous
+    data_ptr,  # uint8 [num_pages, 1, page_bytes]: the paged index cache
+    bt_ptr,  # int32 [B, max_pages] block table (-1 = no page)
+    ctx_ptr,  # int32 [B] context lengths
+    pos_ptr,  # int32 [B, Q] query positions (-1 = padding row)
+    tile_pos_ptr,  # int32 [B * n_qtiles]: max position of each program's query tile
+    out_ptr,  # fp32 [B, Q, Hi, n_out]: token scores, block scores or candidate keys
+    id_ptr,  # int32 [B, Q, Hi, n_out]: candidate ids (MODE_TOPK only)
+    gscale,  # fp32 whole-tensor factor: fp8 `tensor` scale or nvfp4 outer scale (else 1)
+    Q, HI, num_pages, page_bytes, n_qtiles, n_out,  # sizes
+    stride_qb, stride_qq, stride_qh, stride_bt, stride_pos,  # strides in elements
+    D: tl.constexpr,  # head dim
+    PAGE: tl.constexpr,  # tokens per page
+    PB: tl.constexpr,  # payload bytes per token
+    SB: tl.constexpr,  # scale bytes per token
+    PAYLOAD_BITS: tl.constexpr,  # 16 bf16 | 8 e4m3 | 4 e2m1
+    SCALE_KIND: tl.constexpr,  # 0 none | 1 fp32 row | 2 e4m3 block | 3 e8m0 block
+    SCALE_BLOCK: tl.constexpr,  # elements per block scale (1 when none)
+    BS: tl.constexpr,  # index block size (tokens)
+    TILE_T: tl.constexpr,  # tokens per key tile (divides BS)
+    QT: tl.constexpr,  # queries per program
+    HIP: tl.constexpr,  # index heads rounded up to a power of two
+    MP: tl.constexpr,  # rows per program: max(16, QT * HIP)
+    CH: tl.constexpr,  # blocks per program (context split)
+    KC: tl.constexpr,  # candidates per program: min(topk, CH)
+    INIT: tl.constexpr,  # forced init blocks
+    LOCAL: tl.constexpr,  # forced local blocks
+    HIGHER_ID: tl.constexpr,  # tie rule
+    MODE: tl.constexpr,  # MODE_TOKENS | MODE_BLOCKS | MODE_TOPK
+    DOT_F32: tl.constexpr,  # interpreter: dot in fp32
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid // n_qtiles
+    r = tl.arange(0, MP)
+    qi = (pid % n_qtiles) * QT + r // HIP
+    h = r % HIP
+    row_ok = (r < QT * HIP) & (qi < Q) & (h < HI)
+    pos = tl.load(pos_ptr + b * stride_pos + qi, mask=row_ok, other=-1)
+    valid = tl.where(pos >= 0, pos // BS + 1, 0)  # valid blocks per row
+    # scalars from memory, not tensor reductions: loop bounds must be scalars (also under the interpreter)
+    tile_pos = tl.load(tile_pos_ptr + pid)  # max position over this program's rows (-1: none)
+    t_end = tl.minimum(tile_pos + 1, tl.load(ctx_ptr + b))  # no row sees a token at or past t_end
+    blk0 = split * CH
+    n_iter = tl.minimum((tile_pos + BS) // BS - blk0, CH)  # (tile_pos // BS + 1), also right for tile_pos = -1
+    q_off = b.to(tl.int64) * stride_qb + qi.to(tl.int64) * stride_qq + h * stride_qh
+    qa, qb, colscale = _load_query(q_ptr, q_off, row_ok, gscale, D, PAYLOAD_BITS, DOT_F32)
+    out_row = ((b * Q + qi) * HI + h).to(tl.int64) * n_out
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    col = tl.arange(0, CH)
+    state = tl.full([MP, CH], float("-inf"), tl.float32)
+    if DOT_F32:
+        # the interpreter cannot take a loaded scalar as a loop bound: run CH steps, skip the empty ones
+        for i in range(0, CH):
+            if i < n_iter:
+                state = _block_step(i, blk0, state, col, pos, valid, t_end, bt_row, data_ptr, qa, qb, colscale,
+                                    out_ptr, out_row, row_ok, n_out, num_pages, page_bytes, D, PAGE, PB, SB,
+                                    PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, BS, TILE_T, MP, INIT, LOCAL, MODE, DOT_F32)
+    else:
+        for i in range(0, n_iter):
+            state = _block_step(i, blk0, state, col, pos, valid, t_end, bt_row, data_ptr, qa, qb, colscale,
+                                out_ptr, out_row, row_ok, n_out, num_pages, page_bytes, D, PAGE, PB, SB,
+                                PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, BS, TILE_T, MP, INIT, LOCAL, MODE, DOT_F32)
+    if MODE == MODE_TOPK:
+        ids = tl.broadcast_to((blk0 + col)[None, :], [MP, CH])
+        avail = (col[None, :] < n_iter) & (ids < valid[:, None])
+        base_c = out_row + split * KC
+        for j in tl.static_range(KC):
+            best, best_id, avail = pick_next(state, ids, avail, HIGHER_ID)
+            tl.store(out_ptr + base_c + j, best, mask=row_ok)
+            tl.store(id_ptr + base_c + j, best_id, mask=row_ok)
+
+
+# -------------------------------------------------------------------------------------------------------- launchers
+def _configs():
+    if INTERPRET:
+        return [triton.Config({}, num_warps=4, num_stages=1)]
+    return [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2, 3)]
+
+
+_tuned_kernel = triton.autotune(
+    configs=_configs(), key=["PAYLOAD_BITS", "SCALE_KIND", "BS", "MP", "CH", "MODE", "HI"])(_index_score_kernel)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _check(iq4: torch.Tensor, cache, block_table: torch.Tensor, context_lens: torch.Tensor, cfg) -> None:
+    dev = iq4.device
+    fmt = cache.fmt
+    if fmt.family not in ("bf16", "fp8", "nvfp4", "mxfp4"):
+        raise KernelArgumentError(f"index scorer: unsupported cache format {fmt.label}")
+    if iq4.dtype != torch.bfloat16:
+        raise KernelArgumentError(f"index scorer: queries must be bf16, got {iq4.dtype}")
+    if cache.num_heads != 1:
+        raise KernelArgumentError(f"index scorer: the index cache has one (MQA) key head, got {cache.num_heads}")
+    d = cache.head_dim
+    if iq4.shape[-1] != d or d < 16 or d & (d - 1):
+        raise KernelArgumentError(f"index scorer: head dim must match the cache ({d}, a power of two >= 16), "
+                                  f"got queries {list(iq4.shape)}")
+    if cache.data.dtype != torch.uint8 or not cache.data.is_contiguous() or cache.data.device != dev:
+        raise KernelArgumentError("index scorer: cache.data must be contiguous uint8 on the queries' device")
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != iq4.shape[0] \
+            or block_table.device != dev or block_table.stride(1) != 1:
+        raise KernelArgumentError(f"index scorer: block_table must be int32 [B={iq4.shape[0]}, max_pages] on "
+                                  f"{dev} with unit stride, got {block_table.dtype} {list(block_table.shape)}")
+    if context_lens.dtype != torch.int32 or tuple(context_lens.shape) != (iq4.shape[0],) or context_lens.device != dev:
+        raise KernelArgumentError(f"index scorer: context_lens must be int32 [{iq4.shape[0]}] on {dev}, got "
+                                  f"{context_lens.dtype} {list(context_lens.shape)}")
+    bs = cfg.block_size
+    if bs < 16 or bs & (bs - 1):
+        raise KernelArgumentError(f"index scorer: block size must be a power of two >= 16, got {bs}")
+    if iq4.shape[2] > 16:
+        raise KernelArgumentError(f"index scorer: at most 16 index heads, got {iq4.shape[2]}")
+
+
+def _positions(q_pos, iq4: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+    """int32 [B, Q] positions (-1 = padding): given, or the last Q positions of each context."""
+    b, nq = iq4.shape[:2]
+    if q_pos is None:
+        pos = context_lens[:, None].long() - nq + torch.arange(nq, device=iq4.device)[None, :]
+        return torch.where(pos < 0, -1, pos).to(torch.int32).contiguous()
+    q_pos = torch.as_tensor(q_pos, device=iq4.device)
+    if tuple(q_pos.shape) != (b, nq):
+        raise KernelArgumentError(f"index scorer: q_pos must be [{b}, {nq}], got {list(q_pos.shape)}")
+    if bool((q_pos >= context_lens[:, None]).any()):
+        raise KernelArgumentError("index scorer: a query position lies at or past its request's context length")
+    return torch.where(q_pos < 0, -1, q_pos).to(torch.int32).contiguous()
+
+
+def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_context: int | None,
+            chunk_blocks: int | None = None, q_tile: int | None = None):
+    """iq4 bf16 [B, Q, Hi, D] -> MODE_TOKENS fp32 [B, Q, Hi, S] | MODE_BLOCKS fp32 [B, Q, Hi, NB] |
+    MODE_TOPK int32 [B, Q, Hi, cfg.topk]."""
+    _check(iq4, cache, block_table, context_lens, cfg)
+    iq4 = iq4 if iq4.stride(-1) == 1 else iq4.contiguous()
+    pos = _positions(q_pos, iq4, context_lens)
+    bsz, nq, hi, d = iq4.shape
+    fmt, bs = cache.fmt, cfg.block_size
+    if max_context is None:
+        max_context = int(context_lens.max()) if mode != 2 and bsz else block_table.shape[1] * cache.page_size
+    nb = triton.cdiv(max(max_context, 1), bs)
+    hip = triton.next_power_of_2(hi)
+    qt = q_tile or (1 if nq == 1 else max(1, 64 // hip))
+    qt = min(triton.next_power_of_2(qt), triton.next_power_of_2(nq))
+    mp = max(16, qt * hip)
+    n_qtiles = triton.cdiv(nq, qt)
+    tile_pos = torch.nn.functional.pad(pos, (0, n_qtiles * qt - nq), value=-1).view(bsz, n_qtiles, qt)
+    tile_pos = tile_pos.amax(-1).contiguous() if bsz * nq else tile_pos.new_empty(0)
+    if chunk_blocks is None:
+        want = triton.cdiv(nb * bsz * n_qtiles, 4 * _num_sms(iq4.device))
+        chunk_blocks = min(64, max(2, triton.next_power_of_2(want)))
+    ch = triton.next_power_of_2(chunk_blocks)
+    splits = triton.cdiv(nb, ch)
+    kc_ = min(cfg.topk, ch)
+    n_out = {0: max_context, 1: nb, 2: splits * kc_}[mode]
+    out = torch.full((bsz, nq, hi, n_out), float("-inf"), dtype=torch.float32, device=iq4.device)
+    ids = torch.empty((bsz, nq, hi, n_out) if mode == 2 else (1,), dtype=torch.int32, device=iq4.device)
+    if bsz * nq and n_out:
+        gscale = cache.fp8_tensor_scale() if fmt.scale_element == "fp32-tensor" else cache.outer_scale()
+        _tuned_kernel[(bsz * n_qtiles, splits)](
+            iq4, cache.data, block_table, context_lens, pos, tile_pos, out, ids, float(gscale),
+            nq, hi, cache.num_pages, cache.page_bytes, n_qtiles, n_out,
+            iq4.stride(0), iq4.stride(1), iq4.stride(2), block_table.stride(0), pos.stride(0),
+            D=d, PAGE=cache.page_size, PB=cache.payload_bytes, SB=cache.scale_bytes,
+            PAYLOAD_BITS=fmt.spec.payload_bits, SCALE_KIND=SCALE_KIND[fmt.scale_element],
+            SCALE_BLOCK=fmt.block or 1, BS=bs, TILE_T=min(bs, 128), QT=qt, HIP=hip, MP=mp, CH=ch, KC=kc_,
+            INIT=cfg.init_blocks, LOCAL=cfg.local_blocks, HIGHER_ID=cfg.tie_rule != "lower-id", MODE=mode,
+            DOT_F32=INTERPRET)
+    if mode != 2:
+        return out
+    return merge_candidates(out, ids, cfg.topk, higher_id=cfg.tie_rule != "lower-id")
+
+
+def _decode_q(iq: torch.Tensor) -> torch.Tensor:
+    if iq.dim() != 3:
+        raise KernelArgumentError(f"decode: iq must be [B, Hi, D], got {list(iq.shape)}")
+    return iq[:, None]
+
+
+def decode_scores(iq, cache, block_table, context_lens, cfg=None, max_context: int | None = None) -> torch.Tensor:
+    """Token scores of one decode query per request: iq bf16 [B, Hi, D] at position ctx - 1 -> fp32
+    [B, Hi, max_context] (`s >= ctx` is -inf; max_context defaults to max(context_lens), a host sync)."""
+    cfg = cfg or _default_cfg()
+    return _launch(_decode_q(iq), cache, block_table, context_lens, None, cfg, 0, max_context)[:, 0]
+
+
+def decode_block_scores(iq, cache, block_table, context_lens, cfg=None, max_context: int | None = None,
+                        chunk_blocks: int | None = None) -> torch.Tensor:
+    """Block scores of one decode query per request: iq bf16 [B, Hi, D] -> fp32 [B, Hi, ceil(max_context / block)]:
+    max-pooled (NaN propagates), forced blocks 1e30 / 1e29, -inf past the valid blocks (kvtool.indexer.block_scores)."""
+    cfg = cfg or _default_cfg()
+    return _launch(_decode_q(iq), cache, block_table, context_lens, None, cfg, 1, max_context, chunk_blocks)[:, 0]
+
+
+def decode_topk(iq, cache, block_table, context_lens, cfg=None, max_context: int | None = None,
+                chunk_blocks: int | None = None) -> torch.Tensor:
+    """Fused decode score + top-k: iq bf16 [B, Hi, D] -> int32 block ids [B, Hi, cfg.topk] in rank order,
+    k = min(topk, valid blocks) per row, -1 padded. No host sync (the split count comes from the block-table width
+    unless max_context is given)."""
+    cfg = cfg or _default_cfg()
+    return _launch(_decode_q(iq), cache, block_table, context_lens, None, cfg, 2, max_context, chunk_blocks)[:, 0]
+
+
+def prefill_block_scores(iq, cache, block_table, context_lens, cfg=None, q_pos=None,
+                         max_context: int | None = None) -> torch.Tensor:
+    """Many queries per request: iq bf16 [B, Q, Hi, D] at positions q_pos int [B, Q] (default ctx - Q .. ctx - 1;
+    negative = padding row) -> fp32 block scores [B, Q, Hi, NB], causal inside the chunk."""
+    cfg = cfg or _default_cfg()
+    return _launch(iq, cache, block_table, context_lens, q_pos, cfg, 1, max_context)
+
+
+def prefill_topk(iq, cache, block_table, context_lens, cfg=None, q_pos=None, max_context: int | None = None,
+                 chunk_blocks: int | None = None, q_tile: int | None = None) -> torch.Tensor:
+    """Many queries per request: iq bf16 [B, Q, Hi, D] at positions q_pos [B, Q] (default ctx - Q .. ctx - 1;
+    negative = padding row, all -1) -> int32 block ids [B, Q, Hi, cfg.topk], causal inside the chunk."""
+    cfg = cfg or _default_cfg()
+    return _launch(iq, cache, block_table, context_lens, q_pos, cfg, 2, max_context, chunk_blocks, q_tile)
+
+
+def prefill_scores(iq, cache, block_table, context_lens, cfg=None, q_pos=None,
+                   max_context: int | None = None) -> torch.Tensor:
+    """Token scores for many queries per request: iq bf16 [B, Q, Hi, D] -> fp32 [B, Q, Hi, max_context]."""
+    cfg = cfg or _default_cfg()
+    return _launch(iq, cache, block_table, context_lens, q_pos, cfg, 0, max_context)
+
+
+def _default_cfg():
+    from kvtool.indexer import IndexerConfig  # layer 3 type, used only for its defaults
+
+    return IndexerConfig()
