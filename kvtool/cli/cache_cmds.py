@@ -1,0 +1,277 @@
+"""`kvtool quantize | dequantize | inspect | diff`: the cache-file commands. Each parses options, calls one workflow
+(kvtool.workflows.cache_ops / inspect / diff) and renders its report with rich, or prints it as JSON (`--json`).
+
+Exit codes: 0 ok; 1 a check failed (diff thresholds or differing tensor sets, inspect --verify checksum mismatch);
+2 bad input or options (one line on stderr, no output file); 3 an internal error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+from pathlib import Path
+from typing import Annotated, Iterator, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvtool.cli import app
+from kvtool.cli.common import (
+    DeviceOpt,
+    FormatOpt,
+    Fp8ScaleOpt,
+    JsonOpt,
+    OuterScaleOpt,
+    OutOpt,
+    RecipeOpt,
+    ScaleRuleOpt,
+    emit,
+    format_options,
+    handle_errors,
+    stderr,
+    stdout,
+)
+from kvtool.readers import parse_geometry
+
+FIX = "fixtures/synthetic_cache.safetensors"
+
+InArg = Annotated[Path, typer.Argument(help="Input: kvtool cache, safetensors, .pt (weights_only) or .npy file.",
+                                       show_default=False)]
+IncludeOpt = Annotated[Optional[list[str]], typer.Option("--include", help="Only tensors whose name matches this "
+                                                         "glob (fnmatch; repeatable).")]
+ExcludeOpt = Annotated[Optional[list[str]], typer.Option("--exclude", help="Skip tensors whose name matches this "
+                                                         "glob (repeatable; quantize copies them unchanged).")]
+ChunkOpt = Annotated[float, typer.Option("--chunk-mb", help="Row-block size in MiB of fp32 working data: peak memory "
+                                                            "follows it, not the file size.")]
+LayoutOpt = Annotated[Optional[str], typer.Option("--layout", help="Engine dump layout of the input "
+                                                                   "(kvtool.layouts), e.g. a paged preset.")]
+GeometryOpt = Annotated[Optional[str], typer.Option("--geometry", help="Layout geometry KEY=VAL[,KEY=VAL...], e.g. "
+                                                                       "page_size=128,heads=4,head_dim=128.")]
+
+
+def _epilog(*lines: str) -> str:
+    return "Examples:\n\n" + "\n\n".join(f"  {line}" for line in lines)
+
+
+@contextlib.contextmanager
+def _progress(enabled: bool = True) -> Iterator:
+    """A rich progress bar on stderr (only on a terminal); yields the workflows' `progress(done, total, what)`."""
+    if not (enabled and stderr.is_terminal):
+        yield None
+        return
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                  TimeElapsedColumn(), console=stderr, transient=True) as bar:
+        task = bar.add_task("", total=None)
+
+        def update(done: int, total: int, what: str) -> None:
+            bar.update(task, completed=done, total=total, description=what[:40])
+
+        yield update
+
+
+@contextlib.contextmanager
+def _sigterm_cleans() -> Iterator[None]:
+    """Turn SIGTERM into KeyboardInterrupt while writing, so the temporary output file is removed on `kill`."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _hint(text: str) -> None:
+    print(f"hint: {text}", file=sys.stderr)
+
+
+def _out() -> Console:
+    """Tables go to stdout; when it is not a terminal (pipes, CI logs) they get 200 columns instead of rich's 80."""
+    return stdout if stdout.is_terminal else Console(width=200)
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.2f} MiB" if n >= 1 << 20 else f"{n / 1024:.1f} KiB"
+
+
+# ------------------------------------------------------------------------------------------------ quantize
+@app.command("quantize", epilog=_epilog(
+    f"kvtool quantize {FIX} -o /tmp/k_mxfp4.safetensors --to mxfp4",
+    f"kvtool quantize {FIX} -o /tmp/k_nvfp4.safetensors --to nvfp4 --recipe div --outer-scale auto",
+    f"kvtool quantize {FIX} -o /tmp/idx_fp8.safetensors --to fp8 --fp8-scale token --include '*.index_k'",
+    f"kvtool quantize {FIX} -o /tmp/k_floor.safetensors --to mxfp4-floor --exclude '*.v' --json"))
+@handle_errors
+def quantize(src: InArg, output: OutOpt, to: FormatOpt, scale_rule: ScaleRuleOpt = None, recipe: RecipeOpt = None,
+             outer_scale: OuterScaleOpt = None, fp8_scale: Fp8ScaleOpt = None, include: IncludeOpt = None,
+             exclude: ExcludeOpt = None, device: DeviceOpt = "cpu", chunk_mb: ChunkOpt = 64.0,
+             layout: LayoutOpt = None, geometry: GeometryOpt = None, as_json: JsonOpt = False) -> None:
+    """Quantize a cache file (each selected floating tensor along its last dimension) into a kvtool cache file.
+
+    An input that is already quantized is decoded to fp32 first (a hint says so); the errors then compound."""
+    from kvtool.workflows.cache_ops import quantize_file
+
+    with _sigterm_cleans(), _progress() as progress:
+        report = quantize_file(src, output, to, options=format_options(scale_rule, recipe, outer_scale, fp8_scale),
+                               include=include, exclude=exclude, device=device, chunk_mb=chunk_mb, layout=layout,
+                               geometry=parse_geometry(geometry), progress=progress, hint=_hint)
+    emit(report, as_json, _render_ops)
+
+
+# ------------------------------------------------------------------------------------------------ dequantize
+@app.command("dequantize", epilog=_epilog(
+    "kvtool dequantize /tmp/k_mxfp4.safetensors -o /tmp/k_back.safetensors",
+    "kvtool dequantize /tmp/k_nvfp4.safetensors -o /tmp/k_fp32.safetensors --dtype fp32 --json"))
+@handle_errors
+def dequantize(src: InArg, output: OutOpt,
+               dtype: Annotated[Optional[str], typer.Option("--dtype", help="Output dtype bf16|fp16|fp32 (default: "
+                                                            "each tensor's original dtype, bf16 when unknown).")] = None,
+               device: DeviceOpt = "cpu", chunk_mb: ChunkOpt = 64.0, layout: LayoutOpt = None,
+               geometry: GeometryOpt = None, as_json: JsonOpt = False) -> None:
+    """Decode a kvtool cache file (or an engine dump with --layout) into plain safetensors with the original tensor
+    names and shapes."""
+    from kvtool.workflows.cache_ops import dequantize_file
+
+    with _sigterm_cleans(), _progress() as progress:
+        report = dequantize_file(src, output, dtype=dtype, device=device, chunk_mb=chunk_mb, layout=layout,
+                                 geometry=parse_geometry(geometry), progress=progress, hint=_hint)
+    emit(report, as_json, _render_ops)
+
+
+def _render_ops(r) -> None:
+    table = Table(title=f"{r.command} {r.input} -> {r.output}" + (f" ({r.format})" if r.format else ""))
+    for col in ("tensor", "action", "format", "shape", "in", "out", "B/token", "x vs bf16"):
+        table.add_column(col, justify="right" if col in ("in", "out", "B/token", "x vs bf16") else "left")
+    for t in r.tensors:
+        table.add_row(t.name, t.action, t.format, str(t.shape), _mib(t.bytes_in), _mib(t.bytes_out),
+                      str(t.bytes_per_token), f"{t.compression_vs_bf16:.2f}")
+    _out().print(table)
+    ratio = r.bytes_in / r.bytes_out if r.bytes_out else 0.0
+    _out().print(f"wrote {r.output}: {_mib(r.bytes_out)} from {_mib(r.bytes_in)} of input tensor data "
+                 f"({ratio:.2f}x)", markup=False, highlight=False)
+
+
+# ------------------------------------------------------------------------------------------------ inspect
+@app.command("inspect", epilog=_epilog(
+    f"kvtool inspect {FIX}",
+    "kvtool inspect /tmp/k_mxfp4.safetensors --verify",
+    "kvtool inspect /tmp/k_nvfp4.safetensors --include 'layers.0.*' --json"))
+@handle_errors
+def inspect(path: Annotated[Path, typer.Argument(help="A kvtool cache, safetensors, .pt or .npy file.",
+                                                 show_default=False)],
+            verify: Annotated[bool, typer.Option("--verify", help="Recompute the checksums (exit 1 on a "
+                                                 "mismatch).")] = False,
+            include: IncludeOpt = None, exclude: ExcludeOpt = None, chunk_mb: ChunkOpt = 64.0,
+            layout: LayoutOpt = None, geometry: GeometryOpt = None, as_json: JsonOpt = False) -> None:
+    """Per tensor: format, recipe, shape, bytes per token per head, compression vs bf16, scale statistics (range,
+    exponent histogram, saturated and all-zero blocks) and checksum status."""
+    from kvtool.workflows.inspect import inspect_file
+
+    with _progress() as progress:
+        report = inspect_file(path, verify=verify, include=include, exclude=exclude, chunk_mb=chunk_mb,
+                              layout=layout, geometry=parse_geometry(geometry), progress=progress)
+    emit(report, as_json, _render_inspect)
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+def _render_inspect(r) -> None:
+    head = f"{r.path}: {r.kind}" + (f", kvtool schema {r.schema} (written by kvtool {r.kvtool_version})"
+                                    if r.schema else "") + f", {_mib(r.file_bytes)}"
+    table = Table(title=head)
+    cols = ("tensor", "format", "options", "shape", "dtype", "B/token", "x vs bf16", "scale min..max", "sat %",
+            "zero %", "checksum")
+    for col in cols:
+        table.add_column(col)
+    for t in r.tensors:
+        s = t.scales
+        rng = f"{s.min_nonzero:.3g}..{s.max:.3g}" if s and s.min_nonzero is not None else "-"
+        opts = " ".join(f"{k}={v}" for k, v in t.options.items() if v not in (False, None))
+        if t.outer_scale not in (None, 1.0):
+            opts += f" g={t.outer_scale:.4g}"
+        if t.tensor_scale is not None:
+            opts += f" s={t.tensor_scale:.4g}"
+        table.add_row(t.name, t.format, opts.strip() or "-", str(t.shape), t.dtype, str(t.bytes_per_token),
+                      f"{t.compression_vs_bf16:.2f}", rng, f"{s.saturated_pct:.2f}" if s else "-",
+                      f"{s.zero_pct:.2f}" if s else "-", t.checksum)
+    _out().print(table)
+    for t in r.tensors:
+        if t.scales and t.scales.exponent_histogram:
+            hist = " ".join(f"2^{e}:{c}" for e, c in t.scales.exponent_histogram.items())
+            _out().print(f"{t.name} scale exponents: {hist}", markup=False, highlight=False)
+    if r.verified:
+        _out().print("checksums: ok" if r.ok else "checksums: MISMATCH", markup=False)
+
+
+# ------------------------------------------------------------------------------------------------ diff
+@app.command("diff", epilog=_epilog(
+    f"kvtool diff /tmp/k_mxfp4.safetensors {FIX}",
+    f"kvtool diff /tmp/k_mxfp4.safetensors {FIX} --max-rel-l2 0.2 --min-sqnr 15",
+    "kvtool diff /tmp/k_floor.safetensors /tmp/k_mxfp4.safetensors --max-scale-mismatch 0 --json",
+    f"kvtool diff /tmp/k_nvfp4.safetensors {FIX} --plot /tmp/errors.png"))
+@handle_errors
+def diff(a: Annotated[Path, typer.Argument(help="Candidate A (any input kvtool reads).", show_default=False)],
+         b: Annotated[Path, typer.Argument(help="Reference B (e.g. the bf16 original).", show_default=False)],
+         max_rel_l2: Annotated[Optional[float], typer.Option("--max-rel-l2", help="Fail (exit 1) when a tensor's "
+                                                             "rel_l2 exceeds this.")] = None,
+         max_abs: Annotated[Optional[float], typer.Option("--max-abs", help="Fail when a tensor's max |A - B| "
+                                                          "exceeds this.")] = None,
+         min_sqnr: Annotated[Optional[float], typer.Option("--min-sqnr", help="Fail when a tensor's SQNR (dB) is "
+                                                           "below this.")] = None,
+         max_scale_mismatch: Annotated[Optional[float], typer.Option("--max-scale-mismatch", help="Fail when the "
+                                                                     "scale-byte disagreement % exceeds this.")] = None,
+         include: IncludeOpt = None, exclude: ExcludeOpt = None, chunk_mb: ChunkOpt = 64.0,
+         layout: LayoutOpt = None, geometry: GeometryOpt = None,
+         layout_b: Annotated[Optional[str], typer.Option("--layout-b", help="Engine dump layout of B.")] = None,
+         geometry_b: Annotated[Optional[str], typer.Option("--geometry-b", help="Layout geometry of B.")] = None,
+         plot: Annotated[Optional[Path], typer.Option("--plot", help="Write error histograms to this PNG "
+                                                      "(needs matplotlib).")] = None,
+         as_json: JsonOpt = False) -> None:
+    """Compare A with reference B tensor by tensor, across formats: value metrics, decoded-value disagreement, and
+    (when bytes are comparable) scale- and payload-byte disagreement with a scale-rule diagnosis."""
+    from kvtool.workflows.diff import diff_files
+
+    with _progress() as progress:
+        report = diff_files(a, b, max_rel_l2=max_rel_l2, max_abs=max_abs, min_sqnr=min_sqnr,
+                            max_scale_mismatch=max_scale_mismatch, include=include, exclude=exclude,
+                            chunk_mb=chunk_mb, layout=layout, geometry=parse_geometry(geometry), layout_b=layout_b,
+                            geometry_b=parse_geometry(geometry_b), plot=plot, progress=progress)
+    emit(report, as_json, _render_diff)
+    if not report.passed:
+        raise typer.Exit(1)
+
+
+def _pct(v) -> str:
+    return "-" if v is None else f"{v:.3g}"
+
+
+def _render_diff(r) -> None:
+    table = Table(title=f"diff A={r.a} vs reference B={r.b}")
+    for col in ("tensor", "A", "B", "rel_l2", "max_abs", "SQNR dB", "cosine", "value !=%", "scale !=%",
+                "payload !=%", "rule", "status"):
+        table.add_column(col)
+    for t in r.tensors:
+        m, c = t.metrics, t.codes
+        if t.rule_fit:
+            best = next(iter(t.rule_fit))
+            rule = f"fits {best} {t.rule_fit[best]:.3g}%"
+        elif c is not None and c.rule_blocks:
+            rule = f"{c.rule_blocks} blocks"
+        else:
+            rule = "-"
+        table.add_row(t.name, t.format_a, t.format_b, f"{m.rel_l2:.4g}", f"{m.max_abs:.4g}", f"{m.sqnr_db:.2f}",
+                      f"{m.cosine:.6f}", _pct(t.value_mismatch_pct), _pct(c.scale_mismatch_pct if c else None),
+                      _pct(c.payload_mismatch_pct if c else None), rule, "FAIL" if t.failures else "ok")
+    _out().print(table)
+    for line in r.failures:
+        _out().print(f"FAIL {line}", markup=False, highlight=False)
+    if r.plot:
+        _out().print(f"plot: {r.plot}", markup=False)
+    _out().print("PASS" if r.passed else "FAIL", markup=False)

@@ -1,0 +1,172 @@
+"""`inspect` workflow: what a cache file holds, per tensor, streamed row block by row block.
+
+Per tensor: the format label and recipe options, logical shape, original dtype, bytes per token per head (per row of D
+elements: payload + scales), compression against bf16, the outer / tensor scale, scale statistics and checksum status.
+Plain (unquantized) tensors are reported as `bf16 plain` / `fp32 plain` with their own bytes per token.
+
+Scale statistics (quantized tensors): `min_nonzero` / `max` of the decoded scales (E8M0 `2^(byte-127)`, E4M3 value,
+or the fp32 scale; the nvfp4 outer scale is reported separately), a histogram of the scale exponents
+`floor(log2 scale)`, and per block (a scale block: 16 or 32 elements, or a row of D for fp8 and bf16): the share of
+SATURATED blocks (the largest element code is the element's max: E2M1 6, E4M3 448) and of ALL-ZERO blocks (every
+code is +-0). Scales of all-zero blocks are left out of min / max / histogram (their byte is a convention: 0).
+
+Checksums: `unverified` unless `verify=True`, which recomputes every plane's blake2b-256 and reports `ok` or
+`mismatch: payload|scales`; plain tensors have `none`. The CLI exits 1 when a verified checksum mismatches (the file
+parses but its bytes changed) and 2 when the file cannot be read at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvtool.container import dtype_name
+from kvtool.formats import Format, e4m3_decode, e8m0_decode, unpack_nibbles
+from kvtool.readers import Entry, open_input, row_chunks, select
+from kvtool.workflows.cache_ops import Progress, chunk_bytes
+
+# Decoded value of each stored scale element (how to read a scale plane; formats name their scale element).
+SCALE_DECODERS = {"e8m0": e8m0_decode, "e4m3": e4m3_decode, "fp32-row": torch.Tensor.float,
+                  "fp32-tensor": torch.Tensor.float}
+
+
+@dataclass
+class ScaleStats:
+    element: str  # e8m0 | e4m3 | fp32-row | fp32-tensor | none
+    scales: int  # scales counted (all-zero blocks' scales left out)
+    min_nonzero: float | None
+    max: float | None
+    zero_scales: int  # scale value 0 outside all-zero blocks (e.g. nvfp4 scales that rounded to 0)
+    nan_scales: int  # E8M0 byte 255
+    exponent_histogram: dict[int, int]  # floor(log2 scale) -> count
+    blocks: int
+    saturated_blocks: int
+    zero_blocks: int
+    saturated_pct: float
+    zero_pct: float
+
+
+@dataclass
+class TensorInfo:
+    name: str
+    format: str  # label (quantized) or "<dtype> plain"
+    options: dict  # recipe options of the format (scale_rule, recipe, outer_scale, fp8_scale, ...)
+    shape: list[int]
+    dtype: str  # original dtype (quantized) or stored dtype (plain)
+    bytes_per_token: int
+    compression_vs_bf16: float
+    stored_bytes: int
+    outer_scale: float | None
+    tensor_scale: float | None
+    checksum: str  # ok | mismatch: ... | unverified | none
+    scales: ScaleStats | None
+
+
+@dataclass
+class InspectReport:
+    path: str
+    kind: str  # kvtool | safetensors | pt | npy | layout:NAME
+    schema: int | None
+    kvtool_version: str | None
+    file_bytes: int
+    tensors: list[TensorInfo] = field(default_factory=list)
+    verified: bool = False
+    ok: bool = True  # False when a verified checksum mismatched
+
+
+def inspect_file(path: Path, *, verify: bool = False, include: list[str] | None = None,
+                 exclude: list[str] | None = None, chunk_mb: float = 64.0, layout: str | None = None,
+                 geometry: dict | None = None, progress: Progress | None = None) -> InspectReport:
+    """Describe every (selected) tensor of `path`; `verify` recomputes the kvtool checksums."""
+    chunk = chunk_bytes(chunk_mb)
+    with open_input(path, layout, geometry) as inp:
+        report = InspectReport(str(path), inp.kind, inp.schema, inp.writer_version, Path(path).stat().st_size,
+                               verified=verify)
+        names = select(list(inp.entries), include, exclude)
+        total, done = sum(inp.entries[n].rows for n in names), 0
+        for name in names:
+            e = inp.entries[name]
+            info = _plain_info(e) if not e.quantized else _quant_info(e, chunk)
+            if e.checksum:
+                info.checksum = (inp.verify(e) or "none") if verify else "unverified"
+                report.ok &= not info.checksum.startswith("mismatch")
+            report.tensors.append(info)
+            done += e.rows
+            if progress:
+                progress(done, total, name)
+    return report
+
+
+def _plain_info(e: Entry) -> TensorInfo:
+    bpt = e.dim * e.dtype.itemsize
+    return TensorInfo(e.name, f"{dtype_name(e.dtype)} plain", {}, list(e.shape), dtype_name(e.dtype), bpt,
+                      round(2 * e.dim / bpt, 4), e.nbytes, None, None, "none", None)
+
+
+def _quant_info(e: Entry, chunk: int) -> TensorInfo:
+    fmt = e.fmt
+    meta = fmt.to_meta()
+    options = {k: v for k, v in meta.items() if k not in ("family", "label", "block", "scale_element")}
+    bpt = fmt.bytes_per_token(e.dim)
+    tscale = float(e.scalar_scale) if e.scalar_scale is not None else None
+    return TensorInfo(e.name, fmt.label, options, list(e.shape), dtype_name(e.dtype), bpt, round(2 * e.dim / bpt, 4),
+                      e.nbytes, e.outer_scale, tscale, "none", scale_stats(e, chunk))
+
+
+def scale_stats(e: Entry, chunk: int) -> ScaleStats:
+    """Scale and block statistics of a quantized entry, streamed (see the module docstring)."""
+    fmt: Format = e.fmt
+    block = fmt.block or e.dim
+    table = fmt.element.values().abs() if fmt.element is not None else None
+    decode = SCALE_DECODERS.get(fmt.scale_element)
+    acc = {"scales": 0, "zero": 0, "nan": 0, "blocks": 0, "sat": 0, "zblk": 0}
+    hist: dict[int, int] = {}
+    lo, hi = None, None
+    scalar_done = False
+    for a, b in row_chunks(e.rows, e.dim, chunk):
+        q = e.read_q(a, b)
+        n = b - a
+        if table is not None:
+            codes = unpack_nibbles(q.payload) if fmt.spec.payload_bits == 4 else q.payload
+            blk_max = table[codes.long()].reshape(n, e.dim // block, block).amax(-1)  # [n, blocks per row]
+            zero_blk = blk_max == 0
+            acc["sat"] += int((blk_max == fmt.element.max).sum())
+        else:  # bf16 payload: a row is a block
+            vals = q.payload.float().abs()
+            blk_max = vals.amax(-1, keepdim=True)
+            zero_blk = blk_max == 0
+        acc["blocks"] += zero_blk.numel()
+        acc["zblk"] += int(zero_blk.sum())
+        if q.scales is None or decode is None:
+            continue
+        if q.scales.dim() == 0:
+            if scalar_done:
+                continue
+            values, scalar_done = decode(q.scales).reshape(1), True
+        else:
+            values = decode(q.scales).reshape(n, -1)
+            if values.shape == zero_blk.shape:
+                values = values[~zero_blk]  # all-zero blocks' scale bytes are a convention, not data
+            values = values.reshape(-1)
+        nan = torch.isnan(values)
+        acc["nan"] += int(nan.sum())
+        values = values[~nan]
+        zero = values == 0
+        acc["zero"] += int(zero.sum())
+        acc["scales"] += values.numel() + int(nan.sum())
+        nz = values[~zero]
+        if nz.numel():
+            lo = min(lo, float(nz.min())) if lo is not None else float(nz.min())
+            hi = max(hi, float(nz.max())) if hi is not None else float(nz.max())
+            _, exp = torch.frexp(nz)
+            exps, counts = torch.unique(exp.to(torch.int32) - 1, return_counts=True)  # frexp mantissa in [0.5, 1)
+            for x, c in zip(exps.tolist(), counts.tolist()):
+                hist[x] = hist.get(x, 0) + c
+        if zero.numel() and hi is None:
+            hi = 0.0
+    blocks = max(acc["blocks"], 1)
+    return ScaleStats(fmt.scale_element, acc["scales"], lo, hi, acc["zero"], acc["nan"], dict(sorted(hist.items())),
+                      acc["blocks"], acc["sat"], acc["zblk"], round(100 * acc["sat"] / blocks, 4),
+                      round(100 * acc["zblk"] / blocks, 4))
