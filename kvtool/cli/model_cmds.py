@@ -39,6 +39,8 @@ def capture_cmd(
     layers: Annotated[Optional[str], typer.Option("--layers", help="Layers to save: 0-3, 0,5,7 or all.")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")] = False,
     seed: Annotated[int, typer.Option("--seed", help="Weight seed of the synthetic models.")] = 0,
+    model_layers: Annotated[Optional[int], typer.Option("--model-layers", help="Depth of the synthetic models "
+                                                                               "(default 2).")] = None,
     device: DeviceOpt = "cpu",
     as_json: JsonOpt = False,
 ) -> None:
@@ -46,7 +48,7 @@ def capture_cmd(
     safetensors. Without --prompt/--prompt-file the prompt is Python standard-library documentation."""
     text = corpus.read_prompt(prompt, prompt_file, default_chars=8 * max_tokens)
     report = capture_mod.capture(model, text, output, max_tokens=max_tokens, layers=layers, chat=chat,
-                                 device=str(resolve_device(device)), seed=seed)
+                                 device=str(resolve_device(device)), seed=seed, model_layers=model_layers)
     emit(report, as_json, _render_capture)
 
 

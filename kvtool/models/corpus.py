@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import warnings
 from pathlib import Path
 
 import torch
@@ -27,14 +28,15 @@ STDLIB_MODULES = (
 def _module_docs(name: str) -> tuple[str, list[str]]:
     module = importlib.import_module(name)
     members = []
-    for attr in sorted(vars(module)):
-        obj = getattr(module, attr)
-        if attr.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
-            continue
-        if inspect.isclass(obj) or inspect.isfunction(obj):
-            doc = inspect.getdoc(obj)
-            if doc:
-                members.append(doc)
+    with warnings.catch_warnings():  # some modules' attributes warn on access (typing.io); the text is what we want
+        warnings.simplefilter("ignore")
+        for attr, obj in sorted(vars(module).items()):
+            if attr.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
+                continue
+            if inspect.isclass(obj) or inspect.isfunction(obj):
+                doc = inspect.getdoc(obj)
+                if doc:
+                    members.append(doc)
     return inspect.getdoc(module) or "", members
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from kvtool.errors import InputError, OutputError
-from kvtool.models import dense_forward, load_model, tokenize
+from kvtool.models import dense_causal_attention, load_model, tokenize
 
 CAPTURE_SCHEMA = "1"
 KINDS = ("k", "v", "q", "index_k", "index_q")
@@ -80,6 +80,9 @@ def _write_atomic(tensors: dict[str, torch.Tensor], metadata: dict[str, str], ou
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata=metadata)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the permissions a plain open would
         os.replace(tmp, output)
     except OSError as err:
         raise OutputError(f"cannot write {output}: {err}") from None
@@ -90,28 +93,30 @@ def _write_atomic(tensors: dict[str, torch.Tensor], metadata: dict[str, str], ou
 
 @torch.no_grad()
 def capture(model_name: str, text: str, output: Path, *, max_tokens: int | None = 1024, layers: str | None = None,
-            chat: bool = False, device: str = "cpu", seed: int = 0) -> CaptureReport:
+            chat: bool = False, device: str = "cpu", seed: int = 0, model_layers: int | None = None) -> CaptureReport:
     """Tokenize `text` (wrapped in the model's chat template when `chat`), run it through `model_name` with dense
     causal fp32 attention and write the caches of `layers` (all by default) to `output` (schema in the module
-    docstring). Only layers up to the last one asked for are computed."""
+    docstring). `model_layers` sets the depth of the synthetic models (default: theirs). Layers after the last one
+    asked for are not computed (they cannot change earlier layers)."""
     start = time.perf_counter()
-    probe = parse_layers(layers)
-    # Later layers never influence earlier ones: load only as deep as needed (factories take `layers` = depth).
-    model = load_model(model_name, device=device, seed=seed, **({"layers": probe[-1] + 1} if probe else {}))
+    model = load_model(model_name, device=device, seed=seed,
+                       **({} if model_layers is None else {"layers": model_layers}))
     selected = parse_layers(layers, model.config.n_layers) or list(range(model.config.n_layers))
     if chat:
         if model.tokenizer is None or not hasattr(model.tokenizer, "chat"):
             raise InputError(f"--chat needs a model with a chat template; {model_name} has none")
         text = model.tokenizer.chat(text)
-    tokens = tokenize(model, text, max_tokens)
+    tokens = tokenize(model, text, max_tokens).to(model.device)
+    pos = torch.arange(len(tokens), device=model.device)
     stored: dict[str, torch.Tensor] = {}
-
-    def keep(layer, q, k, v, iq, ik):
+    h = model.embed(tokens)
+    for layer in range(selected[-1] + 1):
+        q, k, v = model.qkv(layer, h, pos)
         if layer in selected:
+            iq, ik = model.index_qk(layer, q, k, h, pos)
             for kind, t in zip(KINDS, (k, v, q, ik, iq)):
                 stored[f"layers.{layer}.{kind}"] = t.to(torch.bfloat16).cpu().contiguous()
-
-    dense_forward(model, tokens, hook=keep)
+        h = model.attn_out(layer, h, dense_causal_attention(q, k, v))
     c = model.config
     covered = model.tokenizer.decode(tokens.tolist()) if model.tokenizer is not None else text[:len(tokens)]
     metadata = {
