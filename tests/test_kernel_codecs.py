@@ -1,0 +1,278 @@
+"""Every `@triton.jit` helper in kernels/codecs.py against the torch codecs in kvtool/formats, bit for bit.
+
+Two small test kernels (in this file) run the helpers: `_unary_kernel` applies one elementwise helper (chosen by a
+constexpr OP) to a flat array; `_block_kernel` quantizes [rows, D] rows through `mxfp4_quantize_block` /
+`nvfp4_quantize_block` + `pack_nibbles` (or round-trips `pack_nibbles` / `unpack_nibbles`). Inputs: fresh random data
+of several distributions, random fp32 bit patterns (every exponent), the shared edge-case table, and whole-domain sweeps
+(every E2M1 / E4M3 / E8M0 code, every exponent for exp2_int). Under the interpreter (CPU) the sizes are small; the
+`gpu`-marked variants rerun the same checks at large sizes on the device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import triton
+import triton.language as tl
+from edge_cases import edge_case_tensor
+
+from kvtool.formats import E4M3, NvRecipe, ScaleRule, get_format
+from kvtool.formats import codecs as fc
+from kvtool.formats.elements import (
+    e2m1_decode,
+    e2m1_encode,
+    e4m3_decode,
+    e4m3_encode,
+    e8m0_decode,
+    exp2_int,
+    pack_nibbles,
+    unpack_nibbles,
+)
+from kvtool.kernels import codecs as kc
+
+# Zero scales make the nvfp4 helper compute 1 / 0 on lanes that `tl.where` then discards (the interpreter warns).
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+SEED = int(np.random.SeedSequence().entropy % 2**31)
+BLOCK = 1024
+
+# OP codes of _unary_kernel (one constexpr-parameterized kernel, not one kernel per helper).
+E2M1_ENCODE, E2M1_DECODE_F16, E2M1_DECODE_F32, E4M3_ENCODE, E4M3_DECODE, E8M0_DECODE, EXP2_INT, MX_EXPONENT, \
+    FP8_ENCODE_SCALED, FP8_ROW_SCALE = range(10)
+
+
+@triton.jit
+def _unary_kernel(x_ptr, s_ptr, out_ptr, n,  # input, second input (scale) or dummy, output, element count
+                  OP: tl.constexpr, RULE: tl.constexpr, BLOCK: tl.constexpr):  # helper, its rule, elements / program
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask)
+    if OP == 0:
+        y = kc.e2m1_encode(x)
+    elif OP == 1:
+        y = kc.e2m1_decode_f16(x)
+    elif OP == 2:
+        y = kc.e2m1_decode_f32(x)
+    elif OP == 3:
+        y = kc.e4m3_encode(x)
+    elif OP == 4:
+        y = kc.e4m3_decode(x)
+    elif OP == 5:
+        y = kc.e8m0_decode(x)
+    elif OP == 6:
+        y = kc.exp2_int(x)
+    elif OP == 7:
+        y = kc.mx_exponent(x, RULE)
+    elif OP == 8:
+        y = kc.fp8_encode_scaled(x, tl.load(s_ptr + offs, mask=mask, other=1.0))
+    else:
+        y = kc.fp8_row_scale(x, RULE >= 1, RULE == 2)  # RULE: 0 plain, 1 DeepSeek floor, 2 floor + pow2
+    tl.store(out_ptr + offs, y, mask=mask)
+
+
+@triton.jit
+def _block_kernel(x_ptr, payload_ptr, scale_ptr, n_rows, g_dec, g_enc,  # fp32 [n, D], u8 [n, D/2], u8 [n, D/BS]
+                  D: tl.constexpr, BS: tl.constexpr,  # head dim, block size (32 mxfp4, 16 nvfp4, 0: pack round trip)
+                  RULE: tl.constexpr, RECIPE: tl.constexpr, BLOCK_R: tl.constexpr):  # constexprs, rows / program
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows[:, None] < n_rows
+    cols = tl.arange(0, D)
+    half = tl.arange(0, D // 2)
+    if BS == 0:  # payload_ptr holds packed bytes: unpack, store codes to x_ptr (as u8), repack into scale_ptr
+        packed = tl.load(payload_ptr + rows[:, None] * (D // 2) + half[None, :], mask=rmask, other=0)
+        codes = kc.unpack_nibbles(packed, BLOCK_R, D // 2)
+        tl.store(x_ptr + rows[:, None] * D + cols[None, :], codes, mask=rmask)
+        tl.store(scale_ptr + rows[:, None] * (D // 2) + half[None, :], kc.pack_nibbles(codes, BLOCK_R, D), mask=rmask)
+    else:
+        x = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=rmask, other=0.0)
+        xb = tl.reshape(x, [BLOCK_R, D // BS, BS])
+        if BS == 32:
+            codes, scale = kc.mxfp4_quantize_block(xb, RULE)
+        else:
+            codes, scale = kc.nvfp4_quantize_block(xb, g_dec, g_enc, RECIPE)
+        packed = kc.pack_nibbles(tl.reshape(codes, [BLOCK_R, D]), BLOCK_R, D)
+        tl.store(payload_ptr + rows[:, None] * (D // 2) + half[None, :], packed, mask=rmask)
+        nb = tl.arange(0, D // BS)
+        tl.store(scale_ptr + rows[:, None] * (D // BS) + nb[None, :], scale, mask=rmask)
+
+
+def run_unary(op: int, x: torch.Tensor, out_dtype: torch.dtype, rule: int = 0, s: torch.Tensor | None = None):
+    """Flat `x` through one helper; returns a tensor of `out_dtype` on x's device."""
+    x = x.contiguous().reshape(-1)
+    out = torch.empty(x.numel(), dtype=out_dtype, device=x.device)
+    s = x if s is None else s.contiguous().reshape(-1)
+    _unary_kernel[(triton.cdiv(x.numel(), BLOCK),)](x, s, out, x.numel(), OP=op, RULE=rule, BLOCK=BLOCK)
+    return out
+
+
+def run_block(x: torch.Tensor, bs: int, rule: int = 0, recipe: int = 0, g_dec: float = 1.0, g_enc: float = 1.0,
+              block_r: int = 16):
+    """fp32 [n, D] -> (payload u8 [n, D/2], scales u8 [n, D/bs]) through the block helpers."""
+    n, d = x.shape
+    payload = torch.empty(n, d // 2, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(n, d // bs, dtype=torch.uint8, device=x.device)
+    _block_kernel[(triton.cdiv(n, block_r),)](x.contiguous(), payload, scales, n, g_dec, g_enc, D=d, BS=bs,
+                                              RULE=rule, RECIPE=recipe, BLOCK_R=block_r)
+    return payload, scales
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = a.cpu(), b.cpu()
+    if a.dtype.is_floating_point:
+        width = {2: torch.int16, 4: torch.int32}[a.element_size()]
+        a, b = a.view(width), b.to(a.dtype).view(width)
+    return a.shape == b.shape and torch.equal(a, b)
+
+
+def first_diff(a, b) -> str:
+    a, b = a.cpu(), b.cpu()
+    bad = torch.nonzero(a.reshape(-1) != b.reshape(-1).to(a.dtype))
+    i = int(bad[0]) if len(bad) else 0
+    return f"seed {SEED}: {len(bad)} differ; first at {i}: kernel {a.reshape(-1)[i]} vs torch {b.reshape(-1)[i]}"
+
+
+# ---------------------------------------------------------------------------------------------------------- inputs
+def fp32_values(n: int, device: str, seed: int = SEED) -> torch.Tensor:
+    """Finite fp32 probes: random bit patterns (every exponent incl. subnormals), normals at several scales, heavy
+    tails, the edge-case table, E2M1 ties and E4M3 values / midpoints one ulp either side."""
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.randint(-(2**31), 2**31 - 1, (n,), generator=g, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    bits = bits[torch.isfinite(bits)]
+    normal = torch.randn(n, generator=g) * torch.exp2(torch.randint(-40, 40, (n,), generator=g).float())
+    t = torch.randn(n, generator=g) / torch.rand(n, generator=g).clamp_min(1e-3)
+    e4 = E4M3.values()
+    e4 = e4[torch.isfinite(e4)].unique()
+    mids = ((e4[1:].double() + e4[:-1].double()) / 2).float()
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 7.0, 448.0, 464.0, 465.0, 3e38])
+    special = torch.cat([e4, mids, ties])
+    special = torch.cat([special, torch.nextafter(special, torch.tensor(1e38)),
+                         torch.nextafter(special, torch.tensor(0.0))])
+    out = torch.cat([bits, normal, t, edge_case_tensor(128).reshape(-1), special, -special])
+    return out.float().to(device)
+
+
+def block_rows(n_rows: int, device: str, seed: int = SEED) -> torch.Tensor:
+    """[rows, 128] fp32: per-row magnitudes 1e-8 .. 1e4 (normal and heavy-tailed rows) plus the edge-case table."""
+    g = torch.Generator().manual_seed(seed + 1)
+    scale = 10.0 ** (torch.rand(n_rows, 1, generator=g) * 12 - 8)
+    x = torch.randn(n_rows, 128, generator=g) * scale
+    heavy = torch.randn(n_rows, 128, generator=g) / torch.rand(n_rows, 128, generator=g).clamp_min(1e-3) * scale
+    return torch.cat([x, heavy, edge_case_tensor(128)]).float().to(device)
+
+
+# ----------------------------------------------------------------------------------------------- elementwise checks
+def check_elementwise(device: str, n: int) -> None:
+    x = fp32_values(n, device)
+    codes16 = torch.arange(16, dtype=torch.uint8, device=device)
+    bytes256 = torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8)
+    e4_ok = bytes256[(bytes256.int() & 0x7F) != 0x7F]  # the NaN codes are never written (e4m3_decode_any reads them)
+    e8_ok = bytes256[bytes256 != 255]
+    checks = [
+        ("e2m1_encode", run_unary(E2M1_ENCODE, x, torch.uint8), e2m1_encode(x)),
+        ("e2m1_decode_f16", run_unary(E2M1_DECODE_F16, codes16, torch.float16), e2m1_decode(codes16).half()),
+        ("e2m1_decode_f32", run_unary(E2M1_DECODE_F32, codes16, torch.float32), e2m1_decode(codes16)),
+        ("e4m3_encode", run_unary(E4M3_ENCODE, x, torch.uint8), e4m3_encode(x)),
+        ("e4m3_decode", run_unary(E4M3_DECODE, e4_ok, torch.float32), e4m3_decode(e4_ok)),
+        ("e8m0_decode", run_unary(E8M0_DECODE, e8_ok, torch.float32), e8m0_decode(e8_ok)),
+    ]
+    e = torch.arange(-149, 128, dtype=torch.int32, device=device)
+    checks.append(("exp2_int", run_unary(EXP2_INT, e, torch.float32), exp2_int(e)))
+    amax = x.abs()
+    for rule in ScaleRule:
+        checks.append((f"mx_exponent[{rule.name}]", run_unary(MX_EXPONENT, amax, torch.int32, int(rule)),
+                       fc.mx_exponent(amax, rule)))
+    s = fc.fp8_row_scale(amax.roll(1), False, False)
+    checks.append(("fp8_encode_scaled", run_unary(FP8_ENCODE_SCALED, x, torch.uint8, s=s), e4m3_encode(x / s)))
+    for mode, (ds, pow2) in enumerate(((False, False), (True, False), (True, True))):
+        checks.append((f"fp8_row_scale[{mode}]", run_unary(FP8_ROW_SCALE, amax, torch.float32, mode),
+                       fc.fp8_row_scale(amax, ds, pow2)))
+    bad = [f"{name}: {first_diff(k, t)}" for name, k, t in checks if not same_bits(k, t)]
+    assert not bad, "\n".join(bad)
+
+
+def check_domain_round_trips(device: str) -> None:
+    """Whole domains: every E2M1 and E4M3 code (both signs) decodes and re-encodes to itself in the kernel."""
+    codes16 = torch.arange(16, dtype=torch.uint8, device=device)
+    back = run_unary(E2M1_ENCODE, run_unary(E2M1_DECODE_F32, codes16, torch.float32), torch.uint8)
+    assert torch.equal(back.cpu(), codes16.cpu())
+    b = torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8)
+    b = b[(b.int() & 0x7F) != 0x7F]
+    back = run_unary(E4M3_ENCODE, run_unary(E4M3_DECODE, b, torch.float32), torch.uint8)
+    assert torch.equal(back.cpu(), b.cpu())
+
+
+# ----------------------------------------------------------------------------------------------------- block checks
+def check_blocks(device: str, n_rows: int, block_r: int) -> None:
+    x = block_rows(n_rows, device)
+    bad = []
+    for rule in ScaleRule:
+        q = get_format("mxfp4", scale_rule=rule).quantize(x)
+        payload, scales = run_block(x, 32, rule=int(rule), block_r=block_r)
+        if not (same_bits(payload, q.payload) and same_bits(scales, q.scales)):
+            bad.append(f"mxfp4 {rule.name}: payload {first_diff(payload, q.payload)}; scales "
+                       f"{first_diff(scales, q.scales)}")
+    for recipe in NvRecipe:
+        for outer in ("1", "auto"):
+            fmt = get_format("nvfp4", recipe=recipe, outer_scale=outer)
+            q = fmt.quantize(x)
+            g_dec = torch.tensor(q.outer_scale, dtype=torch.float32)
+            if outer == "auto":
+                assert q.outer_scale != 1.0  # a non-trivial outer scale
+            payload, scales = run_block(x, 16, recipe=int(recipe), g_dec=float(g_dec), g_enc=float(1.0 / g_dec),
+                                        block_r=block_r)
+            if not (same_bits(payload, q.payload) and same_bits(scales, q.scales)):
+                bad.append(f"nvfp4 {recipe.name} {outer}: payload {first_diff(payload, q.payload)}; scales "
+                           f"{first_diff(scales, q.scales)}")
+    assert not bad, "\n".join(bad)
+
+
+def check_pack(device: str, n_rows: int, block_r: int) -> None:
+    g = torch.Generator().manual_seed(SEED + 2)
+    codes = torch.randint(0, 16, (n_rows, 128), generator=g, dtype=torch.uint8).to(device)
+    packed = pack_nibbles(codes)
+    out_codes = torch.empty_like(codes)
+    repacked = torch.empty_like(packed)
+    _block_kernel[(triton.cdiv(n_rows, block_r),)](out_codes, packed, repacked, n_rows, 1.0, 1.0, D=128, BS=0,
+                                                   RULE=0, RECIPE=0, BLOCK_R=block_r)
+    assert torch.equal(out_codes.cpu(), unpack_nibbles(packed).cpu()) and torch.equal(out_codes.cpu(), codes.cpu())
+    assert torch.equal(repacked.cpu(), packed.cpu())
+
+
+# ------------------------------------------------------------------------------------- interpreter (small) and GPU
+def test_elementwise_helpers(device):
+    check_elementwise(device, 1 << 14)
+
+
+def test_domain_round_trips(device):
+    check_domain_round_trips(device)
+
+
+def test_block_quantizers(device):
+    check_blocks(device, 48, block_r=16)
+
+
+def test_pack_unpack(device):
+    check_pack(device, 40, block_r=16)
+
+
+def test_kernel_checks_can_fail(device):
+    """The harness sees a one-code difference (guards against a comparison that always passes)."""
+    x = block_rows(4, device)
+    payload, scales = run_block(x, 32, rule=int(ScaleRule.FLOOR))
+    q = get_format("mxfp4-rceil").quantize(x)
+    assert not (same_bits(payload, q.payload) and same_bits(scales, q.scales))
+
+
+@pytest.mark.gpu
+def test_elementwise_helpers_gpu(device):
+    check_elementwise(device, 1 << 24)
+
+
+@pytest.mark.gpu
+def test_block_quantizers_gpu(device):
+    check_blocks(device, 1 << 16, block_r=64)
+
+
+@pytest.mark.gpu
+def test_pack_unpack_gpu(device):
+    check_pack(device, 1 << 16, block_r=64)
