@@ -74,6 +74,17 @@ def _nanmax(a, b):
 
 
 @triton.jit
+def _col_nanmax(s, INTERP: tl.constexpr):
+    """Max over axis 0 of fp32 [T, MP] with NaN winning. Compiled: one NaN-propagating max reduction. The
+    interpreter runs a custom combine function element by element (slow), so there: numpy's max plus a NaN flag."""
+    if INTERP:
+        has_nan = tl.max((s != s).to(tl.int32), axis=0) > 0
+        return tl.where(has_nan, float("nan"), tl.max(s, axis=0))
+    else:
+        return tl.reduce(s, 0, _nanmax)
+
+
+@triton.jit
 def _to_dot(x, DOT_F32: tl.constexpr):
     """fp32 values already exact in fp16 -> the dot operand type (fp16; fp32 under the interpreter)."""
     x16 = x.to(tl.float16)
@@ -193,7 +204,7 @@ def _block_step(i, blk0, state, col, pos, valid, t_end, bt_row, data_ptr, qa, qb
         s = tl.where(keep, acc * colscale[None, :], float("-inf"))
         if MODE == MODE_TOKENS:
             tl.store(out_ptr + out_row[None, :] + t[:, None], s, mask=row_ok[None, :] & (t < n_out)[:, None])
-        bmax = _nanmax(bmax, tl.reduce(s, 0, _nanmax))
+        bmax = _nanmax(bmax, _col_nanmax(s, DOT_F32))
     forced_init = (blk < INIT) & (blk < valid)
     forced_local = (blk >= valid - LOCAL) & (blk < valid)
     bsc = tl.where(forced_local, LOCAL_SCORE, tl.where(forced_init, INIT_SCORE, bmax))
@@ -295,7 +306,7 @@ _tuned_kernel = triton.autotune(
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+    return 1  # CPU / interpreter: few, long programs (each program start costs more than a block there)
 
 
 def _check(iq4: torch.Tensor, cache, block_table: torch.Tensor, context_lens: torch.Tensor, cfg) -> None:

@@ -96,22 +96,25 @@ def rank_keys(bscores: torch.Tensor) -> torch.Tensor:
 
 def select_topk(bscores: torch.Tensor, q_pos, cfg: IndexerConfig) -> torch.Tensor:
     """Block scores [Hi, Q, NB] -> int32 block ids [Hi, Q, cfg.topk] in descending rank order; row q keeps
-    k = min(topk, valid_blocks(q_pos[q])) ids and pads with -1. NaN ranks as -1e30; ties follow cfg.tie_rule."""
+    k = min(topk, valid_blocks(q_pos[q])) ids, only among its valid blocks, and pads with -1. NaN ranks as -1e30;
+    ties follow cfg.tie_rule (`any` accepts any tie order; the reference then uses the higher-id order)."""
     *lead, nq, nb = bscores.shape
     q_pos = _positions(q_pos, nq, bscores.device)
     keys = rank_keys(bscores)
+    valid = (q_pos // cfg.block_size + 1)[:, None]  # [Q, 1]
+    # Lexicographic order by stable sorts, least significant first: tie id, then rank key, then validity (a valid
+    # -inf block must beat an invalid one).
+    order = torch.arange(nb, device=keys.device).expand_as(keys)
+    if cfg.tie_rule != "lower-id":
+        order = order.flip(-1)
+    perm = torch.sort(keys.gather(-1, order), dim=-1, descending=True, stable=True).indices
+    order = order.gather(-1, perm)
+    perm = torch.sort((order < valid).to(torch.int8), dim=-1, descending=True, stable=True).indices
+    order = order.gather(-1, perm)
     width = min(cfg.topk, nb)
-    if width == 0:
-        ids = torch.empty(*lead, nq, 0, dtype=torch.long, device=bscores.device)
-    elif cfg.tie_rule == "any":
-        ids = torch.topk(keys, width, dim=-1).indices
-    elif cfg.tie_rule == "lower-id":
-        ids = torch.sort(keys, dim=-1, descending=True, stable=True).indices[..., :width]
-    else:  # higher-id: a stable sort of the reversed row puts the higher id first among equals
-        ids = nb - 1 - torch.sort(keys.flip(-1), dim=-1, descending=True, stable=True).indices[..., :width]
     out = torch.full((*lead, nq, cfg.topk), -1, dtype=torch.int32, device=bscores.device)
-    out[..., :width] = ids.to(torch.int32)
-    k = torch.clamp(q_pos // cfg.block_size + 1, max=cfg.topk)[:, None]  # [Q, 1]
+    out[..., :width] = order[..., :width].to(torch.int32)
+    k = torch.clamp(valid, max=cfg.topk)  # [Q, 1]
     return out.masked_fill(torch.arange(cfg.topk, device=out.device)[None, :] >= k, -1)
 
 
