@@ -377,6 +377,17 @@ def test_wrong_heads_hints_the_geometry_that_fits(mx_dump):
         read_layout(mx_dump, "vllm-mxfp4-page", "tokens=1000")
 
 
+def test_geometry_string_parses_to_typed_values():
+    assert parse_geometry("format=mxfp4, page=128,heads=1,dim=128,tokens=1000,outer.v=0.5,tensor_scale=2") == {
+        "format": "mxfp4", "page": 128, "heads": 1, "dim": 128, "tokens": 1000, "outer.v": 0.5, "tensor_scale": 2.0}
+    assert parse_geometry(None) == {} and parse_geometry(" ") == {}
+    assert parse_geometry({"page": 64, "format": "nvfp4"}) == {"page": 64, "format": "nvfp4"}
+    with pytest.raises(LayoutError, match="given twice"):
+        parse_geometry("page=1,page=2")
+    with pytest.raises(LayoutError, match="unknown geometry key 'page.k'"):
+        parse_geometry("page.k=2")
+
+
 @pytest.mark.parametrize("layout,geometry,match", [
     ("vllm-mxfp4-page", "pages=3", "unknown geometry key 'pages'"),
     ("vllm-mxfp4-page", "heads=two", "not a number"),

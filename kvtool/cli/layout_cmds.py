@@ -22,9 +22,10 @@ GeometryOpt = Annotated[Optional[str], typer.Option(
 
 CONVERT_EXAMPLES = """Examples:
 
-  kvtool convert vllm_dump.bin -o ref.safetensors --from-layout vllm-mxfp4-page --to-layout planes --geometry format=mxfp4,page=128,heads=1,dim=128,tokens=1000
+  kvtool convert vllm_dump.bin -o ref.safetensors --from-layout vllm-mxfp4-page --to-layout planes
+  --geometry format=mxfp4,page=128,heads=1,dim=128,tokens=1000
 
-  kvtool convert kv.safetensors -o trt.bin --from-layout vllm-nvfp4-kv --to-layout trtllm-nvfp4-kv --to-geometry page=32 --json
+  kvtool convert kv.safetensors -o trt.bin --from-layout vllm-nvfp4-kv --to-layout trtllm-nvfp4-kv --json
 """
 
 
@@ -56,8 +57,9 @@ def _render_convert(report: ConvertReport) -> None:
             ("out", report.output, report.to_layout, report.geometry_out, report.output_bytes)):
         table.add_row(side, Text(path), layout, f"{geo['pages']} x {geo['page']}", f"{nbytes:,}")
     stdout.print(table)
-    stdout.print(Text(f"tensors: {', '.join(report.tensors)}; {report.geometry_in['tokens']} tokens, "
-                      f"{report.geometry_in['heads']} heads, dim {report.geometry_in['dim']}"))
+    geo = report.geometry_in
+    stdout.print(Text(f"tensors: {', '.join(report.tensors)}; tokens={geo['tokens']}, heads={geo['heads']}, "
+                      f"dim={geo['dim']}"))
 
 
 LAYOUTS_EXAMPLES = """Examples:
@@ -74,7 +76,7 @@ def layouts(
     dim: Annotated[int, typer.Option("--dim", help="Head dim the byte maps are drawn for.")] = 128,
     heads: Annotated[int, typer.Option("--heads", help="Heads counted in the bytes per page.")] = 1,
     fmt: Annotated[Optional[str], typer.Option("--format", help="Draw maps for this format where the preset "
-                                                                "holds it (default: each preset's default).")] = None,
+                                                                "holds it (default: the preset's).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """List the engine layout presets with their byte maps (per page, P tokens, H heads)."""

@@ -8,7 +8,7 @@ are permuted inside each (page, head) block first. Reading is the exact inverse,
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -58,11 +58,13 @@ class Geometry:
                 "tokens": self.tokens, "pages": self.pages}
 
 
-def parse_geometry(text: "str | None") -> dict:
+def parse_geometry(text: "str | dict | None") -> dict:
     """Parse "KEY=VAL[,KEY=VAL...]" (keys: format, page, heads, dim, tokens, tensor_scale, outer; the two scalars
     also per logical tensor as tensor_scale.k=, outer.v=) into typed values. Raises LayoutError on an unknown key, a
     repeated key or a bad number."""
     out: dict = {}
+    if isinstance(text, dict):  # an already split {key: value} mapping is accepted too
+        text = ",".join(f"{key}={value}" for key, value in text.items())
     if text is None or not str(text).strip():
         return out
     for item in str(text).split(","):
@@ -255,7 +257,3 @@ def decode(preset: LayoutPreset, regions: dict, geo: Geometry) -> dict:
         rows = {part: from_canonical(canon[(name, part)], geo) for part in (PAYLOAD, SCALE) if (name, part) in canon}
         out[name] = build_qtensor(name, rows, geo)
     return out
-
-
-def with_tokens(geo: Geometry, tokens: int) -> Geometry:
-    return replace(geo, tokens=tokens)

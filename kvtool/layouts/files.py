@@ -217,7 +217,7 @@ def _scalars(meta: dict, given: dict, key: str, logical: str) -> dict:
 
 # ------------------------------------------------------------------------------------------------------ public API
 def read_layout_info(path: "str | Path", layout: "str | LayoutPreset",
-                     geometry: "str | None" = None) -> tuple[dict, Geometry, int]:
+                     geometry: "str | dict | None" = None) -> tuple[dict, Geometry, int]:
     """read_layout plus the resolved Geometry and the file's byte count (for reports)."""
     preset = get_preset(layout)
     dump = load_dump(path)
@@ -263,13 +263,14 @@ def read_layout_info(path: "str | Path", layout: "str | LayoutPreset",
     return out, geo, dump.nbytes
 
 
-def read_layout(path: "str | Path", layout: "str | LayoutPreset", geometry: "str | None" = None) -> dict:
+def read_layout(path: "str | Path", layout: "str | LayoutPreset", geometry: "str | dict | None" = None) -> dict:
     """Read an engine dump in layout `layout` into {name: QTensor of logical shape [tokens, heads, D]}.
 
     `path`: a raw `.bin`, a `.pt` (torch.load weights_only=True) or a `.safetensors` holding the engine's buffer
     tensor(s). `geometry`: "KEY=VAL[,KEY=VAL...]" with keys format (a label such as mxfp4, nvfp4-auto, fp8-token),
-    page, heads, dim, tokens, tensor_scale (fp8 `tensor`), outer (nvfp4 g_dec); missing keys come from the file's
-    kvtool metadata, then the preset (format, page), then heads=1, dim=128, tokens = every slot of every page.
+    page, heads, dim, tokens, tensor_scale (fp8 `tensor`), outer (nvfp4 g_dec), the last two also per tensor as
+    `outer.k=` / `tensor_scale.v=` (a {key: value} dict is accepted too); missing keys come from the file's kvtool
+    metadata, then the preset (format, page), then heads=1, dim=128, tokens = every slot of every page.
     Names: `k` / `v` for paired presets, `x` otherwise, prefixed by the dump's tensor-name prefixes. Payloads are uint8
     (bf16 for bf16); scales uint8 [N, H, D/block], fp32 [N, H, 1] (fp8 token) or an fp32 scalar (fp8 tensor).
     Raises LayoutError when the byte count does not match the geometry, naming expected and actual bytes and the
@@ -287,7 +288,7 @@ def _logical_shape(name: str, q: QTensor) -> tuple[int, int, int]:
 
 
 def encode_for_write(tensors: dict, layout: "str | LayoutPreset",
-                     geometry: "str | None" = None) -> tuple[dict, Geometry, dict]:
+                     geometry: "str | dict | None" = None) -> tuple[dict, Geometry, dict]:
     """The bytes write_layout would write: ({tensor name: uint8 [pages, region_page_bytes]}, geometry, metadata)."""
     preset = get_preset(layout)
     given = parse_geometry(geometry)
@@ -339,7 +340,10 @@ def _atomic(path: Path, write) -> None:
     except OSError as err:
         raise OutputError(f"cannot write in {parent}: {err.strerror}") from None
     os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
     try:
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; the target gets ordinary file permissions
         write(tmp)
         os.replace(tmp, path)
     except BaseException:
@@ -347,7 +351,8 @@ def _atomic(path: Path, write) -> None:
         raise
 
 
-def write_layout(tensors: dict, path: "str | Path", layout: "str | LayoutPreset", geometry: "str | None" = None) -> None:
+def write_layout(tensors: dict, path: "str | Path", layout: "str | LayoutPreset",
+                 geometry: "str | dict | None" = None) -> None:
     """Write {name: QTensor [tokens, heads, D]} in layout `layout` (names as read_layout returns them: k/v or
     PREFIX.k/PREFIX.v for paired presets). The format is the tensors' own; `geometry` may set page (default: the
     preset's) and must agree with the tensors on format, tokens, heads and dim. `.safetensors` / `.pt`: one uint8
@@ -368,6 +373,6 @@ def write_layout(tensors: dict, path: "str | Path", layout: "str | LayoutPreset"
         if len({_split_key(preset, key)[0] for key in tensors}) > 1:
             raise LayoutError(f"{path.name}: a raw dump holds one cache; write .safetensors for several")
         raw = torch.cat([b.reshape(-1) for b in buffers.values()]) if buffers else torch.zeros(0, dtype=torch.uint8)
+        _atomic(path, lambda tmp: raw.numpy().tofile(tmp))
         sidecar = Path(str(path) + ".json")
         _atomic(sidecar, lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=1) + "\n"))
-        _atomic(path, lambda tmp: raw.numpy().tofile(tmp))

@@ -21,7 +21,7 @@ _SAMPLE = 1 << 20  # torch.quantile limit is 16M elements; a sample is plenty fo
 
 
 def _pct(count: int, total: int) -> str:
-    return f"{count} of {total}, {100.0 * count / max(total, 1):.1f}%"
+    return f"{count} of {total}, {100.0 * count / max(total, 1):.2g}%"
 
 
 def _spread(values: torch.Tensor) -> tuple[float, float]:

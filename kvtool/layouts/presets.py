@@ -204,7 +204,8 @@ PRESETS: dict[str, LayoutPreset] = {p.name: p for p in (
         "DeepSeek V3.2 lightning-indexer key cache, one head (MQA)"),
     LayoutPreset(
         "sglang-page1", ALL_FAMILIES, None, 1, True, ("k", "v"),
-        (Region("k_buffer", (Plane("k", PAYLOAD),), TOKEN_MAJOR), Region("v_buffer", (Plane("v", PAYLOAD),), TOKEN_MAJOR),
+        (Region("k_buffer", (Plane("k", PAYLOAD),), TOKEN_MAJOR),
+         Region("v_buffer", (Plane("v", PAYLOAD),), TOKEN_MAJOR),
          Region("k_scale_buffer", (Plane("k", SCALE),), TOKEN_MAJOR),
          Region("v_scale_buffer", (Plane("v", SCALE),), TOKEN_MAJOR)),
         "sgl-project/sglang python/sglang/srt/mem_cache/memory_pool.py (MHATokenToKVPool k_buffer [size + page, H, "
@@ -220,7 +221,8 @@ PRESETS: dict[str, LayoutPreset] = {p.name: p for p in (
         "atom-kv", ("fp8",), "fp8-token", 16, True, ("k", "v"),
         (Region("k_cache", (Plane("k", PAYLOAD, "atom-shuffle-k"),), PER_HEAD_PAGE),
          Region("v_cache", (Plane("v", PAYLOAD, "atom-shuffle-v"),), PER_HEAD_PAGE),
-         Region("k_scale", (Plane("k", SCALE),), PER_HEAD_PAGE), Region("v_scale", (Plane("v", SCALE),), PER_HEAD_PAGE)),
+         Region("k_scale", (Plane("k", SCALE),), PER_HEAD_PAGE),
+         Region("v_scale", (Plane("v", SCALE),), PER_HEAD_PAGE)),
         "ROCm/ATOM atom/model_ops/minimax_m3/sparse_attn.py (page-16 SHUFFLE K [nb, nkv, D/16, 16, 16], V [nb, nkv, "
         "1, D, 16]; per-token fp32 scales [pages, nkv, 16] for pa_fwd_asm pertokenFp8)",
         "MiniMax-M3 main K/V, per-token FP8 scales"),
