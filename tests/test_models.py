@@ -339,3 +339,22 @@ def test_capture_cli_end_to_end(tmp_path):
     assert "20 tokens" in result.stdout and out.is_file()
     bad = CliRunner().invoke(app, ["capture", "--model", "nope", "-o", str(out)])
     assert bad.exit_code == 2 and "unknown model" in bad.output
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["synthetic-m3", "smollm2"])
+def test_cuda_forward_matches_cpu(name, smol_cache, tmp_path):
+    """The same model on the GPU: logits within fp32 reassociation noise of the CPU run, and a long capture works."""
+    if name == "smollm2" and not HAS_SMOLLM2:
+        pytest.skip("smollm2 extra missing")
+    kw = {"cache_dir": smol_cache} if name == "smollm2" else {}
+    cpu, gpu = load_model(name, **kw), load_model(name, device="cuda", **kw)
+    tokens = tokenize(cpu, default_corpus(4000), max_tokens=300)
+    ref = dense_forward(cpu, tokens)
+    got = dense_forward(gpu, tokens).cpu()
+    torch.testing.assert_close(got, ref, rtol=2e-3, atol=2e-3)
+    out = tmp_path / "long.safetensors"
+    report = capture(name, default_corpus(40000), out, max_tokens=4096, device="cuda")
+    assert report.tokens == min(4096, len(tokenize(cpu, default_corpus(40000))))
+    _, tensors = read_capture(out)
+    assert all(torch.isfinite(t.float()).all() for t in tensors.values())
