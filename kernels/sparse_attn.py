@@ -222,7 +222,8 @@ def _sparse_attn_kernel(
         tl.store(ml_ptr + slot * 2, m_i, mask=gmask)
         tl.store(ml_ptr + slot * 2 + 1, l_i, mask=gmask)
     else:
-        out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0) * v_scalar
+        empty = l_i == 0.0  # nothing visible: zeros (a NaN sum, from an Inf score, stays NaN)
+        out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None]) * v_scalar
         tl.store(out_ptr + heads[:, None] * D + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
 
 
@@ -246,7 +247,8 @@ def _combine_kernel(
     acc = tl.load(part_ptr + (n * num_splits + sp)[:, None] * D + cols[None, :], mask=smask[:, None], other=0.0)
     total = tl.sum(w * l, axis=0)
     o = tl.sum(w[:, None] * acc, axis=0)
-    out = tl.where(total > 0, o / tl.where(total > 0, total, 1.0), 0.0) * v_scalar
+    empty = total == 0.0
+    out = tl.where(empty, 0.0, o / tl.where(empty, 1.0, total)) * v_scalar
     tl.store(out_ptr + n * D + cols, out.to(out_ptr.dtype.element_ty))
 
 
@@ -297,7 +299,8 @@ def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_
     hkv, topk = k_cache.num_heads, block_ids.shape[-1]
     fmt = k_cache.fmt
     interp = os.environ.get("TRITON_INTERPRET") == "1"
-    t = min(tile_tokens or (16 if interp else 64), k_cache.page_size)
+    # the interpreter pays per operation, not per element: whole pages per tile there
+    t = min(tile_tokens or (128 if interp else 64), k_cache.page_size)
     if k_cache.page_size % t or t < 16 and not interp:
         raise KernelArgumentError(f"tile of {t} tokens must divide the page size {k_cache.page_size} and be >= 16")
     if native_fp8 is None:

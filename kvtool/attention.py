@@ -53,9 +53,9 @@ def _softmax_weights(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _normalize(acc: torch.Tensor, l: torch.Tensor) -> torch.Tensor:
-    """acc / l, with zeros where l == 0 (the no-visible-token rule)."""
-    safe = torch.where(l > 0, l, torch.ones_like(l))
-    return torch.where(l > 0, acc / safe, torch.zeros_like(acc))
+    """acc / l, with zeros where l == 0 (the no-visible-token rule); a NaN l (an Inf score) stays NaN."""
+    empty = l == 0
+    return torch.where(empty, torch.zeros_like(acc), acc / torch.where(empty, torch.ones_like(l), l))
 
 
 def sparse_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
@@ -218,3 +218,28 @@ def paged_sparse_prefill(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCac
 
     return sparse_prefill(q, k_cache, v_cache, block_table, q_req, q_pos, block_ids, block_size, scale,
                           **kernel_options)
+
+
+def random_block_selection(q_pos: torch.Tensor, block_size: int, topk: int, num_kv_heads: int,
+                           gen: torch.Generator | None = None, holes: bool = False) -> torch.Tensor:
+    """Random selections for tests and synthetic runs: block ids [Hkv, Q, topk] int32. Each (head, query) gets
+    min(topk, valid_blocks) distinct blocks among its valid ones (valid_blocks = q_pos // block_size + 1), always
+    including its own, possibly partial, block (the M3 local block), in random order, -1 padded at the end; with
+    `holes` the -1 entries are shuffled in among the ids too (kernels must not assume trailing padding)."""
+    pos = q_pos.detach().cpu().long()
+    nq = pos.shape[0]
+    nb = int(pos.max()) // block_size + 1 if nq else 1
+    valid = pos // block_size + 1  # [Q]
+    keys = torch.rand(num_kv_heads, nq, nb, generator=gen)
+    blocks = torch.arange(nb)
+    keys = torch.where(blocks[None, None, :] < valid[None, :, None], keys, torch.full_like(keys, -1.0))
+    keys = torch.where(blocks[None, None, :] == (valid - 1)[None, :, None], torch.full_like(keys, 2.0), keys)
+    width = min(topk, nb)
+    top = torch.topk(keys, width, dim=-1)
+    ids = torch.where(top.values >= 0, top.indices, torch.full_like(top.indices, -1))
+    if width < topk:
+        ids = torch.cat([ids, torch.full((num_kv_heads, nq, topk - width), -1, dtype=ids.dtype)], -1)
+    # random order of the chosen ids (own block not always first); -1 stays at the end unless `holes`
+    order_keys = torch.rand(ids.shape, generator=gen) + torch.where(ids < 0, 0.0 if holes else 2.0, 0.0)
+    ids = torch.gather(ids, -1, torch.argsort(order_keys, dim=-1))
+    return ids.to(torch.int32).to(q_pos.device)

@@ -1,0 +1,236 @@
+"""The sparse-attention Triton kernels (kernels/sparse_attn.py) against the torch reference on the dequantized paged
+cache: every format, decode and prefill, split and non-split, ragged selections with -1 holes, the query's own
+partial block, one-token contexts, page / block / tile geometries, non-finite guards, argument checks. Small shapes
+run in the interpreter on CPU; the `gpu` tests run M3's TP4 shape (GQA 16, D 128, 128-token blocks, top-16, contexts
+up to 150K) on the GPU.
+
+The pool starts as 0xFF bytes (NaN in bf16 / fp8 / E4M3 scales, Inf as an E8M0 scale), so a kernel that reads
+anything outside the visible selection produces NaN and fails. Kernels run with an fp32 output here (the bf16 output
+rounding has its own test), so the tolerance is fp32 accumulation noise plus the bf16 hi/lo split of P.
+"""
+
+import math
+
+import pytest
+import torch
+
+from conftest import DEVICE, HAS_CUDA
+from kvtool.attention import paged_sparse_decode_ref, paged_sparse_prefill_ref, random_block_selection
+from kvtool.errors import KernelArgumentError
+from kvtool.formats import all_formats, get_format
+from kvtool.kernels.sparse_attn import sparse_decode, sparse_prefill
+from kvtool.metrics import value_metrics
+from kvtool.paged import PagedCache
+from kvtool.workflows.verify_attn import build_paged, synthetic_kv
+
+TOL_MAX_REL = 1e-4 if not HAS_CUDA else 2e-3  # interpreter: fp32 dots; GPU: bf16 tensor-core dots, fp32 accumulate
+
+
+def make_decode(fmt, lens, hq=4, hkv=2, d=64, page=16, bs=32, topk=3, seed=0, holes=True):
+    g = torch.Generator().manual_seed(seed)
+    ks = [synthetic_kv(n, hkv, d, g) for n in lens]
+    vs = [synthetic_kv(n, hkv, d, g, outliers=False) for n in lens]
+    kc, vc, table = build_paged(get_format(fmt), ks, vs, page, DEVICE, g)
+    q = torch.randn(len(lens), hq, d, generator=g).to(torch.bfloat16).to(DEVICE)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    ids = random_block_selection(ctx.long() - 1, bs, topk, hkv, g, holes=holes).transpose(0, 1).contiguous()
+    return q, kc, vc, table, ctx, ids
+
+
+def check_close(out, ref, tol=TOL_MAX_REL):
+    assert out.shape == ref.shape and torch.isfinite(out).all()
+    m = value_metrics(out.float(), ref.float())
+    assert m.max_rel <= tol and m.rel_l2 <= tol, m
+
+
+FORMATS = [f.label for f in all_formats()]
+
+
+@pytest.mark.parametrize("splits", [1, 3], ids=["nosplit", "split3"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decode_every_format(fmt, splits):
+    lens = [1, 17, 40, 70]  # one token; partial own blocks; a full page boundary inside a block
+    q, kc, vc, table, ctx, ids = make_decode(fmt, lens)
+    out = sparse_decode(q, kc, vc, table, ctx, ids, 32, num_splits=splits, out_dtype=torch.float32)
+    check_close(out, paged_sparse_decode_ref(q, kc, vc, table, ctx, ids, 32))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8-token", "mxfp4-floor"])
+@pytest.mark.parametrize("geo", [(32, 32, 16), (32, 64, 32), (16, 64, 16)], ids=["bs=p,t<p", "bs=2p", "bs=4p"])
+def test_geometries_gqa8_d128(fmt, geo):
+    page, bs, tile = geo
+    q, kc, vc, table, ctx, ids = make_decode(fmt, [3, 64, 150], hq=8, hkv=1, d=128, page=page, bs=bs, topk=2)
+    out = sparse_decode(q, kc, vc, table, ctx, ids, bs, num_splits=2, tile_tokens=tile, out_dtype=torch.float32)
+    check_close(out, paged_sparse_decode_ref(q, kc, vc, table, ctx, ids, bs))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4-rcp-auto"])
+def test_gqa16_tp4_head_shape(fmt):
+    q, kc, vc, table, ctx, ids = make_decode(fmt, [1, 100, 129], hq=16, hkv=1, d=128, page=32, bs=32, topk=4)
+    out = sparse_decode(q, kc, vc, table, ctx, ids, 32, out_dtype=torch.float32)
+    check_close(out, paged_sparse_decode_ref(q, kc, vc, table, ctx, ids, 32))
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8-tensor", "nvfp4", "mxfp4"])
+def test_prefill_rows_with_own_selections(fmt, splits):
+    g = torch.Generator().manual_seed(5)
+    lens, hq, hkv, d = [40, 70], 4, 2, 64
+    ks = [synthetic_kv(n, hkv, d, g) for n in lens]
+    vs = [synthetic_kv(n, hkv, d, g) for n in lens]
+    kc, vc, table = build_paged(get_format(fmt), ks, vs, 16, DEVICE, g)
+    q_req = torch.tensor([0, 0, 0, 0, 0, 1, 1, 1], dtype=torch.int32, device=DEVICE)
+    q_pos = torch.tensor([0, 5, 16, 31, 39, 32, 50, 69], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(8, hq, d, generator=g).to(torch.bfloat16).to(DEVICE)
+    ids = random_block_selection(q_pos.long(), 16, 3, hkv, g, holes=True).transpose(0, 1).contiguous()
+    out = sparse_prefill(q, kc, vc, table, q_req, q_pos, ids, 16, num_splits=splits, out_dtype=torch.float32)
+    check_close(out, paged_sparse_prefill_ref(q, kc, vc, table, q_req, q_pos, ids, 16))
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_bf16_output_is_the_rounded_fp32_output(splits):
+    q, kc, vc, table, ctx, ids = make_decode("nvfp4", [9, 70])
+    f32 = sparse_decode(q, kc, vc, table, ctx, ids, 32, num_splits=splits, out_dtype=torch.float32)
+    b16 = sparse_decode(q, kc, vc, table, ctx, ids, 32, num_splits=splits)
+    assert b16.dtype == torch.bfloat16
+    # within one bf16 ulp (the interpreter truncates, the GPU rounds to nearest)
+    ulp = torch.exp2(torch.floor(torch.log2(f32.abs().clamp(min=1e-30))) - 7)
+    assert ((b16.float() - f32).abs() <= ulp).all()
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-token", "fp8-tensor"])
+def test_native_fp8_conversion_equals_portable_decode(fmt):
+    q, kc, vc, table, ctx, ids = make_decode(fmt, [33, 64])
+    a = sparse_decode(q, kc, vc, table, ctx, ids, 32, native_fp8=True, out_dtype=torch.float32)
+    b = sparse_decode(q, kc, vc, table, ctx, ids, 32, native_fp8=False, out_dtype=torch.float32)
+    assert torch.equal(a, b)
+
+
+def test_empty_selection_and_excess_splits():
+    q, kc, vc, table, ctx, ids = make_decode("mxfp4", [20, 50, 64])
+    ids[0] = -1  # nothing selected
+    ids[1, :, :] = torch.tensor([3, -1, -1], dtype=torch.int32)  # only a block after the query (tokens 96..127)
+    out = sparse_decode(q, kc, vc, table, ctx, ids, 32, out_dtype=torch.float32)
+    assert torch.equal(out[:2], torch.zeros_like(out[:2]))
+    many = sparse_decode(q, kc, vc, table, ctx, ids, 32, num_splits=100, out_dtype=torch.float32)  # > tiles
+    assert torch.equal(many[:2], torch.zeros_like(many[:2]))
+    check_close(many, paged_sparse_decode_ref(q, kc, vc, table, ctx, ids, 32))
+
+
+def test_scale_argument():
+    q, kc, vc, table, ctx, ids = make_decode("fp8-token", [45, 60])
+    out = sparse_decode(q, kc, vc, table, ctx, ids, 32, scale=0.3, out_dtype=torch.float32)
+    check_close(out, paged_sparse_decode_ref(q, kc, vc, table, ctx, ids, 32, scale=0.3))
+
+
+def _poke_bf16(cache: PagedCache, table, req: int, token: int, head: int, dim: int, value: float) -> None:
+    page = int(table[req, token // cache.page_size])
+    cache.payload_plane()[page, head, token % cache.page_size].view(torch.bfloat16)[dim] = value
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy notes the Inf - Inf on purpose
+def test_nonfinite_guards():
+    """Garbage after the context (the pool is 0xFF = NaN) and Inf in unselected blocks never leak; Inf in a visible
+    selected K gives NaN for the query heads whose score is +Inf, exactly like the reference."""
+    q, kc, vc, table, ctx, ids = make_decode("bf16", [40, 70], hkv=1, holes=False)
+    ids[:] = torch.tensor([[[1, 0, -1]], [[2, 0, -1]]], dtype=torch.int32, device=ids.device)
+    tail = kc.payload_plane()[int(table[0, 40 // 16]), 0, 40 % 16].view(torch.bfloat16)
+    assert torch.isnan(tail).all()  # the poison is really there, right after request 0's last token
+    base = sparse_decode(q, kc, vc, table, ctx, ids, 32, out_dtype=torch.float32)
+    assert torch.isfinite(base).all()
+    _poke_bf16(kc, table, 1, 40, 0, 5, float("inf"))  # request 1, block 1: not selected
+    _poke_bf16(vc, table, 1, 45, 0, 0, float("nan"))
+    assert torch.equal(sparse_decode(q, kc, vc, table, ctx, ids, 32, out_dtype=torch.float32), base)
+    _poke_bf16(kc, table, 0, 33, 0, 5, float("inf"))  # request 0, block 1: selected and visible
+    for splits in (1, 2):
+        out = sparse_decode(q, kc, vc, table, ctx, ids, 32, num_splits=splits, out_dtype=torch.float32)
+        ref = paged_sparse_decode_ref(q, kc, vc, table, ctx, ids, 32)
+        assert torch.equal(torch.isnan(out), torch.isnan(ref)) and torch.isnan(out[0]).any()
+        check_close(out[1], base[1])  # request 1 untouched (summation order differs with splits)
+        finite = ~torch.isnan(ref)
+        check_close(out[finite], ref[finite])
+
+
+def test_argument_errors():
+    q, kc, vc, table, ctx, ids = make_decode("nvfp4", [20, 30])
+    with pytest.raises(KernelArgumentError):
+        sparse_decode(q.float(), kc, vc, table, ctx, ids, 32)
+    with pytest.raises(KernelArgumentError):
+        sparse_decode(q, kc, vc, table, ctx, ids, 24)  # not a multiple of the page size
+    with pytest.raises(KernelArgumentError):
+        sparse_decode(q, kc, vc, table, ctx, ids.long(), 32)
+    with pytest.raises(KernelArgumentError):
+        sparse_decode(q, kc, vc, table, ctx[:1], ids, 32)
+    other = PagedCache.allocate(get_format("mxfp4"), kc.num_pages, 16, 2, 64, device=DEVICE)
+    with pytest.raises(KernelArgumentError):
+        sparse_decode(q, kc, other, table, ctx, ids, 32)
+    with pytest.raises(KernelArgumentError):
+        sparse_decode(q[:, :3], kc, vc, table, ctx, ids, 32)  # 3 query heads for 2 KV heads
+    with pytest.raises(KernelArgumentError):
+        sparse_decode(q, kc, vc, table, ctx, ids, 32, out_dtype=torch.float16)
+
+
+# --------------------------------------------------------------------------------------------- GPU, real sizes
+M3 = {"hq": 16, "hkv": 1, "d": 128, "page": 128, "bs": 128, "topk": 16}
+GPU_FORMATS = ["bf16", "fp8", "fp8-tensor", "fp8-token", "nvfp4", "nvfp4-rcp-auto", "mxfp4"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [None, 1], ids=["auto-split", "nosplit"])
+@pytest.mark.parametrize("fmt", GPU_FORMATS)
+def test_gpu_m3_decode_long_contexts(fmt, splits):
+    lens = [1, 127, 128, 129, 4097, 32768, 65536, 150000]
+    q, kc, vc, table, ctx, ids = make_decode(fmt, lens, M3["hq"], M3["hkv"], M3["d"], M3["page"], M3["bs"],
+                                             M3["topk"], seed=11, holes=True)
+    ref = paged_sparse_decode_ref(q, kc, vc, table, ctx, ids, 128)
+    out = sparse_decode(q, kc, vc, table, ctx, ids, 128, num_splits=splits, out_dtype=torch.float32)
+    check_close(out, ref, 2e-3)
+    b16 = sparse_decode(q, kc, vc, table, ctx, ids, 128, num_splits=splits)
+    assert value_metrics(b16.float(), ref).max_rel <= 2.0**-8 + 2e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "fp8-token"])
+def test_gpu_m3_batch256_split_equals_nosplit(fmt):
+    g = torch.Generator().manual_seed(3)
+    lens = [int(n) for n in torch.randint(1, 20000, (256,), generator=g)]
+    q, kc, vc, table, ctx, ids = make_decode(fmt, lens, M3["hq"], M3["hkv"], M3["d"], M3["page"], M3["bs"],
+                                             M3["topk"], seed=3)
+    ref = paged_sparse_decode_ref(q, kc, vc, table, ctx, ids, 128)
+    for splits in (None, 1, 4):
+        check_close(sparse_decode(q, kc, vc, table, ctx, ids, 128, num_splits=splits, out_dtype=torch.float32),
+                    ref, 2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8-token", "bf16"])
+def test_gpu_m3_prefill(fmt):
+    g = torch.Generator().manual_seed(4)
+    n = 4096
+    ks, vs = [synthetic_kv(n, 1, 128, g)], [synthetic_kv(n, 1, 128, g)]
+    kc, vc, table = build_paged(get_format(fmt), ks, vs, 128, DEVICE, g)
+    q_pos = torch.randint(0, n, (512,), generator=g).to(torch.int32).to(DEVICE)
+    q_req = torch.zeros_like(q_pos)
+    q = torch.randn(512, 16, 128, generator=g).to(torch.bfloat16).to(DEVICE)
+    ids = random_block_selection(q_pos.long(), 128, 16, 1, g).transpose(0, 1).contiguous()
+    out = sparse_prefill(q, kc, vc, table, q_req, q_pos, ids, 128, out_dtype=torch.float32)
+    check_close(out, paged_sparse_prefill_ref(q, kc, vc, table, q_req, q_pos, ids, 128), 2e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay():
+    q, kc, vc, table, ctx, ids = make_decode("nvfp4", [300, 5000, 70000, 9], M3["hq"], M3["hkv"], M3["d"],
+                                             M3["page"], M3["bs"], M3["topk"], seed=8)
+    eager = sparse_decode(q, kc, vc, table, ctx, ids, 128)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        sparse_decode(q, kc, vc, table, ctx, ids, 128)  # warm-up (compile) outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = sparse_decode(q, kc, vc, table, ctx, ids, 128)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    assert math.isfinite(float(out.float().abs().max()))
