@@ -8,6 +8,8 @@ wrongly, and gfx950 names its fp8 types differently), no inline asm, no lookup t
 Rule and recipe arguments are constexpr ints: the values of `kvtool.formats.rules.ScaleRule`, `NvRecipe`.
 """
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -29,19 +31,20 @@ E4M3_MAX = tl.constexpr(448.0)  # 0b0_1111_110: 2**(15 - 7) * 1.75 (0b0_1111_111
 def e2m1_encode(y):
     """fp32 -> E2M1 code (uint8 0..15), round half to even, saturating at 6, sign bit 3 also for -0.
 
-    Midpoints 0.25, 1.25, 2.5, 5 tie down to the even codes (values 0, 1, 2, 4), midpoints 0.75, 1.75, 3.5 tie up
-    (values 1, 2, 4): strict `>` at the former, `>=` at the latter.
+    E2M1 rounding of m = |y| is round-half-even of the concave piecewise-linear code line
+    `g(m) = min(2m, m + 2, m / 2 + 4)` (codes 0..4 step 0.5, 4..6 step 1, 6..7 step 2), clamped at 7. Round-half-even
+    is monotone, so it commutes with the min, and `RNE(m * k) + c` (c even) is one fp32 fma against `2**23 + c`: the
+    sum's low mantissa bits are the code. Midpoints 0.25, 1.25, 2.5, 5 land on .5 with an even floor and tie down (0, 1,
+    2, 4); 0.75, 1.75, 3.5 tie up (1, 2, 4): the SPEC table. Three fmas and four mins, no compare-select chain: the
+    store kernels are bound by integer-pipe issue, and a seven-threshold count costs about three times as many ALU
+    ops. The products m * k are exact (k is a power of two), so contraction into fma does not change a bit. NaN is
+    refused before encoding (SPEC); Inf saturates to 7.
     """
     m = tl.abs(y)
-    code = (m > 0.25).to(tl.uint8)
-    code += (m >= 0.75).to(tl.uint8)
-    code += (m > 1.25).to(tl.uint8)
-    code += (m >= 1.75).to(tl.uint8)
-    code += (m > 2.5).to(tl.uint8)
-    code += (m >= 3.5).to(tl.uint8)
-    code += (m > 5.0).to(tl.uint8)
-    sign = (y.to(tl.int32, bitcast=True) >> 31) & 1
-    return code | (sign.to(tl.uint8) << 3)
+    t = tl.minimum(m * 2.0 + 8388608.0, m + 8388610.0)  # 2**23, 2**23 + 2
+    t = tl.minimum(tl.minimum(t, m * 0.5 + 8388612.0), 8388615.0)  # 2**23 + 4; saturate at code 7 (6.0)
+    sign = (y.to(tl.int32, bitcast=True) >> 28) & 8
+    return ((t.to(tl.int32, bitcast=True) & 7) | sign).to(tl.uint8)
 
 
 @triton.jit
@@ -186,3 +189,53 @@ def nvfp4_quantize_block(x, g_dec, g_enc, RECIPE: tl.constexpr):
 def fp8_encode_scaled(x, s):
     """fp32 x / s (IEEE division) -> E4M3 byte: the fp8 `tensor` / `token` element step."""
     return e4m3_encode(tl.math.div_rn(x, s))
+
+
+# ----------------------------------------------------------------------------- added for the store / dequant kernels
+DS_AMAX_FLOOR = tl.constexpr(1e-4)  # DeepSeek V3.2 indexer floor on the row amax (formats.codecs.DS_AMAX_FLOOR)
+INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")  # fixed at import, like every jit constant
+
+
+@triton.jit
+def fp8_row_scale(amax, DS_FLOOR: tl.constexpr, POW2: tl.constexpr):
+    """fp32 amax -> fp32 fp8 scale `s`, as formats.codecs.fp8_row_scale: `amax / 448` (1 where that quotient is 0:
+    amax 0, or an amax so small that the quotient underflows), or `max(amax, 1e-4) / 448` with DS_FLOOR, then with
+    POW2 rounded up to `2**ceil(log2 s)` from the exponent bits."""
+    if DS_FLOOR:
+        s = tl.math.div_rn(tl.maximum(amax, DS_AMAX_FLOOR), tl.full(amax.shape, E4M3_MAX, tl.float32))
+    else:
+        s = tl.math.div_rn(amax, tl.full(amax.shape, E4M3_MAX, tl.float32))
+        s = tl.where(s > 0, s, 1.0)
+    if POW2:
+        bits = s.to(tl.int32, bitcast=True)
+        s = exp2_int(((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32))
+    return s
+
+
+@triton.jit
+def bf16_encode(x):
+    """fp32 -> bf16, round half to even (torch's `.to(torch.bfloat16)`; NaN -> 0x7FC0 as on the CPU).
+
+    Compiled, the native cast is already RNE (and packs two per instruction). The interpreter truncates instead, so
+    there the rounding is done on the bits: add 0x7FFF plus the kept LSB, drop the low 16 bits."""
+    if INTERPRET:
+        b = x.to(tl.int32, bitcast=True)
+        r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        r = tl.where(x != x, 0x7FC0, r)
+        return r.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(tl.bfloat16)
+
+
+@triton.jit
+def e4m3_decode_any(byte):
+    """e4m3_decode for bytes kvtool did not write: the NaN codes 0x7F / 0xFF decode to NaN (torch float8_e4m3fn)."""
+    v = e4m3_decode(byte)
+    return tl.where((byte.to(tl.int32) & 0x7F) == 0x7F, float("nan"), v)
+
+
+@triton.jit
+def e8m0_decode_any(byte):
+    """e8m0_decode for bytes kvtool did not write: byte 255 decodes to NaN (SPEC section 1)."""
+    v = e8m0_decode(byte)
+    return tl.where(byte.to(tl.int32) == 255, float("nan"), v)

@@ -36,3 +36,45 @@ def resolve_device(device: str) -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise KvtoolError(f"unsupported device {device!r} (choose cpu|cuda)")
     return dev
+
+
+# ------------------------------------------------------------------------------------------ store / (de)quantize
+# Each pair below returns the same types and, per the SPEC, the same bytes / values on both backends. The Triton
+# modules are imported lazily: importing kvtool must not pay for (or need) Triton's compiler.
+def store(cache, x: torch.Tensor, slot_mapping: torch.Tensor, backend: str = "auto", *, validate: bool = True) -> None:
+    """Quantize x [N, H, D] (bf16 / fp16 / fp32) into `cache` (a PagedCache) at `slot_mapping` [N] (int32 / int64,
+    -1 skips the token). torch: `cache.store`; triton: `kernels.store.store` (`validate=False` skips its finite and
+    slot-range checks, which cost a pass and a host sync)."""
+    if resolve_backend(backend, x.device) == "torch":
+        return cache.store(x, slot_mapping)
+    from kvtool.kernels.store import store as triton_store
+
+    return triton_store(cache, x, slot_mapping, validate=validate)
+
+
+def gather_dequantize(cache, slots: torch.Tensor, dtype: torch.dtype = torch.float32, backend: str = "auto"
+                      ) -> torch.Tensor:
+    """Decoded values [N, H, D] in `dtype` (fp32 / bf16; fp16 on triton) of the cache tokens at `slots` [N]."""
+    if resolve_backend(backend, cache.data.device) == "torch":
+        return cache.dequantize(slots, dtype)
+    from kvtool.kernels.dequant import gather_dequantize as triton_gather
+
+    return triton_gather(cache, slots, dtype)
+
+
+def quantize(fmt, x: torch.Tensor, tensor_amax: torch.Tensor | None = None, backend: str = "auto"):
+    """`fmt.quantize(x, tensor_amax=...)` -> QTensor, on either backend (x [..., D], rows along the last dim)."""
+    if resolve_backend(backend, x.device) == "torch":
+        return fmt.quantize(x, tensor_amax=tensor_amax)
+    from kvtool.kernels.quant import triton_quantize
+
+    return triton_quantize(fmt, x, tensor_amax)
+
+
+def dequantize(q, dtype: torch.dtype = torch.float32, backend: str = "auto") -> torch.Tensor:
+    """`q.dequantize(dtype)` -> [..., D] values, on either backend."""
+    if resolve_backend(backend, q.payload.device) == "torch":
+        return q.dequantize(dtype)
+    from kvtool.kernels.quant import triton_dequantize
+
+    return triton_dequantize(q, dtype)

@@ -1,0 +1,148 @@
+"""Dequantize: one Triton kernel that decodes rows of any cache format to fp32 / bf16 / fp16, either gathered from a
+paged cache by slot ids (what attention reads) or from plain planes (the whole-tensor dequantize of
+`kernels/quant.py`). Same values, bit for bit, as `PagedCache.dequantize` / `QTensor.dequantize`: the value is built
+in fp32 in the torch path's order (`code * S`, then `* g_dec`) and rounded once to the output dtype.
+
+Same tiling as the store (`kernels/store.py`): BLOCK_R whole rows per program, payload rows read as contiguous bytes,
+block scales as a short vector per row, output rows written whole. Prediction on the H200: nvfp4 / mxfp4 to bf16
+(2.56 / 2.53 B per element) at 85-90 % of copy at >= 64M elements: the decode is a few integer ops per element (E2M1
+through fp16 bits, no table) and one or two multiplies; to fp32 (4.56 B per element) closer to 90 %.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvtool.errors import KernelArgumentError
+from kvtool.kernels import codecs as kc
+from kvtool.kernels.store import (
+    SCALE_E8M0,
+    SCALE_ROW,
+    SCALE_TENSOR,
+    KernelFormat,
+    check_cache,
+    check_slot_ids,
+    launch_config,
+    next_pow2,
+    require_tensor_scale,
+    row_addresses,
+    row_mask,
+)
+
+OUTPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _dequant_kernel(
+    payload_ptr,  # uint8: the cache buffer (PAGED) or the payload plane [rows, PB]
+    scale_ptr,  # uint8: the cache buffer (PAGED) or the scale plane [rows, SB] (unused when SB == 0)
+    slot_ptr,  # [T] int32 / int64 slot per token, all valid (PAGED only)
+    out_ptr,  # [T, H, D] fp32 / bf16 / fp16 output, contiguous
+    n_tok,  # T
+    num_heads,  # H
+    page_stride,  # cache bytes between pages (PAGED)
+    head_stride,  # cache bytes between heads inside a page (PAGED)
+    tensor_scale,  # fp32 fp8 `tensor` scale s
+    g_dec,  # fp32 nvfp4 decode-direction outer scale
+    PAGED: tl.constexpr,  # read through slot_ptr from pages, else from planes
+    PAGE: tl.constexpr,  # tokens per page (PAGED)
+    D: tl.constexpr,  # elements per row
+    DP: tl.constexpr,  # D padded to a power of two
+    PB: tl.constexpr,  # payload bytes per row
+    SB: tl.constexpr,  # scale bytes per row
+    BITS: tl.constexpr,  # payload bits per element: 16 (bf16), 8 (e4m3), 4 (e2m1)
+    SCALE: tl.constexpr,  # store.SCALE_KINDS value
+    BLOCK: tl.constexpr,  # elements per block scale (4-bit formats)
+    OUT_BF16: tl.constexpr,  # output is bf16 (rounded by kc.bf16_encode)
+    BLOCK_R: tl.constexpr,  # tokens per program
+):
+    # grid: (token tiles, heads), as in the store
+    tok = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    head = tl.program_id(1)
+    live, pay, sc = row_addresses(tok, head, n_tok, num_heads, slot_ptr, page_stride, head_stride,
+                                  PAGED, PAGE, PB, SB)
+    cols = tl.arange(0, DP)
+    if BITS == 4:
+        pcols = tl.arange(0, DP // 2)
+        packed = tl.load(payload_ptr + pay[:, None] + pcols[None, :], mask=row_mask(live, pcols, PB, DP // 2),
+                         other=0)
+        v = kc.e2m1_decode_f32(kc.unpack_nibbles(packed, BLOCK_R, DP // 2))  # [BLOCK_R, DP]
+        scols = tl.arange(0, DP // BLOCK)
+        sbytes = tl.load(scale_ptr + sc[:, None] + scols[None, :], mask=row_mask(live, scols, SB, DP // BLOCK),
+                         other=0)
+        vb = tl.reshape(v, [BLOCK_R, DP // BLOCK, BLOCK])
+        if SCALE == SCALE_E8M0:
+            vb = vb * kc.e8m0_decode_any(sbytes)[:, :, None]
+        else:
+            vb = vb * kc.e4m3_decode_any(sbytes)[:, :, None] * g_dec  # (code * S) is exact; g_dec rounds once
+        v = tl.reshape(vb, [BLOCK_R, DP])
+    elif BITS == 8:
+        codes = tl.load(payload_ptr + pay[:, None] + cols[None, :], mask=row_mask(live, cols, D, DP), other=0)
+        v = kc.e4m3_decode_any(codes)
+        if SCALE == SCALE_TENSOR:
+            v = v * tensor_scale
+        elif SCALE == SCALE_ROW:
+            # the fp32 row scale from its 4 little-endian bytes (no 4-byte alignment needed)
+            b4 = tl.arange(0, 4)
+            sb = tl.load(scale_ptr + sc[:, None] + b4[None, :], mask=row_mask(live, b4, 4, 4), other=0)
+            bits = tl.sum(sb.to(tl.int32) << (8 * b4)[None, :], axis=1)  # disjoint bytes: the sum is an OR
+            v = v * bits.to(tl.float32, bitcast=True)[:, None]
+    else:
+        bf = payload_ptr.to(tl.pointer_type(tl.bfloat16))
+        v = tl.load(bf + (pay // 2)[:, None] + cols[None, :], mask=row_mask(live, cols, D, DP), other=0.0)
+        v = v.to(tl.float32)
+    if OUT_BF16:
+        out = kc.bf16_encode(v)
+    else:
+        out = v.to(out_ptr.dtype.element_ty)
+    rows = tok.to(tl.int64) * num_heads + head
+    tl.store(out_ptr + rows[:, None] * D + cols[None, :], out, mask=row_mask(tok < n_tok, cols, D, DP))
+
+
+def launch_dequant(payload: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor | None, out: torch.Tensor,
+                   fmt, *, page_size: int = 1, page_stride: int = 0, head_stride: int = 0,
+                   tensor_scale: float = 1.0, g_dec: float = 1.0, config: tuple[int, int] | None = None) -> None:
+    """Launch `_dequant_kernel` into `out` [T, H, D] (contiguous). With `slots` [T] it gathers the tokens' rows from
+    the pages of `payload` (the uint8 cache buffer), without it it reads the planes `payload` [T * H, PB] and
+    `scales` [T * H, SB]."""
+    T, H, D = out.shape
+    if T * H == 0:
+        return
+    dp = next_pow2(D)
+    block_r, num_warps = launch_config(dp, config)
+    paged = slots is not None
+    kf = KernelFormat.of(fmt)
+    grid = (triton.cdiv(T, block_r), H)
+    _dequant_kernel[grid](
+        payload, scales if scales is not None else payload, slots if paged else payload, out, T, H,
+        page_stride, head_stride, float(tensor_scale), float(g_dec),
+        PAGED=paged, PAGE=page_size, D=D, DP=dp, PB=fmt.payload_bytes(D), SB=fmt.scale_bytes(D), BITS=kf.BITS,
+        SCALE=kf.SCALE, BLOCK=kf.BLOCK, OUT_BF16=out.dtype == torch.bfloat16, BLOCK_R=block_r, num_warps=num_warps)
+
+
+def check_output_dtype(dtype: torch.dtype) -> None:
+    if dtype not in OUTPUT_DTYPES:
+        raise KernelArgumentError(f"dequantize: output dtype {dtype} is not one of fp32 / bf16 / fp16")
+
+
+def gather_dequantize(cache, slots: torch.Tensor, dtype: torch.dtype = torch.float32, *, validate: bool = True,
+                      config: tuple[int, int] | None = None) -> torch.Tensor:
+    """Triton twin of `PagedCache.dequantize`: the decoded values [N, H, D] (`dtype`: fp32, bf16 or fp16) of the
+    tokens at `slots` (int32 / int64 [N], all valid, on the cache's device). `validate` checks the slot range (a host
+    sync), as the torch path does."""
+    check_cache(cache)
+    check_output_dtype(dtype)
+    check_slot_ids(slots, slots.shape[0] if slots.dim() == 1 else -1, cache.data.device, "gather: slots")
+    if validate:
+        from kvtool.paged import check_slots
+
+        check_slots(slots, cache.num_slots, allow_skip=False)
+    tensor_scale = require_tensor_scale(cache) if cache.fmt.scale_element == "fp32-tensor" else 1.0
+    H, D = cache.num_heads, cache.head_dim
+    out = torch.empty(slots.shape[0], H, D, dtype=dtype, device=cache.data.device)
+    launch_dequant(cache.data, None, slots, out, cache.fmt, page_size=cache.page_size,
+                   page_stride=cache.data.stride(0), head_stride=cache.data.stride(1), tensor_scale=tensor_scale,
+                   g_dec=cache.outer_scale(), config=config)
+    return out

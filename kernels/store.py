@@ -1,0 +1,282 @@
+"""Quantize-on-write: one Triton kernel that encodes rows of bf16 / fp16 / fp32 values in any cache format and writes
+payload and scales either into a paged cache through a slot mapping (engines' store) or into plain planes (the whole
+tensor quantize of `kernels/quant.py`). Every codec step comes from `kernels/codecs.py`; the kernel only moves bytes.
+
+Design for bandwidth (the work is memory bound: a bf16 row of D = 128 is 256 B in, 68-132 B out):
+- one program = BLOCK_R whole rows (a row = one token of one head, D elements), so loads are full coalesced rows
+  (16-byte vectors of 8 bf16), the block amaxes reduce inside a row (a 16/32 block spans 2/4 threads: one or two
+  shuffles), payload bytes go out as whole rows (PB contiguous bytes, 16-byte aligned when PB is) and the block scales
+  as a short contiguous vector per row; no atomics, no shared state between programs;
+- slot math per row in int32 (page = slot // PAGE with PAGE a constexpr power of two is a shift), byte offsets in int64
+  so caches and inputs past 2 GiB work;
+- the nibble pack is `reshape [R, D/2, 2] + split`: the pair sits in one thread, so it costs no data movement; the
+  compiler may still add one shared-memory layout conversion before the 16-byte stores.
+
+Prediction for the H200 (lead to measure; the copy ceiling there was 4210 GB/s): nvfp4 / mxfp4 store from bf16 moves
+2.56 / 2.53 B per element and the dequantize to bf16 the same. Both should sit at 80-90 % of copy at >= 64M elements if
+the per-element instruction count stays near 20 (E2M1 encode is 7 compares; the `rcp` recipe and every mx rule have no
+per-element division). The `div` / `unrounded` recipes and fp8 `tensor` / `token` pay an IEEE division per element
+(div_rn, ~10 instructions) and should land lower, around 60-75 %. If nvfp4 / mxfp4 fall well short, first look at the
+SASS count per element, then at BLOCK_R / num_warps (bench `--configs`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kvtool.errors import KernelArgumentError, LayoutError
+from kvtool.formats import Format
+from kvtool.formats.registry import require_finite
+from kvtool.kernels import codecs as kc
+
+# Scale kinds as kernel constexprs, keyed by Format.scale_element (the format is data; the kernel reads this number).
+SCALE_KINDS = {"none": 0, "fp32-tensor": 1, "fp32-row": 2, "e4m3": 3, "e8m0": 4}
+SCALE_NONE = tl.constexpr(0)
+SCALE_TENSOR = tl.constexpr(1)
+SCALE_ROW = tl.constexpr(2)
+SCALE_E4M3 = tl.constexpr(3)
+SCALE_E8M0 = tl.constexpr(4)
+
+INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ------------------------------------------------------------------------------------------------- shared @jit parts
+@triton.jit
+def row_addresses(tok, head, n_tok, num_heads, slot_ptr, page_stride, head_stride,
+                  PAGED: tl.constexpr, PAGE: tl.constexpr, PB: tl.constexpr, SB: tl.constexpr):
+    """Tokens [BLOCK_R] of one head -> (live mask, payload byte offset, scale byte offset), offsets int64.
+
+    PAGED: token t has slot `slot_ptr[t]` (-1 = dead row); per page and head the bytes are
+    `[PAGE x PB payload][PAGE x SB scale]`. Planes: row r = t * H + head has its payload at r * PB and scales at
+    r * SB."""
+    live = tok < n_tok
+    if PAGED:
+        slot = tl.load(slot_ptr + tok, mask=live, other=-1).to(tl.int32)
+        live = live & (slot >= 0)
+        base = (slot // PAGE).to(tl.int64) * page_stride + head * head_stride
+        off = slot % PAGE
+        pay = base + off * PB
+        sc = base + PAGE * PB + off * SB
+    else:
+        rows = tok.to(tl.int64) * num_heads + head
+        pay = rows * PB
+        sc = rows * SB
+    return live, pay, sc
+
+
+@triton.jit
+def row_mask(live, cols, N: tl.constexpr, NP: tl.constexpr):
+    """[R, NP] store/load mask: live rows, and columns < N only when the tile is padded (NP > N), so that unpadded
+    tiles keep a per-row mask that does not split 16-byte vectors."""
+    if NP == N:
+        return tl.broadcast_to(live[:, None], (live.shape[0], NP))
+    else:
+        return live[:, None] & (cols[None, :] < N)
+
+
+# ----------------------------------------------------------------------------------------------------------- kernel
+@triton.jit
+def _store_kernel(
+    x_ptr,  # [T, H, D] bf16 / fp16 / fp32 rows, last dim contiguous
+    slot_ptr,  # [T] int32 / int64 slot per token, -1 skips it (PAGED only)
+    payload_ptr,  # uint8: the cache buffer (PAGED) or the payload plane [T * H, PB]
+    scale_ptr,  # uint8: the cache buffer (PAGED) or the scale plane [T * H, SB] (unused when SB == 0)
+    n_tok,  # T
+    num_heads,  # H
+    stride_xt,  # x stride (elements) between tokens
+    stride_xh,  # x stride (elements) between heads
+    page_stride,  # cache bytes between pages (PAGED)
+    head_stride,  # cache bytes between heads inside a page (PAGED)
+    tensor_scale,  # fp32 fp8 `tensor` scale s
+    g_dec,  # fp32 nvfp4 decode-direction outer scale
+    g_enc,  # fp32 fp32(1 / g_dec)
+    PAGED: tl.constexpr,  # write through slot_ptr into pages, else into planes
+    PAGE: tl.constexpr,  # tokens per page (PAGED)
+    D: tl.constexpr,  # elements per row
+    DP: tl.constexpr,  # D padded to a power of two
+    PB: tl.constexpr,  # payload bytes per row
+    SB: tl.constexpr,  # scale bytes per row
+    BITS: tl.constexpr,  # payload bits per element: 16 (bf16), 8 (e4m3), 4 (e2m1)
+    SCALE: tl.constexpr,  # SCALE_KINDS value
+    BLOCK: tl.constexpr,  # elements per block scale (4-bit formats)
+    RULE: tl.constexpr,  # ScaleRule (mxfp4)
+    RECIPE: tl.constexpr,  # NvRecipe (nvfp4)
+    DS_FLOOR: tl.constexpr,  # fp8 token: DeepSeek amax floor
+    POW2: tl.constexpr,  # fp8 token: power-of-two scale
+    BLOCK_R: tl.constexpr,  # tokens per program
+):
+    # grid: (token tiles, heads); one program = BLOCK_R tokens of one head, no integer division per row
+    tok = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    head = tl.program_id(1)
+    live, pay, sc = row_addresses(tok, head, n_tok, num_heads, slot_ptr, page_stride, head_stride,
+                                  PAGED, PAGE, PB, SB)
+    cols = tl.arange(0, DP)
+    x_off = tok.to(tl.int64) * stride_xt + head * stride_xh
+    # dead rows (slot -1, tail) are not read: skipped tokens cost no bandwidth
+    x = tl.load(x_ptr + x_off[:, None] + cols[None, :], mask=row_mask(live, cols, D, DP), other=0.0)
+    x = x.to(tl.float32)  # [BLOCK_R, DP]; padded columns are 0, which changes no amax
+    if BITS == 4:
+        xb = tl.reshape(x, [BLOCK_R, DP // BLOCK, BLOCK])
+        if SCALE == SCALE_E8M0:
+            codes, sbytes = kc.mxfp4_quantize_block(xb, RULE)
+        else:
+            codes, sbytes = kc.nvfp4_quantize_block(xb, g_dec, g_enc, RECIPE)
+        packed = kc.pack_nibbles(tl.reshape(codes, [BLOCK_R, DP]), BLOCK_R, DP)
+        pcols = tl.arange(0, DP // 2)
+        tl.store(payload_ptr + pay[:, None] + pcols[None, :], packed, mask=row_mask(live, pcols, PB, DP // 2))
+        scols = tl.arange(0, DP // BLOCK)
+        tl.store(scale_ptr + sc[:, None] + scols[None, :], sbytes, mask=row_mask(live, scols, SB, DP // BLOCK))
+    elif BITS == 8:
+        if SCALE == SCALE_NONE:
+            codes = kc.e4m3_encode(x)
+        elif SCALE == SCALE_TENSOR:
+            codes = kc.fp8_encode_scaled(x, tl.zeros_like(x) + tensor_scale)
+        else:
+            s = kc.fp8_row_scale(tl.max(tl.abs(x), axis=1), DS_FLOOR, POW2)  # [BLOCK_R]
+            codes = kc.fp8_encode_scaled(x, tl.broadcast_to(s[:, None], x.shape))
+            # the fp32 scale as its 4 little-endian bytes: the scale field needs no 4-byte alignment
+            b4 = tl.arange(0, 4)
+            sb = (s.to(tl.int32, bitcast=True)[:, None] >> (8 * b4)[None, :]) & 0xFF
+            tl.store(scale_ptr + sc[:, None] + b4[None, :], sb.to(tl.uint8), mask=row_mask(live, b4, 4, 4))
+        tl.store(payload_ptr + pay[:, None] + cols[None, :], codes, mask=row_mask(live, cols, D, DP))
+    else:
+        bf = payload_ptr.to(tl.pointer_type(tl.bfloat16))  # PB = 2 D and every offset is even
+        tl.store(bf + (pay // 2)[:, None] + cols[None, :], kc.bf16_encode(x), mask=row_mask(live, cols, D, DP))
+
+
+# ---------------------------------------------------------------------------------------------- launcher helpers
+@dataclass(frozen=True)
+class KernelFormat:
+    """A Format's fields as the kernels' constexprs (one place that turns the descriptor into numbers)."""
+
+    BITS: int
+    SCALE: int
+    BLOCK: int
+    RULE: int
+    RECIPE: int
+    DS_FLOOR: bool
+    POW2: bool
+
+    @classmethod
+    def of(cls, fmt: Format) -> "KernelFormat":
+        return cls(BITS=fmt.spec.payload_bits, SCALE=SCALE_KINDS[fmt.scale_element], BLOCK=fmt.block or 1,
+                   RULE=int(fmt.scale_rule or 0), RECIPE=int(fmt.recipe or 0), DS_FLOOR=bool(fmt.ds_floor),
+                   POW2=bool(fmt.pow2))
+
+    def constexprs(self) -> dict:
+        return dict(BITS=self.BITS, SCALE=self.SCALE, BLOCK=self.BLOCK, RULE=self.RULE, RECIPE=self.RECIPE,
+                    DS_FLOOR=self.DS_FLOOR, POW2=self.POW2)
+
+
+# Tokens (rows of one head) per program and warps, by padded row length. About 4K elements per program: 32 fp32 values a thread over 4
+# warps (registers stay well under the 64 a thread that full occupancy allows), 8 KiB of bf16 loads in flight per
+# program and 16 programs an SM. The interpreter gets one small config (many rows per program is only slower there).
+LAUNCH_CONFIGS = {32: (128, 4), 64: (64, 4), 128: (32, 4), 256: (16, 4), 512: (8, 4), 1024: (4, 8)}
+
+
+def launch_config(dp: int, config: tuple[int, int] | None = None) -> tuple[int, int]:
+    """(BLOCK_R, num_warps) for rows of `dp` (padded) elements; `config` overrides (bench `--configs`)."""
+    if config is not None:
+        return config
+    if INTERPRET:
+        return max(1, min(8, 1024 // dp)), 4
+    return LAUNCH_CONFIGS.get(dp, (max(1, 4096 // dp), 4 if dp < 1024 else 8))
+
+
+def check_floating(x: torch.Tensor, name: str) -> None:
+    if x.dtype not in INPUT_DTYPES:
+        raise KernelArgumentError(f"{name}: dtype {x.dtype} is not one of bf16 / fp16 / fp32")
+    if x.numel() and x.stride(-1) != 1:
+        raise KernelArgumentError(f"{name}: the last dimension must be contiguous (stride 1), got {x.stride()}")
+
+
+def check_slot_ids(slots: torch.Tensor, n: int, device: torch.device, name: str) -> None:
+    if slots.dtype not in (torch.int32, torch.int64):
+        raise KernelArgumentError(f"{name}: dtype must be int32 or int64, got {slots.dtype}")
+    if slots.dim() != 1 or slots.shape[0] != n:
+        raise KernelArgumentError(f"{name}: must be [{n}], got {list(slots.shape)}")
+    if slots.device != device:
+        raise KernelArgumentError(f"{name}: on {slots.device}, the cache is on {device}")
+    if not slots.is_contiguous():
+        raise KernelArgumentError(f"{name}: must be contiguous")
+
+
+def check_cache(cache) -> None:
+    data = cache.data
+    if data.dtype != torch.uint8 or data.dim() != 3 or not data.is_contiguous():
+        raise KernelArgumentError(f"cache data must be contiguous uint8 [pages, H, page_bytes], got {data.dtype} "
+                                  f"{list(data.shape)}")
+    if cache.num_slots >= 2**31:
+        raise KernelArgumentError(f"{cache.num_slots} slots: slot ids must fit in int32")
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def outer_scales(g_dec: float) -> tuple[float, float]:
+    """(g_dec, g_enc) as the torch codec computes them: g_enc = fp32(1 / fp32(g_dec))."""
+    g = torch.tensor(g_dec, dtype=torch.float32)
+    return float(g), float(1.0 / g)
+
+
+def launch_store(x3: torch.Tensor, slots: torch.Tensor | None, payload: torch.Tensor, scales: torch.Tensor | None,
+                 fmt: Format, *, page_size: int = 1, page_stride: int = 0, head_stride: int = 0,
+                 tensor_scale: float = 1.0, g_dec: float = 1.0, config: tuple[int, int] | None = None) -> None:
+    """Launch `_store_kernel` on x3 [T, H, D] (last dim contiguous). With `slots` it writes pages of `payload` (the
+    uint8 cache buffer; `scales` is ignored), without it the planes `payload` [T * H, PB] and `scales` [T * H, SB]."""
+    T, H, D = x3.shape
+    if T * H == 0:
+        return
+    dp = next_pow2(D)
+    block_r, num_warps = launch_config(dp, config)
+    g_dec, g_enc = outer_scales(g_dec)
+    paged = slots is not None
+    grid = (triton.cdiv(T, block_r), H)
+    _store_kernel[grid](
+        x3, slots if paged else payload, payload, scales if scales is not None else payload, T, H,
+        x3.stride(0), x3.stride(1), page_stride, head_stride, tensor_scale, g_dec, g_enc,
+        PAGED=paged, PAGE=page_size, D=D, DP=dp, PB=fmt.payload_bytes(D), SB=fmt.scale_bytes(D),
+        **KernelFormat.of(fmt).constexprs(), BLOCK_R=block_r, num_warps=num_warps)
+
+
+# ----------------------------------------------------------------------------------------------------- the store
+def store(cache, x: torch.Tensor, slot_mapping: torch.Tensor, *, validate: bool = True,
+          config: tuple[int, int] | None = None) -> None:
+    """Triton twin of `PagedCache.store`: quantize x [N, H, D] (bf16 / fp16 / fp32, last dim contiguous) in the
+    cache's format and write token i's payload and scales to slot `slot_mapping[i]` (int32 / int64 [N], -1 skips).
+
+    Same bytes as the torch path. `validate` (default) also checks what the torch path checks on values: finite
+    input (InputError, nothing written) and slot ids in range (LayoutError); both cost a pass over the data and a host
+    sync, so engines that guarantee them pass False. Whole-tensor scales come from `cache.tensor_amax`, frozen from the
+    first store as in the torch path."""
+    check_cache(cache)
+    if x.dim() != 3 or tuple(x.shape[1:]) != (cache.num_heads, cache.head_dim):
+        raise KernelArgumentError(f"store: x must be [N, {cache.num_heads}, {cache.head_dim}], got {list(x.shape)}")
+    check_floating(x, "store: x")
+    if x.device != cache.data.device:
+        raise KernelArgumentError(f"store: x is on {x.device}, the cache on {cache.data.device}")
+    check_slot_ids(slot_mapping, x.shape[0], cache.data.device, "store: slot_mapping")
+    if validate:
+        cache.check_store_args(x, slot_mapping)
+        require_finite(x[slot_mapping >= 0], "store")
+    cache.freeze_tensor_amax(x)
+    tensor_scale = 1.0
+    if cache.fmt.scale_element == "fp32-tensor":
+        tensor_scale = cache.fp8_tensor_scale()
+    launch_store(x, slot_mapping, cache.data, None, cache.fmt, page_size=cache.page_size,
+                 page_stride=cache.data.stride(0), head_stride=cache.data.stride(1), tensor_scale=tensor_scale,
+                 g_dec=cache.outer_scale(), config=config)
+
+
+def require_tensor_scale(cache) -> float:
+    """The fp8 `tensor` scale of a cache that has been stored to (the torch path cannot decode without it either)."""
+    if cache.tensor_amax is None:
+        raise LayoutError("this fp8 tensor-scaled cache has no tensor_amax yet: store into it (or set it) first")
+    return cache.fp8_tensor_scale()
