@@ -1,0 +1,290 @@
+"""Index scorer kernels (kernels/index_score.py, kernels/topk.py) against the reference fed the dequantized cache.
+
+Block ids are compared as sets, tie-aware: a difference must be between blocks whose reference scores are equal up to
+the fp32 accumulation bound (`kvtool.indexer.accumulation_tolerance`); where scores tie exactly (zero queries, NaN,
+-inf, forced blocks) the ids must be identical in order too. Block scores must match the reference's -inf / NaN
+pattern exactly and its finite values within the same bound. CPU runs use the Triton interpreter at small shapes
+(block size 16 or 32 where the semantics do not depend on it, plus real 128-token blocks); the `gpu` tests run the
+same checks at engine sizes.
+"""
+
+import math
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from kvtool.errors import KernelArgumentError
+from kvtool.formats import get_format
+from kvtool.indexer import IndexerConfig, accumulation_tolerance, paged_keys, paged_reference, token_scores, \
+    topk_metrics
+from kvtool.kernels import index_score as K
+from kvtool.kernels.topk import merge_candidates
+from kvtool.paged import PagedCache, contiguous_slots
+from tests.conftest import DEVICE
+from tests.edge_cases import edge_case_tensor
+
+FORMATS = ["bf16", "fp8", "fp8-token", "fp8-tensor", "nvfp4", "nvfp4-auto", "mxfp4", "mxfp4-floor"]
+
+
+# ---------------------------------------------------------------------------------------------------------- helpers
+def make_cache(label, ctx, page=16, dim=128, seed=0, keys=None, device=DEVICE, shuffle=True):
+    """A paged index cache holding per-request keys (heavy-tailed channels unless given), pages in shuffled order."""
+    g = torch.Generator().manual_seed(seed)
+    table, slots = contiguous_slots(ctx, page)
+    num_pages = int(table.max()) + 1 if table.numel() else 1
+    if shuffle and num_pages > 1:  # requests own scattered pages, as in an engine
+        perm = torch.randperm(num_pages, generator=g).to(torch.int32)
+        table = torch.where(table >= 0, perm[table.clamp(min=0).long()], -1)
+        slots = [perm[(s // page)].long() * page + s % page for s in slots]
+    if keys is None:
+        chan = torch.exp(1.5 * torch.randn(dim, generator=g))
+        keys = [torch.randn(n, 1, dim, generator=g) * chan for n in ctx]
+    cache = PagedCache.allocate(get_format(label), max(num_pages, 1), page, 1, dim, device=device)
+    for k, s in zip(keys, slots):
+        cache.store(k.to(device), s.to(device))
+    return cache, table.to(device), torch.tensor(ctx, dtype=torch.int32, device=device), slots
+
+
+def queries(b, hi, dim, seed=1, q=None):
+    g = torch.Generator().manual_seed(seed)
+    shape = (b, hi, dim) if q is None else (b, q, hi, dim)
+    return torch.randn(shape, generator=g).to(torch.bfloat16).to(DEVICE)
+
+
+def tolerance(iq, cache, table, ctx):
+    keys = [paged_keys(cache, table, int(n), b) for b, n in enumerate(ctx.tolist()) if n]
+    return accumulation_tolerance(iq, torch.cat(keys)) if keys else 0.0
+
+
+def assert_scores_match(got, ref, tol):
+    assert got.shape == ref.shape
+    got, ref = got.cpu(), ref.cpu()
+    assert torch.equal(torch.isnan(got), torch.isnan(ref)), "NaN pattern differs"
+    fin = torch.isfinite(ref)
+    assert torch.equal(torch.isinf(got) & (got > 0), torch.isinf(ref) & (ref > 0))
+    assert torch.equal(torch.isinf(got) & (got < 0), torch.isinf(ref) & (ref < 0)), "-inf pattern differs"
+    if fin.any():
+        err = (got[fin] - ref[fin]).abs().max().item()
+        assert err <= tol, f"block score error {err} > {tol}"
+
+
+def assert_ids_match(got, ref, ref_scores, tol, exact=False):
+    got, ref = got.cpu(), ref.cpu()
+    assert got.shape == ref.shape and got.dtype == torch.int32
+    assert torch.equal(got < 0, ref < 0), "k per row differs"
+    if exact:
+        assert torch.equal(got, ref)
+    m = topk_metrics(got, ref, ref_scores.cpu(), tie_tol=tol)
+    assert m.tie_aware_pct == 100.0, m
+
+
+def check_decode(cache, table, ctx, iq, cfg, chunk_blocks=None, exact=False):
+    ref_ids, ref_scores = paged_reference(iq[:, None], cache, table, ctx, cfg)
+    tol = tolerance(iq, cache, table, ctx)
+    ids = K.decode_topk(iq, cache, table, ctx, cfg, chunk_blocks=chunk_blocks)
+    assert_ids_match(ids, ref_ids[:, 0], ref_scores[:, 0], tol, exact)
+    bs = K.decode_block_scores(iq, cache, table, ctx, cfg, chunk_blocks=chunk_blocks)
+    assert_scores_match(bs, ref_scores[:, 0], tol)
+    return ids
+
+
+# ------------------------------------------------------------------------------------------------------ the helpers
+@triton.jit
+def _decode_f16_kernel(x_ptr, o_ptr, N: tl.constexpr):
+    o = tl.arange(0, N)
+    tl.store(o_ptr + o, K.e4m3_decode_f16(tl.load(x_ptr + o)).to(tl.float32))
+
+
+def test_e4m3_decode_f16_every_code():
+    codes = torch.arange(256, dtype=torch.uint8, device=DEVICE)
+    out = torch.empty(256, device=DEVICE)
+    _decode_f16_kernel[(1,)](codes, out, N=256)
+    want = codes.cpu().view(torch.float8_e4m3fn).float()
+    assert torch.equal(torch.isnan(out.cpu()), torch.isnan(want))
+    fin = ~torch.isnan(want)
+    assert torch.equal(out.cpu()[fin].view(torch.int32), want[fin].view(torch.int32))  # -0 too
+
+
+@pytest.mark.parametrize("higher", [True, False], ids=["higher-id", "lower-id"])
+def test_merge_candidates_matches_sort(higher):
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randint(-2, 3, (7, 37), generator=g).float()
+    keys[keys == -2] = -math.inf
+    ids = torch.stack([torch.randperm(50, generator=g)[:37] for _ in range(7)]).to(torch.int32)
+    ids[:, 30:] = -1
+    ids[6] = -1
+    got = merge_candidates(keys.to(DEVICE), ids.to(DEVICE), 5, higher_id=higher).cpu()
+    for r in range(7):
+        items = sorted(((k, i if higher else -i, i) for k, i in zip(keys[r].tolist(), ids[r].tolist()) if i >= 0),
+                       reverse=True)
+        want = [i for _, _, i in items[:5]]
+        assert got[r].tolist() == want + [-1] * (5 - len(want))
+
+
+# --------------------------------------------------------------------------------------------------------- decode
+@pytest.mark.parametrize("label", FORMATS)
+def test_decode_ragged_small_blocks(label):
+    """Contexts around block edges (block 32, pages of 16: a tile spans two pages), an empty row, forced init and
+    local blocks, and 2-block programs so that the merge sees many candidate lists."""
+    ctx = [1, 31, 32, 33, 34, 0, 129, 200]
+    cache, table, cl, _ = make_cache(label, ctx, page=16)
+    iq = queries(len(ctx), 4, 128)
+    cfg = IndexerConfig(block_size=32, topk=4, init_blocks=1, local_blocks=2)
+    ids = check_decode(cache, table, cl, iq, cfg, chunk_blocks=2)
+    assert (ids[5] == -1).all()  # zero-length row
+    assert (ids[0, :, 0] == 0).all() and (ids[0, :, 1:] == -1).all()
+
+
+@pytest.mark.parametrize("label", ["bf16", "fp8", "nvfp4", "mxfp4"])
+def test_decode_real_block_size(label):
+    """M3 geometry: 128-token blocks, top-16, 4 heads, D = 128, pages of 64 tokens."""
+    ctx = [1, 127, 128, 129, 130, 513, 2100]
+    cache, table, cl, _ = make_cache(label, ctx, page=64, seed=2)
+    check_decode(cache, table, cl, queries(len(ctx), 4, 128, seed=3), IndexerConfig())
+
+
+def test_decode_token_scores():
+    ctx = [3, 40, 0]
+    cache, table, cl, _ = make_cache("nvfp4", ctx, page=16)
+    iq = queries(3, 4, 128)
+    got = K.decode_scores(iq, cache, table, cl).cpu()
+    assert got.shape == (3, 4, 40)
+    tol = tolerance(iq, cache, table, cl)
+    for b, n in enumerate(ctx):
+        assert torch.isinf(got[b, :, n:]).all()
+        if n:
+            want = token_scores(iq[b][:, None].cpu(), paged_keys(cache, table, n, b).cpu(), [n - 1])[:, 0]
+            assert (got[b, :, :n] - want).abs().max() <= tol
+
+
+@pytest.mark.parametrize("chunk", [4, 16], ids=["merge-orders", "program-orders"])
+@pytest.mark.parametrize("tie_rule", ["higher-id", "lower-id"])
+def test_decode_all_zero_queries_total_ties(tie_rule, chunk):
+    """Every block scores 0: the tie rule alone decides, in the per-program selection (16 blocks per program, 5
+    kept) and in the merge (4 blocks per program, all kept)."""
+    ctx = [70, 300, 17]
+    cache, table, cl, _ = make_cache("mxfp4", ctx, page=32)
+    iq = torch.zeros(3, 4, 128, dtype=torch.bfloat16, device=DEVICE)
+    cfg = IndexerConfig(block_size=16, topk=5, tie_rule=tie_rule)
+    check_decode(cache, table, cl, iq, cfg, chunk_blocks=chunk, exact=True)
+
+
+@pytest.mark.parametrize("label", ["bf16", "fp8", "nvfp4", "mxfp4"])
+def test_decode_nonfinite_keys(label):
+    """NaN and Inf reach a cache only as raw bytes (quantize refuses them): bf16 Inf/NaN values, E4M3 0x7F, NVFP4
+    scale 0x7F, MXFP4 scale 255. Inf * 0 and Inf - Inf give NaN scores; NaN blocks rank last (as -1e30)."""
+    ctx = [96, 64]
+    cache, table, cl, slots = make_cache(label, ctx, page=16, seed=5)
+    payload, scale = cache.payload_plane(), cache.scale_plane()
+    for tok in (3, 40, 41, 70):  # blocks 0, 2 (two tokens) and 4 of request 0 (block size 16)
+        page, off = int(slots[0][tok]) // 16, int(slots[0][tok]) % 16
+        if label == "bf16":
+            row = payload[page, 0, off].view(torch.bfloat16)
+            row[0], row[5] = (math.inf, -math.inf) if tok != 70 else (math.nan, 1.0)
+        elif label == "fp8":
+            payload[page, 0, off, 7] = 0x7F
+        else:
+            scale[page, 0, off, 1] = 255 if label == "mxfp4" else 0xFF
+    iq = queries(2, 4, 128, seed=6)
+    iq[0, 1, 5] = 0  # head 1 of request 0: the inf lane meets a zero query element
+    cfg = IndexerConfig(block_size=16, topk=6)
+    check_decode(cache, table, cl, iq, cfg, chunk_blocks=2)
+
+
+def test_decode_minus_inf_blocks_are_selected_when_valid():
+    """Blocks whose every score is -inf still count as valid: with fewer finite blocks than k they are selected, in
+    the tie order, before any invalid block."""
+    ctx = [80]
+    cache, table, cl, slots = make_cache("bf16", ctx, page=16)
+    for tok in range(16, 64):  # blocks 1, 2, 3 (block 16): every score is -inf for q[0] > 0
+        page, off = int(slots[0][tok]) // 16, int(slots[0][tok]) % 16
+        cache.payload_plane()[page, 0, off].view(torch.bfloat16)[0] = -math.inf
+    iq = queries(1, 4, 128, seed=7)
+    iq[..., 0] = iq[..., 0].abs() + 0.5
+    for rule in ("higher-id", "lower-id"):
+        ids = check_decode(cache, table, cl, iq, IndexerConfig(16, 5, tie_rule=rule), exact=True)
+        assert sorted(ids[0, 0].tolist()) == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("label", ["nvfp4", "mxfp4", "mxfp4-floor", "fp8-token"])
+def test_decode_edge_case_keys(label):
+    """The shared edge-case table (ties, zero blocks, saturation, subnormal scales, tiny/huge amax) as index keys."""
+    keys = edge_case_tensor(128)
+    keys = keys / keys.abs().amax(-1, keepdim=True).clamp(min=1e-30)  # keep fp32 scores finite (amax up to 1e38)
+    keys = keys * torch.logspace(-6, 6, keys.shape[0])[:, None]
+    n = keys.shape[0]
+    cache, table, cl, _ = make_cache(label, [n], page=16, keys=[keys[:, None]])
+    check_decode(cache, table, cl, queries(1, 4, 128, seed=8), IndexerConfig(16, 4), chunk_blocks=2)
+
+
+# -------------------------------------------------------------------------------------------------------- prefill
+@pytest.mark.parametrize("label", ["bf16", "fp8", "nvfp4", "mxfp4"])
+def test_prefill_causal_chunk(label):
+    ctx = [5, 70, 0, 33]
+    cache, table, cl, _ = make_cache(label, ctx, page=16, seed=9)
+    iq = queries(4, 4, 128, seed=10, q=8)
+    cfg = IndexerConfig(block_size=16, topk=4, init_blocks=1)
+    tol = tolerance(iq, cache, table, cl)
+    ref_ids, ref_scores = paged_reference(iq, cache, table, cl, cfg)
+    ids = K.prefill_topk(iq, cache, table, cl, cfg, q_tile=4, chunk_blocks=2)
+    assert_ids_match(ids, ref_ids, ref_scores, tol)
+    assert_scores_match(K.prefill_block_scores(iq, cache, table, cl, cfg), ref_scores, tol)
+    pos = torch.tensor([[0, 1, 2, 3, 4, -1, -1, -1], [69, 0, 10, 50, 60, 15, 16, 17], [-1] * 8,
+                        [32, 31, 30, 0, 1, 2, 3, 4]], dtype=torch.int32, device=DEVICE)
+    ref_ids, ref_scores = paged_reference(iq, cache, table, cl, cfg, q_pos=pos)
+    assert_ids_match(K.prefill_topk(iq, cache, table, cl, cfg, q_pos=pos), ref_ids, ref_scores, tol)
+
+
+def test_prefill_real_block_size():
+    ctx = [700, 130]
+    cache, table, cl, _ = make_cache("nvfp4", ctx, page=128, seed=11)
+    iq = queries(2, 4, 128, seed=12, q=20)
+    ref_ids, ref_scores = paged_reference(iq, cache, table, cl, IndexerConfig())
+    ids = K.prefill_topk(iq, cache, table, cl, IndexerConfig())
+    assert_ids_match(ids, ref_ids, ref_scores, tolerance(iq, cache, table, cl))
+
+
+# ------------------------------------------------------------------------------------------------------ arguments
+def test_launcher_rejects_bad_arguments():
+    cache, table, cl, _ = make_cache("nvfp4", [20], page=16)
+    iq = queries(1, 4, 128)
+    with pytest.raises(KernelArgumentError):
+        K.decode_topk(iq.float(), cache, table, cl)
+    with pytest.raises(KernelArgumentError):
+        K.decode_topk(iq, cache, table.long(), cl)
+    with pytest.raises(KernelArgumentError):
+        K.decode_topk(iq[..., :64], cache, table, cl)
+    with pytest.raises(KernelArgumentError):
+        K.decode_topk(iq, cache, table, cl, IndexerConfig(block_size=24))
+    with pytest.raises(KernelArgumentError):
+        K.prefill_topk(iq[:, None], cache, table, cl, q_pos=torch.tensor([[20]], device=DEVICE))
+
+
+# ------------------------------------------------------------------------------------------------------ GPU sizes
+@pytest.mark.gpu
+@pytest.mark.parametrize("label", ["bf16", "fp8", "nvfp4", "mxfp4", "fp8-token", "nvfp4-auto"])
+def test_gpu_decode_long_contexts(label):
+    ctx = [150_000, 1, 8192, 131_073, 0, 262_144, 4097, 129]
+    cache, table, cl, _ = make_cache(label, ctx, page=128, seed=13)
+    check_decode(cache, table, cl, queries(len(ctx), 4, 128, seed=14), IndexerConfig())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("label", ["bf16", "fp8", "nvfp4", "mxfp4"])
+def test_gpu_decode_batch64(label):
+    ctx = [int(x) for x in torch.randint(1, 40_000, (64,), generator=torch.Generator().manual_seed(15))]
+    cache, table, cl, _ = make_cache(label, ctx, page=64, seed=16)
+    check_decode(cache, table, cl, queries(64, 4, 128, seed=17), IndexerConfig())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("label", ["bf16", "fp8", "nvfp4", "mxfp4"])
+def test_gpu_prefill_4k(label):
+    ctx = [4096, 3000]
+    cache, table, cl, _ = make_cache(label, ctx, page=128, seed=18)
+    iq = queries(2, 4, 128, seed=19, q=1024)
+    ref_ids, ref_scores = paged_reference(iq, cache, table, cl, IndexerConfig())
+    ids = K.prefill_topk(iq, cache, table, cl, IndexerConfig())
+    assert_ids_match(ids, ref_ids, ref_scores, tolerance(iq, cache, table, cl))
