@@ -138,7 +138,7 @@ class InputFile:
         return "ok" if not bad else "mismatch: " + ", ".join(bad)
 
 
-def open_input(path: Path, layout: str | None = None, geometry: dict | None = None) -> InputFile:
+def open_input(path: Path, layout: str | None = None, geometry: str | None = None) -> InputFile:
     """Open any input kvtool reads (see the module docstring). Raises InputError / FileFormatError / LayoutError."""
     path = Path(path)
     if not path.exists():
@@ -146,7 +146,7 @@ def open_input(path: Path, layout: str | None = None, geometry: dict | None = No
     if path.is_dir():
         raise InputError(f"{path}: is a directory, not a file")
     if layout is not None:
-        return _open_layout(path, layout, geometry or {})
+        return _open_layout(path, layout, geometry)
     with open(path, "rb") as f:
         magic = f.read(8)
     suffix = path.suffix.lower()
@@ -293,26 +293,8 @@ def _memory_entry(name: str, t: torch.Tensor) -> Entry:
 
 
 # ------------------------------------------------------------------------------------------------------- layouts
-def parse_geometry(text: str | None) -> dict:
-    """`KEY=VAL[,KEY=VAL...]` -> dict; values become int or float where they parse, else stay strings."""
-    out: dict = {}
-    for part in filter(None, (p.strip() for p in (text or "").split(","))):
-        key, sep, value = part.partition("=")
-        if not sep or not key.strip() or not value.strip():
-            raise LayoutError(f"bad --geometry item {part!r} (expected KEY=VAL[,KEY=VAL...])")
-        value = value.strip()
-        for cast in (int, float):
-            try:
-                out[key.strip()] = cast(value)
-                break
-            except ValueError:
-                continue
-        else:
-            out[key.strip()] = value
-    return out
-
-
-def _open_layout(path: Path, layout: str, geometry: dict) -> InputFile:
+def _open_layout(path: Path, layout: str, geometry: str | None) -> InputFile:
+    """Route an engine dump to kvtool.layouts (imported only here); `geometry` is passed on as "KEY=VAL,..." text."""
     try:
         from kvtool.layouts import read_layout
     except ImportError:
@@ -359,7 +341,9 @@ def row_chunks(rows: int, dim: int, chunk_bytes: int) -> Iterator[tuple[int, int
 def check_finite_rows(x: torch.Tensor, name: str, shape: tuple[int, ...], row_start: int) -> None:
     """Raise InputError naming the tensor and the first non-finite element by its GLOBAL index in `shape`, for a
     chunk `x` [n, D] that starts at row `row_start` of the [rows, D] view."""
-    if x.is_floating_point() and not bool(torch.isfinite(x).all()):
+    if not x.is_floating_point() or x.numel() == 0 or bool(torch.isfinite(x.abs().amax())):
+        return  # amax propagates NaN and Inf, and is much faster than isfinite on bf16
+    if not bool(torch.isfinite(x).all()):
         flat_local = int(torch.nonzero(~torch.isfinite(x.reshape(-1)))[0])
         value = float(x.reshape(-1)[flat_local])
         flat = row_start * x.shape[-1] + flat_local

@@ -34,7 +34,6 @@ from kvtool.cli.common import (
     stderr,
     stdout,
 )
-from kvtool.readers import parse_geometry
 
 FIX = "fixtures/synthetic_cache.safetensors"
 
@@ -121,7 +120,7 @@ def quantize(src: InArg, output: OutOpt, to: FormatOpt, scale_rule: ScaleRuleOpt
     with _sigterm_cleans(), _progress() as progress:
         report = quantize_file(src, output, to, options=format_options(scale_rule, recipe, outer_scale, fp8_scale),
                                include=include, exclude=exclude, device=device, chunk_mb=chunk_mb, layout=layout,
-                               geometry=parse_geometry(geometry), progress=progress, hint=_hint)
+                               geometry=geometry, progress=progress, hint=_hint)
     emit(report, as_json, _render_ops)
 
 
@@ -141,7 +140,7 @@ def dequantize(src: InArg, output: OutOpt,
 
     with _sigterm_cleans(), _progress() as progress:
         report = dequantize_file(src, output, dtype=dtype, device=device, chunk_mb=chunk_mb, layout=layout,
-                                 geometry=parse_geometry(geometry), progress=progress, hint=_hint)
+                                 geometry=geometry, progress=progress, hint=_hint)
     emit(report, as_json, _render_ops)
 
 
@@ -176,7 +175,7 @@ def inspect(path: Annotated[Path, typer.Argument(help="A kvtool cache, safetenso
 
     with _progress() as progress:
         report = inspect_file(path, verify=verify, include=include, exclude=exclude, chunk_mb=chunk_mb,
-                              layout=layout, geometry=parse_geometry(geometry), progress=progress)
+                              layout=layout, geometry=geometry, progress=progress)
     emit(report, as_json, _render_inspect)
     if not report.ok:
         raise typer.Exit(1)
@@ -241,8 +240,8 @@ def diff(a: Annotated[Path, typer.Argument(help="Candidate A (any input kvtool r
     with _progress() as progress:
         report = diff_files(a, b, max_rel_l2=max_rel_l2, max_abs=max_abs, min_sqnr=min_sqnr,
                             max_scale_mismatch=max_scale_mismatch, include=include, exclude=exclude,
-                            chunk_mb=chunk_mb, layout=layout, geometry=parse_geometry(geometry), layout_b=layout_b,
-                            geometry_b=parse_geometry(geometry_b), plot=plot, progress=progress)
+                            chunk_mb=chunk_mb, layout=layout, geometry=geometry, layout_b=layout_b,
+                            geometry_b=geometry_b, plot=plot, progress=progress)
     emit(report, as_json, _render_diff)
     if not report.passed:
         raise typer.Exit(1)

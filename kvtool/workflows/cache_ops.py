@@ -71,12 +71,12 @@ def quantize_tensor(fmt: Format, x: torch.Tensor, tensor_amax: torch.Tensor | No
     only when asked for). `tensor_amax` (fp32 scalar) is the whole tensor's amax when `x` is a chunk of it."""
     if backend == "triton":
         if check_finite:
-            require_finite(x, name)
+            require_finite(x, name)  # here, so that the message names the tensor
         try:
             from kvtool.kernels.quant import triton_quantize
         except ImportError as err:
             raise KvtoolError(f"the Triton quantize kernel is not available ({err}); use --device cpu") from None
-        return triton_quantize(fmt, x, tensor_amax=tensor_amax)
+        return triton_quantize(fmt, x, tensor_amax=tensor_amax, check_finite=False)
     return fmt.quantize(x, tensor_amax=tensor_amax, name=name, check_finite=check_finite)
 
 
@@ -108,13 +108,14 @@ def tensor_amax(entry: Entry, chunk_bytes: int, tick: Callable[[int, str], None]
 # ------------------------------------------------------------------------------------------------ quantize
 def quantize_file(src: Path, out: Path, to: str, *, options: dict | None = None, include: list[str] | None = None,
                   exclude: list[str] | None = None, device: str = "cpu", chunk_mb: float = 64.0,
-                  layout: str | None = None, geometry: dict | None = None, progress: Progress | None = None,
-                  hint: Hint | None = None) -> CacheOpReport:
+                  layout: str | None = None, geometry: str | None = None, progress: Progress | None = None,
+                  hint: Hint | None = None, backend: str = "auto") -> CacheOpReport:
     """Quantize the selected floating tensors of `src` to format `to` (+ recipe `options`, see get_format) and write
-    a kvtool cache file at `out` (atomically). Memory is bounded by `chunk_mb` of fp32 per row block."""
+    a kvtool cache file at `out` (atomically). Memory is bounded by `chunk_mb` of fp32 per row block. `backend`
+    (auto|torch|triton, see kvtool.backend) picks the codec path; auto = Triton on cuda, torch on cpu."""
     fmt = get_format(to, **{k: v for k, v in (options or {}).items() if v is not None})
     dev = resolve_device(device)
-    backend = resolve_backend("auto", dev)
+    backend = resolve_backend(backend, dev)
     chunk = chunk_bytes(chunk_mb)
     target = check_output(out, [src])
     report = CacheOpReport("quantize", str(src), str(target), fmt.label, str(dev), chunk_mb)
@@ -237,14 +238,14 @@ def _copy_plain(writer, e: Entry, chunk: int, tick) -> None:
 
 # ------------------------------------------------------------------------------------------------ dequantize
 def dequantize_file(src: Path, out: Path, *, dtype: str | None = None, device: str = "cpu", chunk_mb: float = 64.0,
-                    layout: str | None = None, geometry: dict | None = None, progress: Progress | None = None,
-                    hint: Hint | None = None) -> CacheOpReport:
+                    layout: str | None = None, geometry: str | None = None, progress: Progress | None = None,
+                    hint: Hint | None = None, backend: str = "auto") -> CacheOpReport:
     """Decode every quantized tensor of `src` into a plain safetensors file at `out` with the same tensor names and
     shapes as the original input; `dtype` (bf16|fp16|fp32) overrides each tensor's recorded original dtype.
     Plain (passthrough) tensors are copied unchanged."""
     out_dtype = parse_dtype(dtype) if dtype else None
     dev = resolve_device(device)
-    backend = resolve_backend("auto", dev)
+    backend = resolve_backend(backend, dev)
     chunk = chunk_bytes(chunk_mb)
     target = check_output(out, [src])
     report = CacheOpReport("dequantize", str(src), str(target), dtype_name(out_dtype) if out_dtype else None,

@@ -7,7 +7,9 @@ the decoded-value disagreement % (elements whose values differ).
 Code metrics (SPEC section 6: scale-byte, payload-byte disagreement %) need two byte streams of the same planes:
 - both sides quantized in the same family with the same plane shapes: their stored bytes are compared directly;
 - one side quantized, the other plain: the plain side is RE-ENCODED with the quantized side's declared format (what
-  a correct writer of that format stores for these values), and the stored bytes are compared with that.
+  a correct writer of that format stores for these values), and the stored bytes are compared with that. The plain
+  side should be the ORIGINAL the cache was made from: a dequantized copy re-encodes to other, equally valid bytes
+  (a block whose largest code is 3 re-encodes one binade down), so its byte disagreement is not a writer error.
 A block is a scale block (16 / 32 elements, or a row of D for fp8 / bf16); `differing_blocks` counts blocks whose
 scale or any payload byte differs.
 
@@ -19,6 +21,9 @@ Scale-rule diagnosis:
   scale rule, every NVFP4 recipe and outer scale, ...), the % of blocks whose stored bytes that variant reproduces
   exactly from the plain values. A best fit other than the declared format means the writer used another rule than it
   declared: the silent rule mismatch that SPEC section 2 warns about.
+
+Tensors pair by name; two files that hold one (selected) tensor each pair whatever their names; shapes pair when
+they agree as [rows, D] ([T, 1, D] vs [T, D]).
 
 Exit status (CLI): 1 when a threshold is exceeded (`max_rel_l2`, `max_abs`, `min_sqnr`, `max_scale_mismatch` in %;
 a scale threshold on a tensor without comparable scale bytes also fails) or when the files' tensor names or shapes
@@ -87,8 +92,8 @@ class DiffReport:
 def diff_files(a: Path, b: Path, *, max_rel_l2: float | None = None, max_abs: float | None = None,
                min_sqnr: float | None = None, max_scale_mismatch: float | None = None,
                include: list[str] | None = None, exclude: list[str] | None = None, chunk_mb: float = 64.0,
-               layout: str | None = None, geometry: dict | None = None, layout_b: str | None = None,
-               geometry_b: dict | None = None, plot: Path | None = None,
+               layout: str | None = None, geometry: str | None = None, layout_b: str | None = None,
+               geometry_b: str | None = None, plot: Path | None = None,
                progress: Progress | None = None) -> DiffReport:
     """Compare A (candidate) with B (reference), tensor by tensor; see the module docstring for every field."""
     thresholds = {"max_rel_l2": max_rel_l2, "max_abs": max_abs, "min_sqnr": min_sqnr,
@@ -101,20 +106,22 @@ def diff_files(a: Path, b: Path, *, max_rel_l2: float | None = None, max_abs: fl
     with open_input(a, layout, geometry) as fa, open_input(b, layout_b, geometry_b) as fb:
         names_a = select(list(fa.entries), include, exclude)
         names_b = select(list(fb.entries), include, exclude)
-        common = [n for n in names_a if n in fb.entries and n in names_b]
-        only_a = [n for n in names_a if n not in common]
-        only_b = [n for n in names_b if n not in common]
-        if not common:
-            raise KvtoolError(f"{a} and {b} share no tensor names (A: {', '.join(names_a[:5])}; "
-                              f"B: {', '.join(names_b[:5])})")
+        pairs = [(n, n) for n in names_a if n in names_b]
+        if not pairs and len(names_a) == 1 and len(names_b) == 1:
+            pairs = [(names_a[0], names_b[0])]  # two single-tensor files (e.g. .npy vs an engine dump's `x`)
+        only_a = [n for n in names_a if n not in {p[0] for p in pairs}]
+        only_b = [n for n in names_b if n not in {p[1] for p in pairs}]
+        if not pairs:
+            raise KvtoolError(f"{a} and {b} share no tensor names (A: {', '.join(names_a[:5]) or 'none selected'}; "
+                              f"B: {', '.join(names_b[:5]) or 'none selected'})")
         report = DiffReport(str(a), str(b), [], only_a, only_b, [], None, thresholds, [], True)
         overall = ValueAccumulator()
         samples: dict[str, torch.Tensor] = {}
-        total = sum(fa.entries[n].rows for n in common)
+        total = sum(fa.entries[n].rows for n, _ in pairs)
         done = 0
-        for name in common:
-            ea, eb = fa.entries[name], fb.entries[name]
-            if ea.shape != eb.shape:
+        for name, name_b in pairs:
+            ea, eb = fa.entries[name], fb.entries[name_b]
+            if (ea.rows, ea.dim) != (eb.rows, eb.dim):  # [T, 1, D] and [T, D] compare row for row
                 report.shape_mismatch.append(f"{name}: A {list(ea.shape)} vs B {list(eb.shape)}")
                 continue
             td, sample = _diff_tensor(ea, eb, chunk, overall)
@@ -160,7 +167,8 @@ def _diff_tensor(ea: Entry, eb: Entry, chunk: int, overall: ValueAccumulator) ->
         if codes is not None:
             codes.update(ea, eb, r0, r1)
     metrics = acc.result()
-    td = TensorDiff(ea.name, list(ea.shape), _label(ea), _label(eb), metrics,
+    name = ea.name if ea.name == eb.name else f"{ea.name}~{eb.name}"
+    td = TensorDiff(name, list(ea.shape), _label(ea), _label(eb), metrics,
                     round(100 * unequal / max(ea.numel, 1), 6), codes.result() if codes else None,
                     codes.rule_fit() if codes else None)
     return td, torch.cat(samples) if samples else torch.zeros(0)
