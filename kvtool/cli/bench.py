@@ -11,3 +11,49 @@ bench_app = typer.Typer(help="Benchmarks: time, bytes, bandwidth and fraction of
 app.add_typer(bench_app, name="bench")
 
 # Benchmark subcommands register on bench_app from their modules (imported at the end of kvtool/cli/__init__.py).
+
+
+# -------------------------------------------------------------------------------------------------- bench attn
+from typing import Annotated  # noqa: E402,F811  (each section imports what it uses)
+
+from kvtool.cli.common import DeviceOpt, JsonOpt, emit, handle_errors, stderr, stdout  # noqa: E402,F811
+
+
+@bench_app.command("attn", epilog="Examples:\n\n  kvtool bench attn --device cuda\n\n"
+                                  "  kvtool bench attn --device cuda --batches 64,256 --formats fp8,nvfp4 --sweep\n\n"
+                                  "  kvtool bench attn --device cuda --json > attn.json")
+@handle_errors
+def bench_attn(
+    batches: Annotated[str, typer.Option("--batches", help="Comma-separated batch sizes.")] = "1,16,64,256",
+    formats: Annotated[str, typer.Option("--formats", help="Comma-separated formats / labels.")]
+    = "bf16,fp8,fp8-token,nvfp4,mxfp4",
+    context: Annotated[int, typer.Option("--context", help="Tokens per request (16 of its blocks are read).")] = 8000,
+    peers: Annotated[bool, typer.Option("--peers/--no-peers", help="Also time torch eager and SDPA.")] = True,
+    sweep: Annotated[bool, typer.Option("--sweep", help="Also time launch variants (splits, tile, warps).")] = False,
+    device: DeviceOpt = "cuda",
+    as_json: JsonOpt = False,
+) -> None:
+    """M3 sparse decode attention (TP4 shape, top-16 x 128-token blocks): the Triton kernel per format beside torch
+    eager and SDPA; CUDA-graph replay of several layers back to back, time per step."""
+    from kvtool.backend import resolve_device
+    from kvtool.bench.attn import render_goals, run_attn_bench
+    from kvtool.bench.common import render_report
+    from kvtool.errors import InputError
+
+    try:
+        sizes = [int(b) for b in batches.split(",") if b.strip()]
+    except ValueError:
+        raise InputError(f"bad --batches {batches!r} (example: 1,16,64,256)") from None
+    names = tuple(f.strip() for f in formats.split(",") if f.strip())
+    if not sizes or min(sizes) < 1 or not names or context < 1:
+        raise InputError("--batches, --formats and --context need positive values")
+    report = run_attn_bench(sizes, names, context=context, device=str(resolve_device(device)), peers=peers,
+                            sweep=sweep, progress=lambda name: stderr.print(f"[dim]{name}[/dim]"))
+
+    def render(r):
+        render_report(r, stdout)
+        render_goals(r, stdout)
+        if r.extra.get("note"):
+            stderr.print(f"note: {r.extra['note']}")
+
+    emit(report, as_json, render)

@@ -1,0 +1,222 @@
+"""`kvtool bench attn`: one decode step of M3 sparse attention at the TP4 shape (16 query heads, 1 KV head, head dim
+128, 128-token blocks and pages, top-16 blocks per request) for batch 1, 16, 64, 256, per cache format.
+
+Rows per (batch, format): the Triton kernel (`kvtool.kernels.sparse_attn.sparse_decode`), torch eager (gather the
+selected slots, dequantize, attention in fp32: the unfused path), and once per batch PyTorch SDPA over the gathered,
+already dequantized bf16 tokens (attention alone, the floor of an unfused engine). Bytes (SPEC section 6): the
+visible selected K/V tokens read once (payload + scales), q read once, the output written once, plus the selection;
+SDPA is charged its bf16 K/V and mask.
+
+How it is timed, the way engines run it: each case runs `layers` layers back to back (distinct caches and
+selections per layer, enough of them that one step's K/V exceeds the H200's 50 MB L2 three times over, at most M3's
+57 sparse layers), captured once in a CUDA graph and replayed (`BenchCase(cuda_graph=True)`); time and bytes are per
+step of all those layers. Torch eager is not graph-captured (it synchronizes), so it runs eagerly.
+
+Goals (H200): >= 70 % of the copy bandwidth at batch 256 for nvfp4 and mxfp4; nvfp4 faster per step than fp8 at batch
+>= 64. The report's `extra["goals"]` holds those checks.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Callable
+
+import torch
+
+from kvtool.attention import random_block_selection
+from kvtool.bench.common import BenchCase, BenchReport, run_cases
+from kvtool.formats import get_format
+from kvtool.paged import PagedCache
+
+GEOMETRY = {"num_q_heads": 16, "num_kv_heads": 1, "head_dim": 128, "block_size": 128, "page_size": 128, "topk": 16}
+DEFAULT_FORMATS = ("bf16", "fp8", "fp8-token", "nvfp4", "mxfp4")
+DEFAULT_BATCHES = (1, 16, 64, 256)
+L2_TARGET_BYTES = 150e6  # three times the H200's 50 MB L2
+MAX_LAYERS = 57  # M3's sparse layers
+# Launch variants tried with --sweep (name, sparse_decode keyword options).
+SWEEP = (
+    ("splits=1", {"num_splits": 1}), ("splits=2", {"num_splits": 2}), ("splits=4", {"num_splits": 4}),
+    ("splits=8", {"num_splits": 8}), ("tile=128 warps=8", {"tile_tokens": 128, "num_warps": 8}),
+    ("tile=32", {"tile_tokens": 32}), ("stages=3", {"num_stages": 3}), ("warps=8", {"num_warps": 8}),
+)
+
+
+class _Step:
+    """One batch's inputs for `layers` layers of one format: caches, selections, q; plus its byte count."""
+
+    def __init__(self, fmt_name: str, batch: int, context: int, layers: int, device: str, gen: torch.Generator):
+        geo = GEOMETRY
+        hkv, d, p, bs = geo["num_kv_heads"], geo["head_dim"], geo["page_size"], geo["block_size"]
+        self.fmt = get_format(fmt_name)
+        self.batch, self.layers, self.device = batch, layers, device
+        pages = math.ceil(context / p)
+        self.ctx = torch.full((batch,), context, dtype=torch.int32, device=device)
+        # every request its own pages, shuffled in the pool (reads are page-granular and scattered, as in an engine)
+        perm = torch.randperm(batch * pages, generator=gen).to(torch.int32)
+        self.table = perm.reshape(batch, pages).contiguous().to(device)
+        tok = torch.arange(context, device=device)
+        slots = (self.table.long()[:, tok // p] * p + tok % p).reshape(-1)
+        self.k, self.v, self.ids = [], [], []
+        pos = self.ctx.long().cpu() - 1
+        for _ in range(layers):
+            for caches in (self.k, self.v):
+                x = (torch.randn(batch * context, hkv, d, device=device) * 2).to(torch.bfloat16)
+                c = PagedCache.allocate(self.fmt, batch * pages, p, hkv, d, device=device,
+                                        tensor_amax=float(x.float().abs().max()) if self.fmt.needs_tensor_amax else None)
+                c.store(x, slots)
+                caches.append(c)
+            ids = random_block_selection(pos, bs, geo["topk"], hkv, gen).transpose(0, 1).contiguous()
+            self.ids.append(ids.to(device))
+        self.q = torch.randn(batch, geo["num_q_heads"], d, generator=gen).to(torch.bfloat16).to(device)
+        visible = 0
+        for ids in self.ids:
+            tok0 = ids.long().cpu()[..., None] * bs + torch.arange(bs)
+            visible += int(((ids.cpu()[..., None] >= 0) & (tok0 < context)).sum())
+        self.kv_bytes = visible * self.fmt.bytes_per_token(d) * 2
+        io = 2 * self.q.numel() * 2 + self.ids[0].numel() * 4 + batch * 4
+        self.bytes = self.kv_bytes + layers * io
+
+    def kernel(self, **options) -> Callable[[], object]:
+        from kvtool.kernels.sparse_attn import sparse_decode
+
+        bs = GEOMETRY["block_size"]
+        return lambda: [sparse_decode(self.q, k, v, self.table, self.ctx, ids, bs, **options)
+                        for k, v, ids in zip(self.k, self.v, self.ids)]
+
+    def eager(self) -> Callable[[], object]:
+        return lambda: [eager_sparse_decode(self.q, k, v, self.table, self.ctx, ids, GEOMETRY["block_size"])
+                        for k, v, ids in zip(self.k, self.v, self.ids)]
+
+
+def _gather(cache: PagedCache, table, ctx, ids, block_size):
+    """Selected tokens of each (request, KV head), dequantized: values [B, Hkv, N, D] fp32 and visibility [B, Hkv, N]."""
+    b, hkv, topk = ids.shape
+    p = cache.page_size
+    tok = (ids.long()[..., None] * block_size + torch.arange(block_size, device=ids.device)).reshape(b, hkv, -1)
+    valid = (ids[..., None] >= 0).expand(-1, -1, -1, block_size).reshape(b, hkv, -1) & (tok < ctx[:, None, None])
+    tok = torch.where(valid, tok, torch.zeros_like(tok))
+    pages = torch.gather(table.long(), 1, (tok // p).reshape(b, -1)).reshape(tok.shape)
+    slots = torch.where(valid, pages * p + tok % p, torch.zeros_like(tok))
+    x = cache.dequantize(slots.reshape(-1)).reshape(b, hkv, -1, hkv, cache.head_dim)
+    x = torch.diagonal(x, dim1=1, dim2=3).permute(0, 3, 1, 2)  # head h's own tokens: [B, Hkv, N, D]
+    return x, valid
+
+
+def eager_sparse_decode(q, k_cache, v_cache, table, ctx, ids, block_size, scale=None):
+    """The unfused torch path an engine without the kernel would run: gather + dequantize + masked softmax.
+    q [B, Hq, D] -> bf16 [B, Hq, D]."""
+    b, hq, d = q.shape
+    hkv = k_cache.num_heads
+    k, valid = _gather(k_cache, table, ctx, ids, block_size)
+    v, _ = _gather(v_cache, table, ctx, ids, block_size)
+    qg = q.float().reshape(b, hkv, hq // hkv, d)
+    s = torch.einsum("bhgd,bhnd->bhgn", qg, k) * (scale or 1 / math.sqrt(d))
+    s = s.masked_fill(~valid[:, :, None], -math.inf)
+    out = torch.einsum("bhgn,bhnd->bhgd", torch.softmax(s, -1).nan_to_num(0.0), v.masked_fill(~valid[..., None], 0))
+    return out.reshape(b, hq, d).to(torch.bfloat16)
+
+
+def _sdpa_case(step: _Step, device: str) -> BenchCase:
+    """SDPA over pre-gathered, dequantized bf16 tokens (the gather is not timed)."""
+    import torch.nn.functional as F
+
+    bs = GEOMETRY["block_size"]
+    inputs = []
+    for k_c, v_c, ids in zip(step.k, step.v, step.ids):
+        k, valid = _gather(k_c, step.table, step.ctx, ids, bs)
+        v, _ = _gather(v_c, step.table, step.ctx, ids, bs)
+        inputs.append((k.to(torch.bfloat16), v.to(torch.bfloat16), valid[:, :, None, :]))
+    q = step.q[:, :, None, :]  # [B, Hq, 1, D]
+
+    def fn():
+        return [F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True) for k, v, m in inputs]
+
+    nbytes = sum(k.numel() * 2 * 2 + m.numel() for k, _, m in inputs) + step.layers * 2 * step.q.numel() * 2
+    return BenchCase("torch SDPA (pre-gathered bf16)", fn, nbytes, f"batch {step.batch}",
+                     f"{'graph' if device.startswith('cuda') else 'eager'} x {step.layers} layers",
+                     cuda_graph=device.startswith("cuda"))
+
+
+def layers_for(batch: int, context: int, fmt_name: str, device: str) -> int:
+    """Enough layers that one step's selected K/V exceeds L2_TARGET_BYTES (GPU), capped at 57; 1 on the CPU."""
+    if not device.startswith("cuda"):
+        return 1
+    g = GEOMETRY
+    per_layer = batch * g["num_kv_heads"] * min(context, g["topk"] * g["block_size"]) * 2 * \
+        get_format(fmt_name).bytes_per_token(g["head_dim"])
+    return max(1, min(MAX_LAYERS, math.ceil(L2_TARGET_BYTES / per_layer)))
+
+
+def run_attn_bench(batches=DEFAULT_BATCHES, formats=DEFAULT_FORMATS, context: int = 8000, device: str = "cuda",
+                   peers: bool = True, sweep: bool = False, seed: int = 0,
+                   progress: Callable[[str], None] | None = None) -> BenchReport:
+    """Build the case table and run it (see the module docstring). On the CPU the kernel rows need
+    TRITON_INTERPRET=1 (the interpreter; times are meaningless there, the run checks the plumbing)."""
+    from kvtool.kernels.sparse_attn import launch_plan
+
+    gen = torch.Generator().manual_seed(seed)
+    how = "graph" if device.startswith("cuda") else "eager"
+    run_kernel = device.startswith("cuda") or os.environ.get("TRITON_INTERPRET") == "1"
+    cases: list[BenchCase] = []
+    steps: dict[tuple[int, str], _Step] = {}
+    for batch in batches:
+        group = f"batch {batch}"
+        for name in formats:
+            layers = layers_for(batch, context, name, device)
+            if progress:
+                progress(f"building batch {batch} {name} x {layers} layers")
+            step = steps[(batch, name)] = _Step(name, batch, context, layers, device, gen)
+            label = step.fmt.label
+            if run_kernel:
+                t, splits, _ = launch_plan(batch, GEOMETRY["num_kv_heads"], GEOMETRY["topk"], GEOMETRY["block_size"],
+                                           GEOMETRY["page_size"], torch.device(device))
+                cases.append(BenchCase(f"triton {label}", step.kernel(), step.bytes, group,
+                                       f"{how} x {layers} layers; tile {t}, splits {splits}",
+                                       cuda_graph=device.startswith("cuda")))
+                for vname, options in SWEEP if sweep and step.fmt.family != "bf16" else ():
+                    cases.append(BenchCase(f"triton {label} {vname}", step.kernel(**options), step.bytes, group,
+                                           f"{how} x {layers} layers", cuda_graph=device.startswith("cuda")))
+            if peers:
+                cases.append(BenchCase(f"torch eager {label}", step.eager(), step.bytes, group,
+                                       f"eager x {layers} layers"))
+        if peers:
+            cases.append(_sdpa_case(steps[(batch, formats[-1])], device))
+    report = run_cases("M3 sparse decode attention, TP4 shape (16 q heads, 1 KV head, D 128, top-16 x 128)", cases,
+                       device, progress=progress)
+    report.extra = {"geometry": {**GEOMETRY, "context": context}, "goals": _goals(report, batches)}
+    if not run_kernel:
+        report.extra["note"] = "kernel rows skipped: no CUDA device (set TRITON_INTERPRET=1 to run the interpreter)"
+    return report
+
+
+def _goals(report: BenchReport, batches) -> list[dict]:
+    by_name = {(r.group, r.name): r for r in report.rows}
+    goals = []
+    for fam in ("nvfp4-rcp", "mxfp4-rceil"):
+        r = by_name.get(("batch 256", f"triton {fam}"))
+        if r is not None:
+            goals.append({"goal": f"{fam} >= 70 % of copy at batch 256", "value": round(r.frac_copy, 3),
+                          "met": r.frac_copy >= 0.70})
+    for batch in batches:
+        nv = by_name.get((f"batch {batch}", "triton nvfp4-rcp"))
+        for fp8 in ("fp8-unit", "fp8-token"):
+            other = by_name.get((f"batch {batch}", f"triton {fp8}"))
+            if batch >= 64 and nv is not None and other is not None:
+                goals.append({"goal": f"nvfp4 faster than {fp8} at batch {batch}",
+                              "value": round(other.time_us / nv.time_us, 3), "met": nv.time_us < other.time_us})
+    return goals
+
+
+def render_goals(report: BenchReport, console) -> None:
+    from rich.table import Table
+
+    goals = report.extra.get("goals") or []
+    if not goals:
+        return
+    table = Table(title="Goals (value: fraction of copy, or fp8 time / nvfp4 time)")
+    for col in ("goal", "value", "met"):
+        table.add_column(col)
+    for g in goals:
+        table.add_row(g["goal"], f"{g['value']:.3f}", "[green]yes[/green]" if g["met"] else "[red]no[/red]")
+    console.print(table)

@@ -1,0 +1,98 @@
+"""`kvtool verify-attn`: the sparse-attention kernel over quantized paged K/V against the dequantized reference and
+the bf16 original, per layer and overall, formats side by side."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from kvtool.backend import resolve_device
+from kvtool.cli import app
+from kvtool.cli.common import DeviceOpt, JsonOpt, emit, handle_errors, stderr, stdout
+from kvtool.errors import InputError
+from kvtool.workflows import verify_attn as va
+
+EPILOG = """Examples:\n
+  kvtool verify-attn --synthetic --device cuda --formats nvfp4,mxfp4,fp8-token,bf16\n
+  kvtool verify-attn --synthetic --batch 8 --context-lens 1,127,128,129,4097,32768,65536,150000 --device cuda\n
+  kvtool verify-attn m3.safetensors --formats nvfp4,nvfp4-rcp-auto,mxfp4-floor --layers 3-5 --device cuda\n
+  TRITON_INTERPRET=1 kvtool verify-attn --synthetic --batch 2 --context-lens 300 --formats nvfp4   (kernel on CPU)"""
+
+FORMATS_DEFAULT = "nvfp4,mxfp4,fp8-token,fp8,bf16"
+
+
+@app.command("verify-attn", epilog=EPILOG)
+@handle_errors
+def verify_attn_cmd(
+    file: Annotated[Optional[Path], typer.Argument(help="A capture file (kvtool capture).")] = None,
+    synthetic: Annotated[bool, typer.Option("--synthetic", help="One synthetic decode step at M3's TP4 shape "
+                                                                "instead of a file.")] = False,
+    formats: Annotated[str, typer.Option("--formats", help="Comma-separated formats or labels (nvfp4-rcp-auto, "
+                                                           "mxfp4-floor, fp8-token, ...).")] = FORMATS_DEFAULT,
+    layers: Annotated[Optional[str], typer.Option("--layers", help="File: layers to check (0-3, 0,5, all).")] = None,
+    max_queries: Annotated[int, typer.Option("--max-queries", help="File: query positions per layer (evenly "
+                                                                   "spaced, with the last; 0 = all).")] = 256,
+    page_size: Annotated[Optional[int], typer.Option("--page-size", help="File: page size (default: the block "
+                                                                         "size).")] = None,
+    batch: Annotated[int, typer.Option("--batch", help="Synthetic: requests in the step.")] = 4,
+    context_lens: Annotated[Optional[str], typer.Option("--context-lens", help="Synthetic: one length for all or "
+                                                        "one per request (default: random in [1, 8192]).")] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the synthetic data and page shuffles.")] = 0,
+    tolerance: Annotated[float, typer.Option("--tolerance", help="Max max_rel against the dequantized "
+                                                                 "reference.")] = va.DEFAULT_TOLERANCE,
+    backend: Annotated[str, typer.Option("--backend", help="auto | triton | torch (auto: Triton on cuda, and on "
+                                                           "cpu under TRITON_INTERPRET=1).")] = "auto",
+    device: DeviceOpt = "cpu",
+    as_json: JsonOpt = False,
+) -> None:
+    """Run sparse attention on quantized paged K/V and compare with (a) the reference on the DEQUANTIZED cache
+    (kernel accuracy: exit 1 when max_rel exceeds --tolerance) and (b) the reference on the bf16 original (what the
+    format costs). Files: every captured layer, selections from the reference indexer. --synthetic: M3 TP4 decode."""
+    if synthetic == (file is not None):
+        raise InputError("give either a capture FILE or --synthetic (not both)")
+    names = [f.strip() for f in formats.split(",") if f.strip()]
+    if not names:
+        raise InputError("--formats needs at least one format")
+    dev = str(resolve_device(device))
+    progress = (lambda msg: stderr.print(f"[dim]{msg}[/dim]"))
+    if synthetic:
+        report = va.verify_attn_synthetic(names, batch=batch, context_lens=context_lens, seed=seed, device=dev,
+                                          backend=backend, tolerance=tolerance, progress=progress)
+    else:
+        from kvtool.workflows.capture import parse_layers
+
+        report = va.verify_attn_file(file, names, layers=parse_layers(layers), max_queries=max_queries,
+                                     page_size=page_size, seed=seed, device=dev, backend=backend,
+                                     tolerance=tolerance, progress=progress)
+    emit(report, as_json, _render)
+    if not report.passed:
+        raise typer.Exit(1)
+
+
+def _render(r: va.VerifyAttnReport) -> None:
+    geo = ", ".join(f"{k} {v}" for k, v in r.geometry.items() if k != "context_lens")
+    table = Table(title=f"verify-attn: {r.source} — {r.backend} on {r.device}; {geo}")
+    for col in ("layer", "format", "q", "a rel_l2", "a max_rel", "a max_abs", "a cos", "a bf16out",
+                "b rel_l2", "b max_rel", "b max_abs", "b cos", "ok"):
+        table.add_column(col, justify="left" if col in ("layer", "format") else "right")
+    several = len({row.layer for row in r.layers}) > 1
+    for i, row in enumerate(r.layers + (r.overall if several else [])):
+        if i == len(r.layers):
+            table.add_section()  # the overall rows, over every layer
+        a, b = row.vs_dequant, row.vs_original
+        table.add_row(row.layer, row.format, str(row.queries), f"{a.rel_l2:.1e}", f"{a.max_rel:.1e}",
+                      f"{a.max_abs:.1e}", f"{a.cosine:.6f}", f"{row.bf16_out_max_rel:.1e}", f"{b.rel_l2:.2e}",
+                      f"{b.max_rel:.2e}", f"{b.max_abs:.2e}", f"{b.cosine:.5f}",
+                      "[green]yes[/green]" if row.passed else "[red]NO[/red]")
+    stdout.print(table)
+    if "context_lens" in r.geometry:
+        stdout.print(f"context lengths: {r.geometry['context_lens']}")
+    stdout.print(f"selection: {r.selection}. a = kernel (fp32 out) vs the reference on the dequantized cache (goal "
+                 f"max_rel <= {r.tolerance:g}); a bf16out = a's max_rel with the bf16 output rounding; b = vs the "
+                 f"reference on the bf16 original; q = queries")
+    for note in r.notes:
+        stderr.print(f"note: {note}")
+    stdout.print("[green]PASS[/green]" if r.passed else "[red]FAIL: kernel beyond accumulation noise[/red]")
