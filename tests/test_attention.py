@@ -181,3 +181,83 @@ def test_paged_paths_equal_reference_on_dequantized(fmt):
     rows = paged_sparse_prefill_ref(q.roll(1, 0), kc, vc, table, torch.arange(3).roll(1), ctx.long().roll(1) - 1,
                                     ids.roll(1, 0), 16)
     torch.testing.assert_close(rows.roll(-1, 0), got, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------ workflow, CLI, bench
+import json  # noqa: E402
+
+from typer.testing import CliRunner  # noqa: E402
+
+from kvtool.cli import app  # noqa: E402
+from kvtool.workflows import verify_attn as va  # noqa: E402
+
+
+def _tiny_capture(path, s=40, hq=4, hkv=2, d=32, seed=0):
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    t = {"layers.0.q": torch.randn(s, hq, d, generator=g), "layers.0.k": synthetic_kv(s, hkv, d, g),
+         "layers.0.v": torch.randn(s, hkv, d, generator=g), "layers.0.index_q": torch.randn(s, hkv, d, generator=g),
+         "layers.0.index_k": torch.randn(s, d, generator=g)}
+    meta = {"kvtool.capture": "1", "block_size": "16", "topk": "2", "init": "0", "local": "1", "layers": "0"}
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in t.items()}, str(path), metadata=meta)
+
+
+def test_verify_attn_file_runs_the_kernel_on_indexer_selections(tmp_path):
+    """Capture-file mode end to end with the kernel (interpreter on CPU): (a) within noise, (b) nonzero for fp4; a
+    zero tolerance must fail, so the check is live."""
+    path = tmp_path / "cap.safetensors"
+    _tiny_capture(path)
+    rep = va.verify_attn_file(path, ["nvfp4", "bf16"], max_queries=6, backend="triton")
+    assert rep.backend in ("triton", "triton-interpreter") and rep.passed
+    assert [r.format for r in rep.layers] == ["nvfp4-rcp", "bf16"] and rep.layers[0].queries == 6
+    nv, bf = rep.layers
+    assert 0 < nv.vs_dequant.max_rel < 1e-4 and nv.vs_original.rel_l2 > 10 * nv.vs_dequant.rel_l2
+    assert bf.vs_original.max_rel < 1e-4  # bf16 K/V are the original: (a) and (b) coincide
+    strict = va.verify_attn_file(path, ["nvfp4"], max_queries=3, backend="triton", tolerance=0.0)
+    assert not strict.passed and not strict.overall[0].passed
+
+
+def test_verify_attn_synthetic_torch_path_and_cli_json():
+    res = CliRunner().invoke(app, ["verify-attn", "--synthetic", "--batch", "2", "--context-lens", "1,300",
+                                   "--formats", "nvfp4,fp8-token", "--backend", "torch", "--json"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    assert rep["geometry"]["context_lens"] == [1, 300] and rep["geometry"]["num_q_heads"] == 16
+    assert [r["format"] for r in rep["overall"]] == ["nvfp4-rcp", "fp8-token"]
+    assert rep["overall"][0]["vs_original"]["rel_l2"] > rep["overall"][1]["vs_original"]["rel_l2"] > 0
+    bad = CliRunner().invoke(app, ["verify-attn", "--synthetic", "--batch", "2", "--context-lens", "1,2,3",
+                                   "--backend", "torch"])
+    assert bad.exit_code == 2 and "--context-lens" in bad.output
+
+
+def test_verify_attn_cli_arguments(monkeypatch, tmp_path):
+    seen = {}
+
+    def spy(names, **kw):
+        seen.update(kw, names=names)
+        return va.VerifyAttnReport("s", "cpu", "torch", {}, "random", 2e-3, names, passed=False)
+
+    monkeypatch.setattr(va, "verify_attn_synthetic", spy)
+    res = CliRunner().invoke(app, ["verify-attn", "--synthetic", "--formats", "nvfp4, mxfp4-floor", "--batch", "3",
+                                   "--context-lens", "5", "--seed", "7", "--tolerance", "0.01"])
+    assert res.exit_code == 1, res.output  # the report did not pass
+    assert seen["names"] == ["nvfp4", "mxfp4-floor"] and seen["batch"] == 3 and seen["context_lens"] == "5"
+    assert seen["seed"] == 7 and seen["tolerance"] == 0.01 and seen["device"] == "cpu"
+    both = CliRunner().invoke(app, ["verify-attn", str(tmp_path / "x.safetensors"), "--synthetic"])
+    assert both.exit_code == 2 and "not both" in both.output
+
+
+def test_bench_attn_plumbing_on_cpu():
+    """Tiny CPU run (kernel in the interpreter): rows, byte accounting, and the eager peer equals the reference."""
+    from kvtool.bench.attn import _Step, eager_sparse_decode, run_attn_bench
+
+    rep = run_attn_bench(batches=(1,), formats=("nvfp4",), context=300, device="cpu")
+    names = [r.name for r in rep.rows]
+    assert names == ["triton nvfp4-rcp", "torch eager nvfp4-rcp", "torch SDPA (pre-gathered bf16)"]
+    # 300 visible tokens x (K + V) x 72 B, q and output 16 x 128 bf16 each, 16 ids, 1 context length
+    assert rep.rows[0].bytes_moved == 300 * 2 * 72 + 2 * 16 * 128 * 2 + 16 * 4 + 4
+    step = _Step("mxfp4", 2, 700, 1, "cpu", torch.Generator().manual_seed(0))
+    got = eager_sparse_decode(step.q, step.k[0], step.v[0], step.table, step.ctx, step.ids[0], 128)
+    want = paged_sparse_decode_ref(step.q, step.k[0], step.v[0], step.table, step.ctx, step.ids[0], 128)
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
