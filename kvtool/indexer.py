@@ -256,20 +256,48 @@ def paged_reference(iq: torch.Tensor, cache, block_table: torch.Tensor, context_
     """The reference on the dequantized paged cache, batched like the kernels: iq [B, Q, Hi, D] at positions q_pos
     [B, Q] (default: the last Q positions; negative = padding row) -> (ids int32 [B, Q, Hi, topk], block scores fp32
     [B, Q, Hi, NB] with NB = ceil(max_context / block_size)). Padding rows give -1 ids and -inf scores."""
+    keys = [paged_keys(cache, block_table, int(n), b) for b, n in enumerate(context_lens.cpu().tolist())]
+    return batched_reference(iq, keys, cfg, q_pos, max_context)
+
+
+def batched_reference(iq: torch.Tensor, keys: list[torch.Tensor], cfg: IndexerConfig, q_pos=None,
+                      max_context: int | None = None):
+    """The reference over per-request keys: iq [B, Q, Hi, D], keys[b] [ctx_b, D] (any float dtype) -> (ids int32
+    [B, Q, Hi, topk], block scores fp32 [B, Q, Hi, NB]); positions as in `paged_reference`."""
     bsz, nq, hi, _ = iq.shape
-    ctx = [int(c) for c in context_lens.cpu()]
+    dev = iq.device
+    ctx = [int(k.shape[0]) for k in keys]
     max_context = max(ctx + [0]) if max_context is None else max_context
     nb = -(-max_context // cfg.block_size)
-    pos = default_positions(nq, context_lens.cpu()) if q_pos is None else torch.as_tensor(q_pos).cpu().long()
-    ids = torch.full((bsz, nq, hi, cfg.topk), -1, dtype=torch.int32)
-    scores = torch.full((bsz, nq, hi, nb), -math.inf)
+    pos = default_positions(nq, torch.tensor(ctx)) if q_pos is None else torch.as_tensor(q_pos).cpu().long()
+    ids = torch.full((bsz, nq, hi, cfg.topk), -1, dtype=torch.int32, device=dev)
+    scores = torch.full((bsz, nq, hi, nb), -math.inf, device=dev)
     for b in range(bsz):
         rows = torch.nonzero(pos[b] >= 0).flatten()
         if rows.numel() == 0:
             continue
-        p = pos[b, rows]
-        ik = paged_keys(cache, block_table, ctx[b], b).cpu()
-        bsc = block_scores(token_scores(iq[b, rows].cpu().transpose(0, 1), ik, p), p, cfg)  # [Hi, Qv, nbb]
+        p, rows = pos[b, rows].to(dev), rows.to(dev)
+        bsc = block_scores(token_scores(iq[b, rows].transpose(0, 1), keys[b].to(dev), p), p, cfg)  # [Hi, Qv, nbb]
         scores[b, rows, :, :bsc.shape[-1]] = bsc.transpose(0, 1)
         ids[b, rows] = select_topk(bsc, p, cfg).transpose(0, 1)
     return ids, scores
+
+
+# ------------------------------------------------------------------------------------------------------- dispatch
+def paged_topk(iq: torch.Tensor, cache, block_table: torch.Tensor, context_lens: torch.Tensor, cfg: IndexerConfig,
+               q_pos=None, backend: str = "auto") -> torch.Tensor:
+    """Block selection over a paged index cache, on either backend (kvtool.backend.resolve_backend): iq bf16
+    [B, Hi, D] (decode: one query at ctx - 1) -> int32 [B, Hi, topk], or [B, Q, Hi, D] (prefill, positions q_pos
+    [B, Q], default the last Q) -> int32 [B, Q, Hi, topk]. `torch` is the reference on the dequantized cache."""
+    from kvtool.backend import resolve_backend
+
+    decode = iq.dim() == 3
+    iq4 = iq[:, None] if decode else iq
+    if resolve_backend(backend, iq.device) == "triton":
+        from kvtool.kernels import index_score
+
+        ids = index_score.prefill_topk(iq4, cache, block_table, context_lens, cfg, q_pos=q_pos) if not decode \
+            else index_score.decode_topk(iq, cache, block_table, context_lens, cfg)[:, None]
+    else:
+        ids = paged_reference(iq4, cache, block_table, context_lens, cfg, q_pos)[0]
+    return ids[:, 0] if decode else ids

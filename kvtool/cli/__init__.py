@@ -22,6 +22,7 @@ from kvtool.cli import attn_cmds  # noqa: E402,F401
 from kvtool.cli import cache_cmds  # noqa: E402,F401
 from kvtool.cli import layout_cmds  # noqa: E402,F401
 from kvtool.cli import model_cmds  # noqa: E402,F401
+from kvtool.cli import topk_cmds  # noqa: E402,F401
 
 
 def main() -> None:

@@ -1,0 +1,114 @@
+"""`kvtool verify-topk`: the lightning-indexer scorer over quantized paged index caches against the reference fed
+the dequantized cache and against the bf16 original, per layer and overall, formats side by side."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from kvtool.backend import resolve_device
+from kvtool.cli import app
+from kvtool.cli.common import DeviceOpt, JsonOpt, emit, handle_errors, stderr, stdout
+from kvtool.errors import InputError
+from kvtool.indexer import IndexerConfig
+from kvtool.workflows import verify_topk as vt
+
+EPILOG = """Examples:\n
+  kvtool verify-topk --synthetic --device cuda --formats bf16,fp8,nvfp4,mxfp4\n
+  kvtool verify-topk --synthetic --batch 8 --context-lens 1,127,128,129,4097,32768,131072,150000 --device cuda\n
+  kvtool verify-topk capture.safetensors --formats nvfp4,mxfp4-floor --layers 3-5 --min-recall 0.9 --device cuda\n
+  kvtool verify-topk index_k.safetensors --queries index_q.safetensors --formats fp8,nvfp4 --json\n
+  TRITON_INTERPRET=1 kvtool verify-topk --synthetic --batch 2 --context-lens 700 --formats nvfp4   (kernel on CPU)"""
+
+FORMATS_DEFAULT = "bf16,fp8,nvfp4,mxfp4"
+
+
+@app.command("verify-topk", epilog=EPILOG)
+@handle_errors
+def verify_topk_cmd(
+    file: Annotated[Optional[Path], typer.Argument(help="A capture file (kvtool capture), or an index cache file "
+                                                        "(float keys or kvtool quantize output) with --queries.")] = None,
+    queries: Annotated[Optional[Path], typer.Option("--queries", help="Query file for an index cache FILE: [Q, Hi, "
+                                                                      "D] queries of the last Q positions.")] = None,
+    synthetic: Annotated[bool, typer.Option("--synthetic", help="One synthetic M3 decode step instead of a "
+                                                                "file.")] = False,
+    formats: Annotated[str, typer.Option("--formats", help="Comma-separated formats or labels (bf16, fp8, nvfp4, "
+                                                           "mxfp4-floor, ...).")] = FORMATS_DEFAULT,
+    layers: Annotated[Optional[str], typer.Option("--layers", help="Capture: layers to check (0-3, 0,5, all).")] = None,
+    max_queries: Annotated[int, typer.Option("--max-queries", help="Files: query positions per layer (evenly "
+                                                                   "spaced, with the last; 0 = all).")] = 256,
+    batch: Annotated[int, typer.Option("--batch", help="Synthetic: requests in the step.")] = 4,
+    context_lens: Annotated[Optional[str], typer.Option("--context-lens", help="Synthetic: one length for all or "
+                                                        "one per request (default: random in [1, 8192]).")] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the synthetic data and page shuffles.")] = 0,
+    block_size: Annotated[Optional[int], typer.Option("--block-size", help="Index block size (default: the "
+                                                                           "file's, else 128).")] = None,
+    topk: Annotated[Optional[int], typer.Option("--topk", help="Blocks per query (default: the file's, else "
+                                                               "16).")] = None,
+    tie_rule: Annotated[str, typer.Option("--tie-rule", help="higher-id (ATOM) | lower-id | any.")] = "higher-id",
+    page_size: Annotated[Optional[int], typer.Option("--page-size", help="Tokens per cache page (default: the "
+                                                                         "block size).")] = None,
+    min_recall: Annotated[Optional[float], typer.Option("--min-recall", help="Exit 1 when recall@k against the "
+                                                                             "original falls below R.")] = None,
+    backend: Annotated[str, typer.Option("--backend", help="auto | triton | torch (auto: Triton on cuda, and on "
+                                                           "cpu under TRITON_INTERPRET=1).")] = "auto",
+    device: DeviceOpt = "cpu",
+    as_json: JsonOpt = False,
+) -> None:
+    """Select top-k index blocks from quantized paged index caches and compare with (a) the reference scorer fed the
+    DEQUANTIZED cache (every difference must be a tie: exit 1 otherwise) and (b) the reference on the original keys
+    (exact-set %, recall@k, relative block-score error; --min-recall gates it)."""
+    if synthetic == (file is not None):
+        raise InputError("give either a FILE or --synthetic (not both)")
+    names = [f.strip() for f in formats.split(",") if f.strip()]
+    if not names:
+        raise InputError("--formats needs at least one format")
+    dev = str(resolve_device(device))
+    progress = (lambda msg: stderr.print(f"[dim]{msg}[/dim]"))
+    common = dict(device=dev, backend=backend, min_recall=min_recall, progress=progress)
+    if synthetic:
+        cfg = IndexerConfig(block_size=block_size or 128, topk=topk or 16, tie_rule=tie_rule)
+        report = vt.verify_topk_synthetic(names, batch=batch, context_lens=context_lens, seed=seed, cfg=cfg,
+                                          page_size=page_size or cfg.block_size, **common)
+    elif queries is not None:
+        report = vt.verify_topk_files(file, queries, names, max_queries=max_queries, page_size=page_size,
+                                      block_size=block_size, topk=topk, tie_rule=tie_rule, **common)
+    else:
+        from kvtool.workflows.capture import parse_layers
+
+        report = vt.verify_topk_capture(file, names, layers=parse_layers(layers), max_queries=max_queries,
+                                        page_size=page_size, block_size=block_size, topk=topk, tie_rule=tie_rule,
+                                        **common)
+    emit(report, as_json, _render)
+    if not report.passed:
+        raise typer.Exit(1)
+
+
+def _render(r: vt.VerifyTopkReport) -> None:
+    cfg = ", ".join(f"{k} {v}" for k, v in r.config.items() if k != "context_lens")
+    table = Table(title=f"verify-topk: {r.source} — {r.backend} on {r.device}; {cfg}")
+    for col in ("layer", "format", "rows", "a exact %", "a tie-aware %", "a max err", "b exact %", "b recall",
+                "b rel err", "ok"):
+        table.add_column(col, justify="left" if col in ("layer", "format") else "right")
+    several = len({row.layer for row in r.layers}) > 1
+    for i, row in enumerate(r.layers + (r.overall if several else [])):
+        if i == len(r.layers):
+            table.add_section()  # the overall rows, over every layer
+        a, b = row.vs_dequant, row.vs_original
+        table.add_row(row.layer, row.format, str(row.rows), f"{a.exact_pct:.2f}", f"{a.tie_aware_pct:.2f}",
+                      f"{row.max_score_err:.1e}", "-" if b is None else f"{b.exact_pct:.2f}",
+                      "-" if b is None else f"{b.recall:.4f}", "-" if b is None else f"{b.rel_score_err:.2e}",
+                      "[green]yes[/green]" if row.passed else "[red]NO[/red]")
+    stdout.print(table)
+    if "context_lens" in r.config:
+        stdout.print(f"context lengths: {r.config['context_lens']}")
+    stdout.print("a = scorer vs the reference on the dequantized cache (differences must be ties up to the fp32 "
+                 "accumulation bound; max err = largest block-score difference); b = vs the reference on the "
+                 "original keys (recall@k = |A n B| / |B|; rel err = |sum R(A) - sum R(B)| / sum |R(B)| over "
+                 "unforced blocks)" + (f"; min recall {r.min_recall:g}" if r.min_recall is not None else ""))
+    for note in r.notes:
+        stderr.print(f"note: {note}")
+    stdout.print("[green]PASS[/green]" if r.passed else "[red]FAIL[/red]")
