@@ -91,8 +91,8 @@ def _dequant_kernel(
             v = v * bits.to(tl.float32, bitcast=True)[:, None]
     else:
         bf = payload_ptr.to(tl.pointer_type(tl.bfloat16))
-        v = tl.load(bf + (pay // 2)[:, None] + cols[None, :], mask=row_mask(live, cols, D, DP), other=0.0)
-        v = v.to(tl.float32)
+        v = kc.bf16_decode(tl.load(bf + (pay // 2)[:, None] + cols[None, :], mask=row_mask(live, cols, D, DP),
+                                   other=0.0))
     if OUT_BF16:
         out = kc.bf16_encode(v)
     else:

@@ -109,6 +109,7 @@ def _store_kernel(
     RECIPE: tl.constexpr,  # NvRecipe (nvfp4)
     DS_FLOOR: tl.constexpr,  # fp8 token: DeepSeek amax floor
     POW2: tl.constexpr,  # fp8 token: power-of-two scale
+    NATIVE_FP8: tl.constexpr,  # hardware fp32 -> e4m3 conversion (CUDA sm_89+, see kc.e4m3_encode)
     BLOCK_R: tl.constexpr,  # tokens per program
 ):
     # grid: (token tiles, heads); one program = BLOCK_R tokens of one head, no integer division per row
@@ -120,13 +121,16 @@ def _store_kernel(
     x_off = tok.to(tl.int64) * stride_xt + head * stride_xh
     # dead rows (slot -1, tail) are not read: skipped tokens cost no bandwidth
     x = tl.load(x_ptr + x_off[:, None] + cols[None, :], mask=row_mask(live, cols, D, DP), other=0.0)
-    x = x.to(tl.float32)  # [BLOCK_R, DP]; padded columns are 0, which changes no amax
+    if x.dtype.is_bf16():  # [BLOCK_R, DP] fp32; padded columns are 0, which changes no amax
+        x = kc.bf16_decode(x)
+    else:
+        x = x.to(tl.float32)
     if BITS == 4:
         xb = tl.reshape(x, [BLOCK_R, DP // BLOCK, BLOCK])
         if SCALE == SCALE_E8M0:
             codes, sbytes = kc.mxfp4_quantize_block(xb, RULE)
         else:
-            codes, sbytes = kc.nvfp4_quantize_block(xb, g_dec, g_enc, RECIPE)
+            codes, sbytes = kc.nvfp4_quantize_block(xb, g_dec, g_enc, RECIPE, NATIVE_FP8)
         packed = kc.pack_nibbles(tl.reshape(codes, [BLOCK_R, DP]), BLOCK_R, DP)
         pcols = tl.arange(0, DP // 2)
         tl.store(payload_ptr + pay[:, None] + pcols[None, :], packed, mask=row_mask(live, pcols, PB, DP // 2))
@@ -134,12 +138,12 @@ def _store_kernel(
         tl.store(scale_ptr + sc[:, None] + scols[None, :], sbytes, mask=row_mask(live, scols, SB, DP // BLOCK))
     elif BITS == 8:
         if SCALE == SCALE_NONE:
-            codes = kc.e4m3_encode(x)
+            codes = kc.e4m3_encode(x, NATIVE_FP8)
         elif SCALE == SCALE_TENSOR:
-            codes = kc.fp8_encode_scaled(x, tl.zeros_like(x) + tensor_scale)
+            codes = kc.fp8_encode_scaled(x, tl.zeros_like(x) + tensor_scale, NATIVE_FP8)
         else:
             s = kc.fp8_row_scale(tl.max(tl.abs(x), axis=1), DS_FLOOR, POW2)  # [BLOCK_R]
-            codes = kc.fp8_encode_scaled(x, tl.broadcast_to(s[:, None], x.shape))
+            codes = kc.fp8_encode_scaled(x, tl.broadcast_to(s[:, None], x.shape), NATIVE_FP8)
             # the fp32 scale as its 4 little-endian bytes: the scale field needs no 4-byte alignment
             b4 = tl.arange(0, 4)
             sb = (s.to(tl.int32, bitcast=True)[:, None] >> (8 * b4)[None, :]) & 0xFF
@@ -216,6 +220,14 @@ def check_cache(cache) -> None:
         raise KernelArgumentError(f"{cache.num_slots} slots: slot ids must fit in int32")
 
 
+def native_fp8(device: torch.device) -> bool:
+    """Whether kernels on `device` may use the hardware fp32 -> e4m3 conversion: compiled (not the interpreter), CUDA
+    (not ROCm: gfx950's fp8 types differ), compute capability 8.9 or newer. Everywhere else the integer encoder runs."""
+    if INTERPRET or device.type != "cuda" or torch.version.cuda is None:
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -243,7 +255,7 @@ def launch_store(x3: torch.Tensor, slots: torch.Tensor | None, payload: torch.Te
         x3, slots if paged else payload, payload, scales if scales is not None else payload, T, H,
         x3.stride(0), x3.stride(1), page_stride, head_stride, tensor_scale, g_dec, g_enc,
         PAGED=paged, PAGE=page_size, D=D, DP=dp, PB=fmt.payload_bytes(D), SB=fmt.scale_bytes(D),
-        **KernelFormat.of(fmt).constexprs(), BLOCK_R=block_r, num_warps=num_warps)
+        **KernelFormat.of(fmt).constexprs(), NATIVE_FP8=native_fp8(x3.device), BLOCK_R=block_r, num_warps=num_warps)
 
 
 # ----------------------------------------------------------------------------------------------------- the store

@@ -1,0 +1,297 @@
+"""Store (quantize-on-write into a paged cache), gather-dequantize and whole-tensor quantize / dequantize kernels
+against the torch references (`PagedCache.store` / `.dequantize`, `Format.quantize`, `QTensor.dequantize`).
+
+Bytes are compared over the WHOLE cache buffer (pre-filled with the same random garbage on both sides, so a stray or a
+missing write shows), values bit for bit through `.view(torch.int32)` / `.view(torch.int16)`. Every format of
+`all_formats()` (every recipe, rule, outer scale and fp8 scale option), bf16 / fp16 / fp32 inputs, H = 1 (index cache)
+and H > 1, ragged slot mappings with -1 and runs that cross page boundaries, a head dim that is not a power of two,
+strided inputs, and the shared edge-case table. Under the interpreter the sizes are small; the `gpu`-marked tests rerun
+the checks at real sizes on fresh random data (the unmarked tests run on the GPU too, at their small sizes).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import triton
+import triton.language as tl
+from edge_cases import edge_case_tensor
+
+from kvtool import backend
+from kvtool.errors import InputError, KernelArgumentError, LayoutError
+from kvtool.formats import Format, all_formats, get_format
+from kvtool.formats.elements import e2m1_encode
+from kvtool.kernels import codecs as kc
+from kvtool.kernels.dequant import gather_dequantize
+from kvtool.kernels.quant import triton_dequantize, triton_quantize
+from kvtool.kernels.store import store
+from kvtool.paged import PagedCache
+
+# Zero / saturated scales make the nvfp4 helpers divide by 0 on lanes that `tl.where` then discards (interpreter warns).
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+SEED = int(np.random.SeedSequence().entropy % 2**31)
+FORMATS = all_formats()
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+# ------------------------------------------------------------------------------------------------------- inputs
+def spread_values(shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """Random values whose per-row magnitudes span 1e-6 .. 1e3, with heavy tails and a few exact zeros / -0."""
+    g = torch.Generator().manual_seed(seed)
+    mag = 10.0 ** (torch.rand(*shape[:-1], 1, generator=g) * 9 - 6)
+    x = torch.randn(*shape, generator=g) / torch.rand(*shape, generator=g).clamp_min(0.05) * mag
+    x[..., :3] = torch.tensor([0.0, -0.0, 1.0])
+    if dtype == torch.float16:  # keep fp16 finite and mostly normal
+        x = x / x.abs().amax().clamp_min(1.0) * 6e4
+    return x.to(dtype)
+
+
+def slot_mapping(n: int, num_slots: int, page_size: int, seed: int) -> torch.Tensor:
+    """[n] int64: a run of consecutive slots that starts mid-page (crosses page boundaries), then scattered slots, with
+    about one token in five skipped (-1). No slot is used twice."""
+    g = torch.Generator().manual_seed(seed)
+    run = min(n // 2, num_slots // 2)
+    start = page_size // 2 + 1
+    perm = torch.randperm(num_slots - start - run, generator=g)[: n - run] + start + run
+    slots = torch.cat([torch.arange(start, start + run), perm]).long()
+    slots[torch.rand(n, generator=g) < 0.2] = -1
+    return slots
+
+
+def fresh_caches(fmt: Format, pages: int, page_size: int, heads: int, dim: int, device: str, seed: int):
+    """Two identical caches (reference, kernel) whose bytes start as random garbage."""
+    ref = PagedCache.allocate(fmt, pages, page_size, heads, dim, device=device)
+    g = torch.Generator().manual_seed(seed + 7)
+    ref.data.copy_(torch.randint(0, 256, ref.data.shape, generator=g, dtype=torch.uint8))
+    ker = PagedCache(fmt, page_size, heads, dim, ref.data.clone())
+    return ref, ker
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality of two tensors of the same dtype (NaN == NaN when the bits match)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+    return torch.equal(a.contiguous().view(view).cpu(), b.contiguous().view(view).cpu())
+
+
+def first_diff(a: torch.Tensor, b: torch.Tensor) -> str:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return f"shape/dtype {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}"
+    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+    diff = (a.contiguous().view(view) != b.contiguous().view(view)).reshape(-1).nonzero()
+    if not len(diff):
+        return "equal"
+    i = int(diff[0])
+    return f"{len(diff)} differ, first at flat {i}: {a.reshape(-1)[i].item()} vs {b.reshape(-1)[i].item()}"
+
+
+# ------------------------------------------------------------------------------------------------------ checks
+def check_store(fmt: Format, x: torch.Tensor, slots: torch.Tensor, pages: int, page_size: int, seed: int,
+                validate: bool = True) -> None:
+    """Kernel store == torch store over the whole buffer; gather-dequantize == torch dequantize, fp32 and bf16."""
+    n, heads, dim = x.shape
+    ref, ker = fresh_caches(fmt, pages, page_size, heads, dim, x.device.type, seed)
+    ref.store(x, slots)
+    store(ker, x, slots, validate=validate)
+    assert ref.tensor_amax == ker.tensor_amax
+    assert torch.equal(ker.data.cpu(), ref.data.cpu()), \
+        f"{fmt.label} seed {seed}: cache bytes {first_diff(ker.data, ref.data)}"
+    kept = slots[slots >= 0]
+    for dtype in (torch.float32, torch.bfloat16):
+        got, want = gather_dequantize(ker, kept, dtype), ref.dequantize(kept, dtype)
+        assert same_bits(got, want), f"{fmt.label} seed {seed} {dtype}: values {first_diff(got, want)}"
+
+
+def check_planes(fmt: Format, x: torch.Tensor, tensor_amax: torch.Tensor | None = None) -> None:
+    """triton_quantize == fmt.quantize (payload, scales, outer scale, types); triton_dequantize == q.dequantize."""
+    want = fmt.quantize(x, tensor_amax=tensor_amax)
+    got = triton_quantize(fmt, x, tensor_amax)
+    assert got.shape == want.shape and got.outer_scale == want.outer_scale
+    assert same_bits(got.payload, want.payload), f"{fmt.label}: payload {first_diff(got.payload, want.payload)}"
+    if want.scales is None:
+        assert got.scales is None
+    else:
+        assert same_bits(got.scales, want.scales), f"{fmt.label}: scales {first_diff(got.scales, want.scales)}"
+        assert got.scales.device == want.scales.device
+    for dtype in (torch.float32, torch.bfloat16):
+        dv, rv = triton_dequantize(want, dtype), want.dequantize(dtype)
+        assert same_bits(dv, rv), f"{fmt.label} {dtype}: dequantized {first_diff(dv, rv)}"
+
+
+# ------------------------------------------------------------------------------ interpreter sizes (and GPU, small)
+# (input dtype, heads, head dim): the index cache (H = 1, D = 128), a K/V cache (H = 4), and a head dim that is not a
+# power of two (96: padded tiles with column masks).
+SHAPES = [("bf16", 1, 128), ("fp16", 4, 64), ("fp32", 2, 96)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.label)
+@pytest.mark.parametrize("dtype,heads,dim", SHAPES, ids=[f"{d}-H{h}-D{k}" for d, h, k in SHAPES])
+def test_store_matches_torch(fmt, dtype, heads, dim, device):
+    seed = SEED + heads * 1000 + dim
+    pages, page_size = 6, 8
+    x = spread_values((23, heads, dim), seed, DTYPES[dtype]).to(device)
+    slots = slot_mapping(23, pages * page_size, page_size, seed).to(device)
+    check_store(fmt, x, slots, pages, page_size, seed)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.label)
+def test_store_edge_cases(fmt, device):
+    """The shared edge-case table as tokens of a two-head cache (rows paired), slots shuffled over 16-token pages."""
+    x = edge_case_tensor(128)
+    x = x[: x.shape[0] // 2 * 2].reshape(-1, 2, 128).to(device)
+    n = x.shape[0]
+    pages = (n + 15) // 16 + 1
+    slots = torch.randperm(pages * 16, generator=torch.Generator().manual_seed(SEED))[:n].to(device)
+    check_store(fmt, x, slots, pages, 16, SEED)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.label)
+def test_quantize_dequantize_planes(fmt, device):
+    """Whole-tensor quantize of [2, 5, D] random rows plus the edge table, with and without a given tensor amax."""
+    x = spread_values((2, 5, 128), SEED + 3, torch.float32).to(device)
+    check_planes(fmt, x)
+    check_planes(fmt, edge_case_tensor(128).to(device))
+    if fmt.needs_tensor_amax:
+        check_planes(fmt, x.to(torch.bfloat16), tensor_amax=torch.tensor(1234.5))
+
+
+def test_strided_input_and_int32_slots(device):
+    """x as a view into a fused qkv buffer (token and head strides, last dim contiguous) and int32 slot ids."""
+    fmt = get_format("nvfp4")
+    qkv = spread_values((19, 3, 2 * 64), SEED + 5, torch.bfloat16).to(device)
+    x = qkv[:, :, 64:]
+    assert not x.is_contiguous()
+    slots = slot_mapping(19, 4 * 8, 8, SEED + 5).to(torch.int32).to(device)
+    check_store(fmt, x, slots, 4, 8, SEED + 5)
+
+
+def test_all_tokens_skipped(device):
+    fmt = get_format("fp8", fp8_scale="tensor")
+    x = spread_values((5, 1, 64), SEED + 6, torch.float32).to(device)
+    ref, ker = fresh_caches(fmt, 2, 4, 1, 64, device, SEED + 6)
+    slots = torch.full((5,), -1, dtype=torch.int64, device=device)
+    ref.store(x, slots)
+    store(ker, x, slots)
+    assert torch.equal(ker.data.cpu(), ref.data.cpu()) and ker.tensor_amax == ref.tensor_amax
+
+
+def test_backend_dispatch(device, monkeypatch):
+    """`auto` takes the kernels on CUDA and the torch reference on CPU; `triton` and `torch` agree either way."""
+    fmt = get_format("mxfp4")
+    x = spread_values((9, 2, 64), SEED + 8, torch.bfloat16).to(device)
+    slots = slot_mapping(9, 16, 4, SEED + 8).to(device)
+    ref, ker = fresh_caches(fmt, 4, 4, 2, 64, device, SEED + 8)
+    backend.store(ref, x, slots, backend="torch")
+    backend.store(ker, x, slots, backend="triton")
+    assert torch.equal(ker.data.cpu(), ref.data.cpu())
+    kept = slots[slots >= 0]
+    assert same_bits(backend.gather_dequantize(ker, kept, torch.bfloat16, backend="triton"),
+                     backend.gather_dequantize(ref, kept, torch.bfloat16, backend="torch"))
+    q = backend.quantize(fmt, x, backend="triton")
+    assert same_bits(q.payload, backend.quantize(fmt, x, backend="torch").payload)
+    assert same_bits(backend.dequantize(q, backend="triton"), backend.dequantize(q, backend="torch"))
+
+    import kvtool.kernels.store as store_mod
+
+    calls = []
+    monkeypatch.setattr(store_mod, "store", lambda *a, **k: calls.append(1))
+    backend.store(ref, x, slots, backend="auto")
+    assert len(calls) == (1 if torch.device(device).type == "cuda" else 0)
+
+
+def test_launcher_checks(device):
+    fmt = get_format("nvfp4")
+    cache = PagedCache.allocate(fmt, 2, 4, 2, 32, device=device)
+    x = torch.randn(3, 2, 32, device=device)
+    slots = torch.tensor([0, 1, -1], device=device)
+    with pytest.raises(KernelArgumentError, match="dtype"):
+        store(cache, x.to(torch.int32), slots)
+    with pytest.raises(KernelArgumentError, match="must be"):
+        store(cache, torch.randn(3, 3, 32, device=device), slots)
+    with pytest.raises(KernelArgumentError, match="contiguous"):
+        store(cache, torch.randn(3, 2, 64, device=device)[..., ::2], slots)
+    with pytest.raises(KernelArgumentError, match="int32 or int64"):
+        store(cache, x, slots.float())
+    with pytest.raises(KernelArgumentError, match=r"\[3\]"):
+        store(cache, x, slots[:2])
+    with pytest.raises(KernelArgumentError, match="output dtype"):
+        gather_dequantize(cache, slots[:2], torch.int32)
+    with pytest.raises(KernelArgumentError, match="payload"):
+        q = fmt.quantize(torch.randn(4, 32))
+        q.payload = q.payload[:, :-1]
+        triton_dequantize(q)
+
+
+def test_validation_like_torch(device):
+    """With `validate`, non-finite input and out-of-range slots fail as in the torch path, and nothing is written."""
+    fmt = get_format("mxfp4")
+    cache = PagedCache.allocate(fmt, 2, 4, 1, 32, device=device)
+    before = cache.data.clone()
+    x = torch.randn(3, 1, 32, device=device)
+    x[1, 0, 5] = float("nan")
+    with pytest.raises(InputError, match="non-finite"):
+        store(cache, x, torch.tensor([0, 1, 2], device=device))
+    with pytest.raises(LayoutError, match="slot ids"):
+        store(cache, torch.randn(3, 1, 32, device=device), torch.tensor([0, 8, 2], device=device))
+    assert torch.equal(cache.data, before)
+    with pytest.raises(InputError, match="non-finite"):
+        triton_quantize(fmt, x)
+    # a skipped token may hold anything: the torch path drops it before quantizing, and so does the kernel
+    check_store(fmt, x, torch.tensor([0, -1, 2], device=device), 2, 4, SEED)
+
+
+def test_comparison_can_fail(device):
+    """The byte comparison sees a rule difference (floor vs rceil on the edge table): it is not vacuous."""
+    x = edge_case_tensor(128)[:, None, :].to(device)
+    slots = torch.arange(x.shape[0], device=device)
+    pages = (x.shape[0] + 15) // 16
+    ref, _ = fresh_caches(get_format("mxfp4-rceil"), pages, 16, 1, 128, device, SEED)
+    _, ker = fresh_caches(get_format("mxfp4-floor"), pages, 16, 1, 128, device, SEED)
+    ref.store(x, slots)
+    store(ker, x, slots)
+    assert not torch.equal(ker.data.cpu(), ref.data.cpu())
+
+
+@triton.jit
+def _e2m1_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):  # fp32 in, codes out, element count, elements / program
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, kc.e2m1_encode(tl.load(x_ptr + offs, mask=offs < n)), mask=offs < n)
+
+
+def test_e2m1_encode_dense_sweep(device):
+    """The fma/min E2M1 encoder of kernels/codecs.py (written for the store kernels) against the torch encoder: every
+    13th fp32 pattern from 2**-4 to 16, both signs, and three ulps around every tie."""
+    base = torch.arange((127 - 4) << 23, (127 + 4) << 23, 13, dtype=torch.int64)
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 7.0]).view(torch.int32).long()
+    near = (ties[:, None] + torch.arange(-3, 4)[None, :]).reshape(-1)
+    v = torch.cat([base, near]).to(torch.int32).view(torch.float32)
+    v = torch.cat([v, -v, torch.tensor([0.0, -0.0, float("inf"), 3e38])]).to(device)
+    out = torch.empty(v.shape, dtype=torch.uint8, device=device)
+    block = 1 << 16
+    _e2m1_kernel[(triton.cdiv(v.numel(), block),)](v, out, v.numel(), BLOCK=block)
+    assert same_bits(out, e2m1_encode(v)), first_diff(out, e2m1_encode(v))
+
+
+# --------------------------------------------------------------------------------------------- GPU, real sizes
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.label)
+def test_store_gpu_large(fmt, device):
+    """64K tokens x 4 heads x 128 (32M elements) of fresh bf16 data into 64-token pages, 20 % of tokens skipped;
+    then the index-cache shape (H = 1) with fp32 input."""
+    seed = SEED + 11
+    n, pages, page_size = 1 << 16, (1 << 16) * 5 // 4 // 64, 64
+    x = spread_values((n, 4, 128), seed, torch.bfloat16).to(device)
+    slots = slot_mapping(n, pages * page_size, page_size, seed).to(device)
+    check_store(fmt, x, slots, pages, page_size, seed, validate=False)
+    x1 = spread_values((n, 1, 128), seed + 1, torch.float32).to(device)
+    check_store(fmt, x1, slots, pages, page_size, seed + 1, validate=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.label)
+def test_quantize_gpu_large(fmt, device):
+    """Whole-tensor quantize / dequantize of 16M fresh elements (fp16 and bf16 inputs)."""
+    check_planes(fmt, spread_values((1 << 17, 128), SEED + 12, torch.bfloat16).to(device))
+    check_planes(fmt, spread_values((1 << 15, 4, 128), SEED + 13, torch.float16).to(device))
