@@ -1,0 +1,242 @@
+"""`kvtool decode`: cache formats compared end to end on a model (the workflow is `kvtool.workflows.decode`)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich import box
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvtool.cli import app
+from kvtool.cli.common import (DeviceOpt, Fp8ScaleOpt, JsonOpt, OuterScaleOpt, RecipeOpt, ScaleRuleOpt, emit,
+                               format_options, handle_errors, stderr, stdout)
+from kvtool.errors import OutputError
+from kvtool.models import corpus
+from kvtool.workflows.decode import DecodeOptions, DecodeReport, ProgressEvent, run_decode
+
+EPILOG = """Examples:\n
+  kvtool decode --kv nvfp4 --index fp4                      (smollm2, stdlib docs, vs bf16 K/V + bf16 index)\n
+  kvtool decode --kv fp8,nvfp4,mxfp4 --index fp8,fp4 --tokens 1024 --plot decode.png\n
+  kvtool decode --kv mxfp4-floor,mxfp4-rceil --index bf16 --prompt-file notes.txt --json > decode.json\n
+  kvtool decode --model synthetic-m3 --kv nvfp4 --index fp4 --batch 8 --device cuda\n
+  kvtool decode --kv fp8 --dense --baseline-kv fp8-token"""
+
+
+@app.command("decode", epilog=EPILOG)
+@handle_errors
+def decode_cmd(
+    kv: Annotated[str, typer.Option("--kv", help="Candidate K/V cache formats, comma separated (bf16, fp8, nvfp4 "
+                                                  "alias fp4, mxfp4, or labels such as mxfp4-floor, fp8-token).")]
+    = "nvfp4",
+    index: Annotated[str, typer.Option("--index", help="Candidate index-key cache formats, comma separated. Every "
+                                                        "(kv, index) pair is one configuration.")] = "fp4",
+    baseline_kv: Annotated[str, typer.Option("--baseline-kv", help="The baseline's K/V format.")] = "bf16",
+    baseline_index: Annotated[str, typer.Option("--baseline-index", help="The baseline's index format.")] = "bf16",
+    scale_rule: ScaleRuleOpt = None,
+    recipe: RecipeOpt = None,
+    outer_scale: OuterScaleOpt = None,
+    fp8_scale: Fp8ScaleOpt = None,
+    model: Annotated[str, typer.Option("--model", help="smollm2 (real SmolLM2-135M) | synthetic-m3 (M3 geometry, "
+                                                        "random weights) | tiny-llama.")] = "smollm2",
+    prompt: Annotated[Optional[str], typer.Option("--prompt", help="Prompt text (default: stdlib docs).")] = None,
+    prompt_file: Annotated[Optional[Path], typer.Option("--prompt-file", help="Read the prompt from a UTF-8 file.")]
+    = None,
+    tokens: Annotated[Optional[int], typer.Option("--tokens", help="Teacher-forced positions: the prompt (cut to "
+                                                                    "N), then the baseline's greedy continuation. "
+                                                                    "Default: per model (smollm2 640).")] = None,
+    gen_tokens: Annotated[Optional[int], typer.Option("--gen-tokens", help="Free-running greedy tokens per "
+                                                                            "configuration (timed).")] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the synthetic weights and random prompts.")] = 0,
+    device: DeviceOpt = "cpu",
+    backend: Annotated[str, typer.Option("--backend", help="auto (Triton kernels on cuda, torch on cpu) | torch | "
+                                                            "triton.")] = "auto",
+    batch: Annotated[int, typer.Option("--batch", help="Sequences decoded together (corpus slices / random "
+                                                        "prompts).")] = 1,
+    sparse: Annotated[bool, typer.Option("--sparse/--dense", help="M3 block-sparse attention (default) or dense.")]
+    = True,
+    block_size: Annotated[Optional[int], typer.Option("--block-size", help="Selection block (default: the "
+                                                                            "model's; smollm2 64).")] = None,
+    topk: Annotated[Optional[int], typer.Option("--topk", help="Blocks selected per query (smollm2 8).")] = None,
+    local: Annotated[Optional[int], typer.Option("--local", help="Forced local blocks (default 1).")] = None,
+    init: Annotated[Optional[int], typer.Option("--init", help="Forced initial blocks (default 0).")] = None,
+    layers: Annotated[Optional[int], typer.Option("--layers", help="Decoder layers of the synthetic models.")]
+    = None,
+    mem_gb: Annotated[float, typer.Option("--mem-gb", help="Memory (GiB) for the tokens-that-fit column.")] = 8.0,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write KL / top-1 / delta-p against position to "
+                                                                "this PNG (needs matplotlib).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Compare K/V and index cache formats end to end: teacher-forced KL, top-1 and perplexity by position against
+    a bf16 baseline, free-running generations side by side, per-layer top-k and attention error, bytes per token
+    and tokens/s (beside a plain bf16 dense decode)."""
+    if plot is not None:
+        _check_plot(plot)
+    text = corpus.read_prompt(prompt, prompt_file) if prompt is not None or prompt_file is not None else None
+    opts = DecodeOptions(kv=[kv], index=[index], baseline_kv=baseline_kv, baseline_index=baseline_index,
+                         format_opts=format_options(scale_rule, recipe, outer_scale, fp8_scale), model=model,
+                         prompt=text, tokens=tokens, gen_tokens=gen_tokens, seed=seed, device=device, batch=batch,
+                         sparse=sparse, block_size=block_size, topk=topk, local_blocks=local, init_blocks=init,
+                         layers=layers, mem_gb=mem_gb, backend=backend)
+    with LiveProgress() as live:
+        report = run_decode(opts, progress=live.update, warn=live.warn)
+    if plot is not None:
+        plot_report(report, plot)
+        stderr.print(f"wrote {plot}")
+    emit(report, as_json, render)
+
+
+# ------------------------------------------------------------------------------------------------- live progress
+class LiveProgress:
+    """A rich progress display on stderr: one bar per phase, with each configuration's running KL and top-1."""
+
+    def __init__(self):
+        self.progress = Progress(TextColumn("{task.description:<15}"), BarColumn(bar_width=16),
+                                 MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.fields[stats]}"),
+                                 console=stderr, transient=False)
+        self.tasks: dict[str, int] = {}
+
+    def __enter__(self) -> "LiveProgress":
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.__exit__(*exc)
+
+    def update(self, ev: ProgressEvent) -> None:
+        if ev.phase not in self.tasks:
+            self.tasks[ev.phase] = self.progress.add_task(ev.phase, total=max(ev.total, 1), stats="")
+        stats = "  ".join(f"[cyan]{label}[/] KL {kl:.4f} {top1:.1f}%" for label, (kl, top1) in
+                          list(ev.running.items())[:2])
+        self.progress.update(self.tasks[ev.phase], completed=ev.done, stats=stats)
+
+    def warn(self, msg: str) -> None:
+        self.progress.console.print(f"[yellow]warning:[/] {msg}")
+
+
+# ------------------------------------------------------------------------------------------------------- render
+def _num(x: float | None, fmt: str = ".3f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _si(n: int) -> str:
+    for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= div:
+            return f"{n / div:.1f}{unit}"
+    return str(n)
+
+
+def render(r: DecodeReport) -> None:
+    m = r.model
+    sel = "dense" if r.selection is None else (f"sparse: block {r.selection['block_size']}, top-{r.selection['topk']}"
+                                               f", init {r.selection['init_blocks']}, local "
+                                               f"{r.selection['local_blocks']}")
+    stdout.print(f"[bold]{m['name']}[/]: {m['n_layers']} layers, {m['n_heads']}/{m['n_kv_heads']} heads, head dim "
+                 f"{m['head_dim']}; {sel}; batch {r.batch}, {r.tokens} teacher-forced positions ({r.prompt_tokens} "
+                 f"prompt), {r.gen_tokens} generated; {r.device} (store {r.paths['store']}, attention "
+                 f"{r.paths['attention']})")
+    table = Table(title=f"vs baseline {r.baseline.label} (K/V / index)", box=box.SIMPLE_HEAVY)
+    for col in ("config", "B/token", f"fit {r.mem_gb:g}GiB", "tok/s", "x bf16", "KL", "top-1%", "ppl x", "1st div"):
+        table.add_column(col, justify="left" if col == "config" else "right")
+    for i, c in enumerate([r.baseline] + r.candidates):
+        o, g = c.overall, c.generation
+        div = "-" if g is None or i == 0 else ("none" if g.first_divergence is None else str(g.first_divergence))
+        table.add_row(c.label, f"{c.bytes_per_token:,}", f"{_si(c.tokens_in_mem)} {c.capacity_vs_baseline:.1f}x",
+                      _num(c.tokens_per_s, ".1f"), _num(c.speed_vs_bf16, ".2f"), _num(o and o.kl_mean, ".4f"),
+                      _num(o and o.top1_pct, ".1f"), _num(o and o.ppl_ratio, ".3f"), div)
+    stdout.print(table)
+    if r.bf16_dense_tokens_per_s:
+        stdout.print(f"plain bf16 dense decode of the same model: {r.bf16_dense_tokens_per_s:.1f} tok/s")
+    _render_buckets(r)
+    _render_layers(r)
+    _render_generations(r)
+    for w in r.warnings:
+        stderr.print(f"[yellow]warning:[/] {w}")
+
+
+def _render_buckets(r: DecodeReport) -> None:
+    table = Table(title="by position (teacher-forced)", box=box.SIMPLE)
+    for col in ("config", "positions", "KL mean", "KL max", "top-1%", "dp mean", "dp RMS", "ppl x"):
+        table.add_column(col, justify="left" if col == "config" else "right")
+    for c in r.candidates:
+        for b in c.buckets:
+            table.add_row(c.label, f"{b.lo}-{b.hi - 1}", f"{b.kl_mean:.4f}", f"{b.kl_max:.3f}", f"{b.top1_pct:.1f}",
+                          f"{b.dp_mean:+.4f}", f"{b.dp_rms:.4f}", f"{b.ppl_ratio:.4f}")
+    stdout.print(table)
+
+
+def _render_layers(r: DecodeReport) -> None:
+    sparse = r.selection is not None
+    table = Table(title="per layer vs the baseline: " + ("top-k exact % / recall (positions where top-k is a "
+                  "choice) / " if sparse else "") + "attention rel_l2", box=box.SIMPLE)
+    table.add_column("layer", justify="right")
+    for c in r.candidates:
+        table.add_column(c.label, justify="right")
+    for i in range(len(r.candidates[0].layers) if r.candidates else 0):
+        cells = []
+        for c in r.candidates:
+            lm = c.layers[i]
+            top = "" if lm.topk is None else ("- / - / " if lm.topk.rows == 0 else
+                                              f"{lm.topk.exact_pct:5.1f} / {lm.topk.recall:.3f} / ")
+            cells.append(f"{top}{lm.attn_rel_l2:.4f}")
+        table.add_row(str(i), *cells)
+    stdout.print(table)
+
+
+def _render_generations(r: DecodeReport) -> None:
+    if r.baseline.generation is None:
+        return
+    if r.baseline.generation.text is None:  # no tokenizer: token agreement only
+        for c in r.candidates:
+            g = c.generation
+            stdout.print(f"{c.label}: generated tokens agree {g.agreement_pct:.1f} % with the baseline, first "
+                         f"divergence {'none' if g.first_divergence is None else g.first_divergence}")
+        return
+    if r.prompt_tail:
+        stdout.print(f"[dim]...{r.prompt_tail!r}[/dim]")
+    table = Table(title=f"free-running greedy continuation ({r.gen_tokens} tokens)", box=box.SIMPLE, show_lines=True)
+    for col in ("config", "agree %", "1st div", "text"):
+        table.add_column(col, justify="right" if col in ("agree %", "1st div") else "left", overflow="fold")
+    for i, c in enumerate([r.baseline] + r.candidates):
+        g = c.generation
+        div = "-" if i == 0 else ("none" if g.first_divergence is None else str(g.first_divergence))
+        table.add_row(c.label, "-" if i == 0 else f"{g.agreement_pct:.1f}", div, repr(g.text))
+    stdout.print(table)
+
+
+# ---------------------------------------------------------------------------------------------------------- plot
+def _check_plot(path: Path) -> None:
+    if importlib.util.find_spec("matplotlib") is None:
+        raise OutputError("--plot needs matplotlib: pip install matplotlib")
+    if path.suffix.lower() != ".png":
+        raise OutputError(f"--plot writes a PNG: give a path ending in .png, got {path}")
+    if not path.resolve().parent.is_dir():
+        raise OutputError(f"--plot: directory {path.parent} does not exist")
+
+
+def plot_report(r: DecodeReport, path: Path, window: int = 16) -> None:
+    """KL, top-1 agreement and delta-p of every candidate against position (moving average over `window`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
+    for c in r.candidates:
+        for ax, key in zip(axes, ("kl", "top1_pct", "dp")):
+            y = np.asarray(c.series[key], dtype=float)
+            w = max(1, min(window, len(y)))
+            ax.plot(np.convolve(y, np.ones(w) / w, mode="valid"), label=c.label)
+    for ax, title in zip(axes, ("KL(p_base || p) [nats]", "top-1 agreement [%]", "delta-p of the next token")):
+        ax.set_ylabel(title)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    axes[-1].set_xlabel(f"position (moving average over {window})")
+    fig.suptitle(f"kvtool decode: {r.model['name']}, {r.mode}, vs {r.baseline.label}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
