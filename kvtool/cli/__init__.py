@@ -19,6 +19,7 @@ app = typer.Typer(
 # Command modules (imported for their registrations on `app` / `bench_app`). One line per module.
 from kvtool.cli import bench  # noqa: E402,F401
 from kvtool.cli import attn_cmds  # noqa: E402,F401
+from kvtool.cli import decode_cmds  # noqa: E402,F401
 from kvtool.cli import cache_cmds  # noqa: E402,F401
 from kvtool.cli import layout_cmds  # noqa: E402,F401
 from kvtool.cli import model_cmds  # noqa: E402,F401
