@@ -137,6 +137,20 @@ class PagedCache:
         """Decoded values [N, H, D] of the tokens at `slots`."""
         return self.gather(slots).dequantize(dtype)
 
+    # --------------------------------------------------------------------------- backend choice (torch or Triton)
+    def store_(self, x: torch.Tensor, slot_mapping: torch.Tensor, backend: str = "auto") -> None:
+        """`store` on either backend (`kvtool.backend.store`): Triton on CUDA under `auto`, the same bytes."""
+        from kvtool.backend import store
+
+        store(self, x, slot_mapping, backend)
+
+    def dequantize_(self, slots: torch.Tensor, dtype: torch.dtype = torch.float32, backend: str = "auto"
+                    ) -> torch.Tensor:
+        """`dequantize` on either backend (`kvtool.backend.gather_dequantize`): the same values."""
+        from kvtool.backend import gather_dequantize
+
+        return gather_dequantize(self, slots, dtype, backend)
+
 
 def check_slots(slots: torch.Tensor, num_slots: int, allow_skip: bool) -> None:
     if slots.numel() == 0:

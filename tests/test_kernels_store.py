@@ -201,6 +201,19 @@ def test_backend_dispatch(device, monkeypatch):
     assert len(calls) == (1 if torch.device(device).type == "cuda" else 0)
 
 
+def test_paged_cache_backend_methods(device):
+    """PagedCache.store_ / dequantize_ (the backend-choosing twins) give the reference's bytes and values."""
+    fmt = get_format("nvfp4-auto")
+    x = spread_values((11, 2, 64), SEED + 9, torch.float32).to(device)
+    slots = slot_mapping(11, 24, 8, SEED + 9).to(device)
+    ref, ker = fresh_caches(fmt, 3, 8, 2, 64, device, SEED + 9)
+    ref.store_(x, slots, backend="torch")
+    ker.store_(x, slots, backend="triton")
+    assert torch.equal(ker.data.cpu(), ref.data.cpu())
+    kept = slots[slots >= 0]
+    assert same_bits(ker.dequantize_(kept, backend="triton"), ref.dequantize_(kept, backend="torch"))
+
+
 def test_launcher_checks(device):
     fmt = get_format("nvfp4")
     cache = PagedCache.allocate(fmt, 2, 4, 2, 32, device=device)
@@ -295,3 +308,35 @@ def test_quantize_gpu_large(fmt, device):
     """Whole-tensor quantize / dequantize of 16M fresh elements (fp16 and bf16 inputs)."""
     check_planes(fmt, spread_values((1 << 17, 128), SEED + 12, torch.bfloat16).to(device))
     check_planes(fmt, spread_values((1 << 15, 4, 128), SEED + 13, torch.float16).to(device))
+
+
+# ------------------------------------------------------------------------------------------------ bench plumbing
+def test_bench_quant_parsing_and_goals():
+    from kvtool.bench.common import BenchReport, BenchRow
+    from kvtool.bench.quant import goals, parse_configs, parse_sizes
+
+    assert parse_sizes("64M, 1G,16k") == [64 << 20, 1 << 30, 16 << 10]
+    assert parse_configs("32x4,64X8") == [(32, 4), (64, 8)]
+    for bad in ("64Q", "", "12"):
+        with pytest.raises(InputError):
+            parse_sizes(bad)
+    with pytest.raises(InputError):
+        parse_configs("24x4")
+    report = BenchReport("quant", "dev", "t", "tr", "d", 4000.0, extra={"elements": {"64M": 64 << 20, "1M": 1 << 20}})
+    for group, name, t, frac in (("64M nvfp4-rcp", "store", 50.0, 0.9), ("64M nvfp4-rcp", "eager quantize", 2000.0,
+                                 0.01), ("64M nvfp4-rcp", "dequant", 60.0, 0.8), ("1M mxfp4-rceil", "store", 9.0, 0.1),
+                                ("64M fp8-unit", "store", 9.0, 0.1)):
+        report.rows.append(BenchRow(group, name, t, 1, 1.0, frac))
+    got = {g["goal"]: (round(g["value"], 3), g["met"]) for g in goals(report)}
+    assert got == {"64M nvfp4-rcp store >= 85% of copy": (0.9, True), "64M nvfp4-rcp store >= 20x eager": (40.0, True),
+                   "64M nvfp4-rcp dequant >= 85% of copy": (0.8, False)}
+
+
+def test_bench_quant_smoke(device):
+    """A tiny run of the whole benchmark (kernels under the interpreter on CPU)."""
+    from kvtool.bench.quant import run_quant_bench
+
+    report = run_quant_bench([4096], ("mxfp4",), device=device, configs=[(4, 2)])
+    names = [r.name for r in report.rows]
+    assert names[:4] == ["store", "dequant", "store [4x2]", "dequant [4x2]"] and "eager quantize" in names
+    assert all(r.time_us > 0 and r.bytes_moved > 0 for r in report.rows)

@@ -57,3 +57,47 @@ def bench_attn(
             stderr.print(f"note: {r.extra['note']}")
 
     emit(report, as_json, render)
+
+
+# ------------------------------------------------------------------------------------------------- bench quant
+from typing import Annotated, Optional  # noqa: E402,F811  (each section imports what it uses)
+
+from kvtool.cli.common import DeviceOpt, JsonOpt, emit, handle_errors, stderr, stdout  # noqa: E402,F811
+
+
+@bench_app.command("quant", epilog="Examples:\n\n  kvtool bench quant --device cuda\n\n"
+                                   "  kvtool bench quant --device cuda --sizes 64M,1G --formats nvfp4,mxfp4 --json\n\n"
+                                   "  kvtool bench quant --device cuda --sizes 256M --configs 16x4,64x4,64x8\n\n"
+                                   "  TRITON_INTERPRET=1 kvtool bench quant --device cpu --sizes 16K --formats mxfp4")
+@handle_errors
+def bench_quant(
+    sizes: Annotated[str, typer.Option("--sizes", help="Comma-separated element counts (K/M/G = 2**10/20/30).")]
+    = "64M,256M,1G",
+    formats: Annotated[str, typer.Option("--formats", help="Comma-separated formats / labels.")]
+    = "nvfp4,mxfp4,fp8,fp8-token,bf16",
+    heads: Annotated[int, typer.Option("--heads", help="Heads per token (1: the index cache).")] = 1,
+    eager: Annotated[bool, typer.Option("--eager/--no-eager", help="Also time the torch eager codec and torchao.")]
+    = True,
+    configs: Annotated[Optional[str], typer.Option("--configs", help="Extra launch configs ROWSxWARPS to time, "
+                                                                     "e.g. 16x4,64x8.")] = None,
+    device: DeviceOpt = "cuda",
+    as_json: JsonOpt = False,
+) -> None:
+    """Store (quantize-on-write into a paged cache) and gather-dequantize kernels per format and size, beside the torch
+    eager codec and torchao; fraction of the copy bandwidth and the issue's goals."""
+    from kvtool.backend import resolve_device
+    from kvtool.bench.common import render_report
+    from kvtool.bench.quant import parse_configs, parse_sizes, render_goals, run_quant_bench
+    from kvtool.errors import InputError
+
+    names = tuple(f.strip() for f in formats.split(",") if f.strip())
+    if not names or heads < 1:
+        raise InputError("--formats needs at least one format and --heads a positive count")
+    report = run_quant_bench(parse_sizes(sizes), names, device=str(resolve_device(device)), heads=heads, eager=eager,
+                             configs=parse_configs(configs), progress=lambda name: stderr.print(f"[dim]{name}[/dim]"))
+
+    def render(r):
+        render_report(r, stdout)
+        render_goals(r, stdout)
+
+    emit(report, as_json, render)
