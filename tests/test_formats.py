@@ -36,7 +36,8 @@ from kvtool.formats import (
     unpack_nibbles,
 )
 from kvtool.formats.codecs import fp8_row_scale, mx_exponent
-from kvtool.formats.elements import exp2_int
+from kvtool.formats import codecs as fc
+from kvtool.formats.elements import e2m1_encode_reference, exp2_int
 
 F4, F8, E8 = ml_dtypes.float4_e2m1fn, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e8m0fnu
 SEED = int(os.environ.get("KVTOOL_TEST_SEED", np.random.SeedSequence().entropy % 2**31))
@@ -164,6 +165,27 @@ def test_e2m1_encode_matches_ml_dtypes():
     v = e2m1_probe_values()
     assert bits_equal(e2m1_encode(v), ml_e2m1(v.numpy())), where_differ(e2m1_encode(v), ml_e2m1(v.numpy()))
     assert e2m1_encode(torch.tensor([-0.0, -0.1]).float()).tolist() == [8, 8]  # the sign survives a zero code
+
+
+def test_e2m1_table_equals_reference_rule():
+    """The fast table encode equals the SPEC comparison chain on the edges and the inside of every class of the table
+    (sign | exponent | 2 mantissa bits | sticky), and on a strided sweep of all 2**32 bit patterns."""
+    idx = torch.arange(4096, dtype=torch.int64)
+    lo = (idx >> 1) << 21
+    inside = torch.from_numpy(np.random.default_rng(SEED).integers(1, 0x1FFFFF, 4096))
+    members = torch.cat([lo, lo | 1, lo | 0x1FFFFF, lo | inside]).to(torch.int32)  # int64 -> int32 wraps the sign
+    y = members.view(torch.float32)
+    assert torch.equal(e2m1_encode(y), e2m1_encode_reference(y))
+    start = int(np.random.default_rng(SEED).integers(0, 4093))
+    sweep = torch.arange(start, 2**32, 4093, dtype=torch.int64).to(torch.int32).view(torch.float32)  # ~1M patterns
+    assert torch.equal(e2m1_encode(sweep), e2m1_encode_reference(sweep))
+
+
+@pytest.mark.gpu
+def test_e2m1_table_every_fp32_pattern_gpu():
+    for start in range(0, 2**32, 2**28):
+        y = torch.arange(start, start + 2**28, dtype=torch.int64, device="cuda").to(torch.int32).view(torch.float32)
+        assert torch.equal(e2m1_encode(y), e2m1_encode_reference(y)), hex(start)
 
 
 def test_e2m1_domain_sweep():
@@ -529,6 +551,19 @@ def test_chunked_with_tensor_amax_equals_whole(data, fmt):
     parts = [fmt.quantize(c, tensor_amax=amax) for c in data.split(37)]
     assert all(p.outer_scale == whole.outer_scale for p in parts)
     assert torch.equal(torch.cat([p.payload for p in parts]), whole.payload)
+
+
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if f.block], ids=lambda f: f.label)
+def test_cpu_row_chunks_equal_one_piece(data, fmt, monkeypatch):
+    """The CPU path quantizes in row chunks; chunk edges (here every 5 rows, and every row) change no byte."""
+    whole = fmt.quantize(data)
+    for rows in (5, 1):
+        monkeypatch.setattr(fc, "CPU_CHUNK_ELEMENTS", rows * D)
+        q = fmt.quantize(data[:203], tensor_amax=data.abs().amax())
+        assert torch.equal(q.payload, whole.payload[:203]) and torch.equal(q.scales, whole.scales[:203]), rows
+    q = fmt.quantize(data[:7].reshape(7, 2, D // 2) if fmt.block <= D // 2 else data[:7])  # leading dims, other D
+    ref = fmt.quantize(data[:7].reshape(14, D // 2) if fmt.block <= D // 2 else data[:7])
+    assert torch.equal(q.payload.reshape(ref.payload.shape), ref.payload) and q.scales.shape[:-1] == q.shape[:-1]
 
 
 def test_bf16_input_equals_its_fp32_value(data):
