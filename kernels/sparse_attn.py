@@ -132,7 +132,8 @@ def _sparse_attn_kernel(
     TILES: tl.constexpr,  # tiles each split walks (constexpr: the interpreter cannot loop to a runtime bound)
     DECODE: tl.constexpr,  # rows are requests (pos = context_len - 1); else rows read req_ptr / pos_ptr
     SPLIT: tl.constexpr,  # write partials for the combine kernel instead of the output
-    NATIVE_FP8: tl.constexpr, FP32_DOT: tl.constexpr,
+    NATIVE_FP8: tl.constexpr, FP32_DOT: tl.constexpr,  # hardware fp8 -> fp32; fp32 dots (the interpreter)
+    P_SPLIT: tl.constexpr,  # P as bf16 hi + lo (two dots) instead of one bf16 rounding
 ):
     row = tl.program_id(0)
     h = tl.program_id(1)
@@ -199,16 +200,24 @@ def _sparse_attn_kernel(
         m_i = m_new
         if SCALE == SCALE_ROW:
             p = p * _row_scale(v_ptr, v_base, off, valid, P, PB)[None, :]
-        p_hi, p_lo = _split_p(p, FP32_DOT)
+        if P_SPLIT:
+            p_hi, p_lo = _split_p(p, FP32_DOT)
+        else:  # P rounded once to bf16 (faster, ~2^-9 relative per probability)
+            p_hi = _dot_operand(p.to(tl.bfloat16), FP32_DOT)
         if PACKED:
             v_lo, v_hi = _tile_packed(v_ptr, v_base, off, valid, P, D, SCALE, QBLOCK, T)
             v_lo = _dot_operand(v_lo, FP32_DOT)
             v_hi = _dot_operand(v_hi, FP32_DOT)
-            acc_a = acc_a * alpha[:, None] + tl.dot(p_hi, v_lo) + tl.dot(p_lo, v_lo)
-            acc_b = acc_b * alpha[:, None] + tl.dot(p_hi, v_hi) + tl.dot(p_lo, v_hi)
+            acc_a = tl.dot(p_hi, v_lo, acc_a * alpha[:, None])
+            acc_b = tl.dot(p_hi, v_hi, acc_b * alpha[:, None])
+            if P_SPLIT:
+                acc_a = tl.dot(p_lo, v_lo, acc_a)
+                acc_b = tl.dot(p_lo, v_hi, acc_b)
         else:
             v = _dot_operand(_tile_plain(v_ptr, v_base, off, valid, D, ELEM, NATIVE_FP8), FP32_DOT)
-            acc_a = acc_a * alpha[:, None] + tl.dot(p_hi, v) + tl.dot(p_lo, v)
+            acc_a = tl.dot(p_hi, v, acc_a * alpha[:, None])
+            if P_SPLIT:
+                acc_a = tl.dot(p_lo, v, acc_a)
 
     if PACKED:
         acc = tl.reshape(tl.join(acc_a, acc_b), [BLOCK_G, D])  # even / odd columns back to natural order
@@ -285,32 +294,39 @@ def _check_int(name: str, t: torch.Tensor, shape: tuple, device) -> None:
                                   f"got {t.dtype} {list(t.shape)} on {t.device}")
 
 
-def _default_splits(rows: int, hkv: int, n_tiles: int, device: torch.device) -> int:
-    """Enough programs to fill the GPU (about two per SM), never more splits than tiles."""
-    if device.type != "cuda":
-        return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(n_tiles, 16, math.ceil(2 * sms / max(1, rows * hkv))))
+def launch_plan(rows: int, num_kv_heads: int, topk: int, block_size: int, page_size: int, device: torch.device,
+                num_splits: int | None = None, tile_tokens: int | None = None) -> tuple[int, int, int]:
+    """(tokens per tile, splits, tiles per split) the launchers use. Default splits: about two programs per SM
+    (rows x KV heads x splits), never more than the tiles; 1 off the GPU. Default tile: 64 tokens
+    on the GPU, whole pages (up to 128) in the interpreter, which pays per operation rather than per element."""
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    t = min(tile_tokens or (128 if interp else 64), page_size)
+    if page_size % t or (t < 16 and not interp):
+        raise KernelArgumentError(f"a tile of {t} tokens must divide the page size {page_size} and be >= 16")
+    n_tiles = topk * (block_size // t)
+    if num_splits is None:
+        splits = 1
+        if torch.device(device).type == "cuda":
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            splits = max(1, min(n_tiles, math.ceil(2 * sms / max(1, rows * num_kv_heads))))
+    else:
+        splits = int(num_splits)
+    if splits < 1:
+        raise KernelArgumentError(f"num_splits must be >= 1, got {splits}")
+    per = max(1, math.ceil(n_tiles / splits))
+    return t, max(1, math.ceil(n_tiles / per)), per  # no empty trailing splits
 
 
 def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_splits, decode, ctx, req, pos,
-            tile_tokens, num_warps, num_stages, native_fp8, out_dtype):
+            tile_tokens, num_warps, num_stages, native_fp8, out_dtype, precise_p):
     rows, hq, d = q.shape
     hkv, topk = k_cache.num_heads, block_ids.shape[-1]
     fmt = k_cache.fmt
     interp = os.environ.get("TRITON_INTERPRET") == "1"
-    # the interpreter pays per operation, not per element: whole pages per tile there
-    t = min(tile_tokens or (128 if interp else 64), k_cache.page_size)
-    if k_cache.page_size % t or t < 16 and not interp:
-        raise KernelArgumentError(f"tile of {t} tokens must divide the page size {k_cache.page_size} and be >= 16")
     if native_fp8 is None:
         native_fp8 = q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) >= (8, 9)
-    n_tiles = topk * (block_size // t)
-    splits = _default_splits(rows, hkv, n_tiles, q.device) if num_splits is None else int(num_splits)
-    if splits < 1:
-        raise KernelArgumentError(f"num_splits must be >= 1, got {splits}")
-    tiles_per_split = max(1, math.ceil(n_tiles / splits))
-    splits = max(1, math.ceil(n_tiles / tiles_per_split))  # no empty trailing splits
+    t, splits, tiles_per_split = launch_plan(rows, hkv, topk, block_size, k_cache.page_size, q.device, num_splits,
+                                             tile_tokens)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     qk_scale = scale * LOG2E * _scalar_of(k_cache, "k_cache")
     v_scalar = _scalar_of(v_cache, "v_cache")
@@ -340,7 +356,7 @@ def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_
         P=k_cache.page_size, BS=block_size, T=t,
         ELEM=_ELEMENT_CODE[fmt.element.name if fmt.element else "bf16"], SCALE=_SCALE_CODE[fmt.scale_element],
         QBLOCK=max(fmt.block, 1), PB=fmt.payload_bytes(d), TILES=tiles_per_split,
-        DECODE=decode, SPLIT=splits > 1, NATIVE_FP8=bool(native_fp8), FP32_DOT=interp,
+        DECODE=decode, SPLIT=splits > 1, NATIVE_FP8=bool(native_fp8), FP32_DOT=interp, P_SPLIT=bool(precise_p),
         num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
@@ -361,7 +377,7 @@ def sparse_decode(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, blo
                   context_lens: torch.Tensor, block_ids: torch.Tensor, block_size: int, scale: float | None = None,
                   num_splits: int | None = None, *, tile_tokens: int | None = None, num_warps: int = 4,
                   num_stages: int = 2, native_fp8: bool | None = None,
-                  out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                  out_dtype: torch.dtype = torch.bfloat16, precise_p: bool = True) -> torch.Tensor:
     """One decode step of sparse attention for B requests.
 
     q bf16 [B, Hq, D] (the token at position context_lens[b] - 1, already stored in the caches); k_cache / v_cache:
@@ -371,7 +387,8 @@ def sparse_decode(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, blo
     (zeros for a request whose selection holds no visible token). num_splits: programs per (request, KV head) along
     the selected tokens (default: enough to fill the GPU; > 1 adds the combine kernel). out_dtype torch.float32 skips
     the final bf16 rounding (verification). Keyword options tune the launch (tokens per tile, warps, pipeline stages,
-    hardware fp8 conversion; defaults suit the H200). No host synchronization, so it can be captured in a CUDA graph."""
+    hardware fp8 conversion; precise_p=False rounds P to bf16 once: one P.V dot instead of two, ~2^-9 relative
+    error per probability). No host synchronization, so it can be captured in a CUDA graph."""
     _check_q(q)
     b, hq, d = q.shape
     _check_caches(k_cache, v_cache, q, hq, d, block_size)
@@ -379,14 +396,15 @@ def sparse_decode(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, blo
     _check_int("context_lens", context_lens, (b,), q.device)
     _check_int("block_ids", block_ids, (b, k_cache.num_heads, block_ids.shape[-1]), q.device)
     return _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_splits, True, context_lens,
-                   context_lens, context_lens, tile_tokens, num_warps, num_stages, native_fp8, out_dtype)
+                   context_lens, context_lens, tile_tokens, num_warps, num_stages, native_fp8, out_dtype,
+                   precise_p)
 
 
 def sparse_prefill(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, block_table: torch.Tensor,
                    q_req: torch.Tensor, q_pos: torch.Tensor, block_ids: torch.Tensor, block_size: int,
                    scale: float | None = None, num_splits: int | None = None, *, tile_tokens: int | None = None,
                    num_warps: int = 4, num_stages: int = 2, native_fp8: bool | None = None,
-                   out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                   out_dtype: torch.dtype = torch.bfloat16, precise_p: bool = True) -> torch.Tensor:
     """Sparse attention for N query rows of any requests (prefill, chunked prefill, speculative verify).
 
     q bf16 [N, Hq, D]; q_req int32 [N] (each row's request: its row of block_table [B, max_pages]); q_pos int32 [N]
@@ -403,4 +421,4 @@ def sparse_prefill(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, bl
     _check_int("q_pos", q_pos, (n,), q.device)
     _check_int("block_ids", block_ids, (n, k_cache.num_heads, block_ids.shape[-1]), q.device)
     return _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_splits, False, q_pos, q_req,
-                   q_pos, tile_tokens, num_warps, num_stages, native_fp8, out_dtype)
+                   q_pos, tile_tokens, num_warps, num_stages, native_fp8, out_dtype, precise_p)

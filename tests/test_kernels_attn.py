@@ -106,6 +106,17 @@ def test_native_fp8_conversion_equals_portable_decode(fmt):
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("fmt", ["fp8-token", "mxfp4"])
+def test_one_dot_p_variant(fmt):
+    """precise_p=False rounds P to bf16 once (one P.V dot): still close, but measurably less exact than the split."""
+    q, kc, vc, table, ctx, ids = make_decode(fmt, [50, 64, 9])
+    ref = paged_sparse_decode_ref(q, kc, vc, table, ctx, ids, 32)
+    one = sparse_decode(q, kc, vc, table, ctx, ids, 32, precise_p=False, out_dtype=torch.float32)
+    two = sparse_decode(q, kc, vc, table, ctx, ids, 32, out_dtype=torch.float32)
+    check_close(one, ref, 8e-3)
+    assert value_metrics(one, ref).rel_l2 > 4 * value_metrics(two, ref).rel_l2
+
+
 def test_empty_selection_and_excess_splits():
     q, kc, vc, table, ctx, ids = make_decode("mxfp4", [20, 50, 64])
     ids[0] = -1  # nothing selected

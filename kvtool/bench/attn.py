@@ -37,8 +37,9 @@ MAX_LAYERS = 57  # M3's sparse layers
 # Launch variants tried with --sweep (name, sparse_decode keyword options).
 SWEEP = (
     ("splits=1", {"num_splits": 1}), ("splits=2", {"num_splits": 2}), ("splits=4", {"num_splits": 4}),
-    ("splits=8", {"num_splits": 8}), ("tile=128 warps=8", {"tile_tokens": 128, "num_warps": 8}),
+    ("splits=8", {"num_splits": 8}), ("splits=16", {"num_splits": 16}), ("tile=128 warps=8", {"tile_tokens": 128, "num_warps": 8}),
     ("tile=32", {"tile_tokens": 32}), ("stages=3", {"num_stages": 3}), ("warps=8", {"num_warps": 8}),
+    ("one-dot P", {"precise_p": False}), ("portable fp8", {"native_fp8": False}),
 )
 
 
@@ -175,6 +176,8 @@ def run_attn_bench(batches=DEFAULT_BATCHES, formats=DEFAULT_FORMATS, context: in
                                        f"{how} x {layers} layers; tile {t}, splits {splits}",
                                        cuda_graph=device.startswith("cuda")))
                 for vname, options in SWEEP if sweep and step.fmt.family != "bf16" else ():
+                    if "native_fp8" in options and step.fmt.family != "fp8":
+                        continue
                     cases.append(BenchCase(f"triton {label} {vname}", step.kernel(**options), step.bytes, group,
                                            f"{how} x {layers} layers", cuda_graph=device.startswith("cuda")))
             if peers:
