@@ -225,14 +225,13 @@ def _tie_equal(only_a: torch.Tensor, only_b: torch.Tensor, keys: torch.Tensor, t
     return same_count & close.all(dim=-1)
 
 
-def accumulation_tolerance(iq: torch.Tensor, ik: torch.Tensor) -> float:
-    """A bound on |reference - kernel| block-score differences from fp32 accumulation order alone: both dot products
-    of length D err by at most ~D * 2**-24 * sum|q_i k_i| <= D * 2**-24 * |q| |k| (Cauchy-Schwarz), twice."""
+def accumulation_tolerance(iq: torch.Tensor, ik: torch.Tensor) -> torch.Tensor:
+    """Per query row, a bound on |reference - kernel| block scores from fp32 accumulation order alone: each of the two
+    length-D dot products errs by at most ~D * 2**-24 * sum|q_i k_i| <= D * 2**-24 * |q| max|k| (Cauchy-Schwarz).
+    iq [..., D], ik [S, D] -> float64 [...] (0 for empty keys)."""
     d = iq.shape[-1]
-    if iq.numel() == 0 or ik.numel() == 0:
-        return 0.0
-    qn = float(iq.float().norm(dim=-1).nan_to_num(0.0, 0.0, 0.0).max())
-    kn = float(ik.float().norm(dim=-1).nan_to_num(0.0, 0.0, 0.0).max())
+    qn = iq.double().norm(dim=-1).nan_to_num(0.0, 0.0, 0.0)
+    kn = float(ik.double().norm(dim=-1).nan_to_num(0.0, 0.0, 0.0).max()) if ik.numel() else 0.0
     return 2.0 * d * 2.0 ** -24 * qn * kn
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich import box
 from rich.table import Table
 
 from kvtool.backend import resolve_device
@@ -89,10 +90,13 @@ def verify_topk_cmd(
 
 def _render(r: vt.VerifyTopkReport) -> None:
     cfg = ", ".join(f"{k} {v}" for k, v in r.config.items() if k != "context_lens")
-    table = Table(title=f"verify-topk: {r.source} — {r.backend} on {r.device}; {cfg}")
-    for col in ("layer", "format", "rows", "a exact %", "a tie-aware %", "a max err", "b exact %", "b recall",
-                "b rel err", "ok"):
-        table.add_column(col, justify="left" if col in ("layer", "format") else "right")
+    table = Table(title=f"verify-topk: {r.source} ({r.backend}, {r.device})", caption=cfg, box=box.SIMPLE_HEAD,
+                  pad_edge=False, collapse_padding=True)
+    for col in ("layer", "format", "rows", "a\nexact%", "a\ntie%", "a\nmax err", "b\nexact%", "b\nrecall",
+                "b\nrel err", "ok"):
+        text = col in ("layer", "format")  # long names fold; numbers never shrink
+        table.add_column(col, justify="left" if text else "right", no_wrap=not text, overflow="fold",
+                         min_width=None if text else max(len(p) for p in col.split("\n")))
     several = len({row.layer for row in r.layers}) > 1
     for i, row in enumerate(r.layers + (r.overall if several else [])):
         if i == len(r.layers):
@@ -100,8 +104,8 @@ def _render(r: vt.VerifyTopkReport) -> None:
         a, b = row.vs_dequant, row.vs_original
         table.add_row(row.layer, row.format, str(row.rows), f"{a.exact_pct:.2f}", f"{a.tie_aware_pct:.2f}",
                       f"{row.max_score_err:.1e}", "-" if b is None else f"{b.exact_pct:.2f}",
-                      "-" if b is None else f"{b.recall:.4f}", "-" if b is None else f"{b.rel_score_err:.2e}",
-                      "[green]yes[/green]" if row.passed else "[red]NO[/red]")
+                      "-" if b is None else f"{b.recall:.4f}", "-" if b is None else f"{b.rel_score_err:.1e}",
+                      "[green]ok[/green]" if row.passed else "[red]NO[/red]")
     stdout.print(table)
     if "context_lens" in r.config:
         stdout.print(f"context lengths: {r.config['context_lens']}")

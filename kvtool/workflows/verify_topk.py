@@ -165,7 +165,7 @@ class _Overall:
         if orig_ids is not None:
             self.orig.setdefault(label, TopkAccumulator()).update(ids, orig_ids, orig_scores)
         self.err[label] = max(self.err.get(label, 0.0), err)
-        self.tol[label] = max(self.tol.get(label, 0.0), tol)
+        self.tol[label] = max(self.tol.get(label, 0.0), float(tol.max()) if tol.numel() else 0.0)
         self.rows[label] = self.rows.get(label, 0) + ids[..., 0].numel()
 
 
@@ -191,12 +191,14 @@ def _check_layer(layer: str, caches: list[tuple[str, tuple]], iq4: torch.Tensor,
         else:
             ids, scores = ref_ids, ref_scores
         keys = [paged_keys(cache, table, int(n), b) for b, n in enumerate(ctx.tolist()) if n]
-        tol = accumulation_tolerance(iq4, torch.cat(keys)) if keys else 0.0
+        ik = torch.cat(keys) if keys else torch.zeros(0, iq4.shape[-1], device=iq4.device)
+        tol = accumulation_tolerance(iq4, ik)  # per row [B, Q, Hi]
         err = _score_error(scores, ref_scores)
         deq = TopkAccumulator().update(ids, ref_ids, ref_scores, tol).result()
         orig = None if original is None else TopkAccumulator().update(ids, *original).result()
         overall.add(label, ids, ref_ids, ref_scores, tol, err, *(original or (None, None)))
-        row = _row(layer, label, ids[..., 0].numel(), deq, err, tol, orig, report.min_recall)
+        row = _row(layer, label, ids[..., 0].numel(), deq, err, float(tol.max()) if tol.numel() else 0.0, orig,
+                   report.min_recall)
         report.layers.append(row)
         report.passed &= row.passed
 
@@ -330,6 +332,7 @@ def verify_topk_files(cache_path: Path, query_path: Path, formats: list[str], *,
         fmts = [get_format(f) for f in formats]
         for kname, qentry in pairs:
             kentry = kf.entries[kname]
+            layer = kname.removesuffix(".index_k")
             iq = qentry.read(0, qentry.rows).reshape(qentry.shape)
             n = kentry.shape[0]
             if iq.dim() != 3 or iq.shape[0] > n:
@@ -344,13 +347,13 @@ def verify_topk_files(cache_path: Path, query_path: Path, formats: list[str], *,
                 if progress:
                     progress(f"{kname}: pre-quantized {kentry.fmt.label}, {pick.numel()} queries")
                 q_pos = rows[pick][None].to(torch.int32).to(dev)
-                _check_layer(kname, [(kentry.fmt.label, cache)], iq4.to(dev), q_pos, cfg, None, backend, report,
+                _check_layer(layer, [(kentry.fmt.label, cache)], iq4.to(dev), q_pos, cfg, None, backend, report,
                              overall)
                 report.notes.append(f"{kname} is already quantized ({kentry.fmt.label}): (b) needs the original keys")
             else:
                 labels = [f.label for f in fmts]
                 ik = kentry.read(0, kentry.rows).reshape(n, kentry.dim)
-                _check_keys(kname, fmts, ik, iq[pick], rows[pick], cfg, page, dev, backend, report, overall,
+                _check_keys(layer, fmts, ik, iq[pick], rows[pick], cfg, page, dev, backend, report, overall,
                             progress)
             report.formats += [x for x in labels if x not in report.formats]
     return _finish(report, overall)
