@@ -213,6 +213,8 @@ class Decoder:
     def attend(self, layer: int, q: torch.Tensor, iq: torch.Tensor | None, pos: torch.Tensor) -> torch.Tensor:
         """q [B, T, Hq, D], iq [B, T, Hi, Di] -> attention output fp32 [B, T, Hq, D]: the Triton kernels over the
         paged bytes where `kernels` says so, else the torch reference per sequence over the dequantized cache."""
+        if isinstance(self.cache, PlainCache):
+            return self.cache.attend(layer, q, pos)
         if self.kernels.get("attention") and (self.indexer is None or self.kernels.get("index")):
             return self.attend_triton(layer, q, iq, pos)
         outs, ids_all, scores_all = [], [], []

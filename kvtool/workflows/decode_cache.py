@@ -161,6 +161,18 @@ class PlainCache:
     def kv(self, layer: int, b: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer][b, :length].float(), self.v[layer][b, :length].float()
 
+    def attend(self, layer: int, q: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Dense causal attention with torch's fused SDPA, batched: q [B, T, Hq, D] at positions pos [T] -> fp32
+        [B, T, Hq, D]. bf16 compute on CUDA, fp32 on CPU (where bf16 matmuls are slow)."""
+        S = int(pos[-1]) + 1
+        dt = torch.bfloat16 if q.is_cuda else torch.float32
+        k = self.k[layer][:, :S].transpose(1, 2).to(dt)                         # k: [B, Hkv, S, D]
+        v = self.v[layer][:, :S].transpose(1, 2).to(dt)
+        mask = None if q.shape[1] == 1 else torch.arange(S, device=q.device)[None, :] <= pos[:, None]  # [T, S]
+        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2).to(dt), k, v, attn_mask=mask,
+                                                               enable_gqa=True)  # [B, Hq, T, D]
+        return out.transpose(1, 2).float()
+
 
 # --------------------------------------------------------------------------------------------- the Triton reads
 def select_triton(cache: ConfigCache, layer: int, iq: torch.Tensor, pos: torch.Tensor, cfg,

@@ -1,0 +1,160 @@
+"""`kvtool bench decode`: one decode step of a whole model over a long context, per cache configuration.
+
+Cases (one table, STYLE 11): a plain bf16 dense decode (contiguous bf16 K/V, torch SDPA), the bf16 K/V + bf16 index
+paged sparse step (the baseline configuration of `kvtool decode`), and each candidate configuration (default nvfp4 K/V
++ fp4 index). Each case is `Decoder.decode_one` at a fixed position: the context is filled first (random K, V and
+index keys written through `store`, the same path a real prefill takes; the values do not change the work), then every
+timed call re-writes the same position. On CUDA the paged cases run the Triton store, scorer and sparse-attention
+kernels; on CPU the torch path (fp32 shadow of the dequantized cache).
+
+Bytes per case = model weights read once (fp32) + the cache bytes the step must read: for the sparse cases the whole
+index-key cache plus the selected K/V tokens (top-k x block of each KV head), for the dense case all K/V; x batch.
+
+Goals (the issue): on CPU (smollm2, batch 1, 1K context) the quantized configuration at >= 0.5x the plain bf16 dense
+tokens/s; on the H200 (synthetic-m3, batch 64, 32K context) the nvfp4 + fp4 step faster than the bf16 + bf16 step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from kvtool.backend import resolve_backend, resolve_device
+from kvtool.bench.common import BenchCase, BenchReport, run_cases
+from kvtool.errors import InputError
+from kvtool.formats import get_format
+from kvtool.indexer import IndexerConfig
+from kvtool.models.base import CausalLM, load_model
+from kvtool.workflows.decode import Decoder
+from kvtool.workflows.decode_cache import CacheSpec, ConfigCache, PlainCache, triton_available
+
+# Per device: the model and sizes of the issue's goals (kwargs of run_decode_bench).
+PRESETS = {
+    "cpu": dict(model="smollm2", batch=1, context=1024, layers=None),
+    "cuda": dict(model="synthetic-m3", batch=64, context=32768, layers=4),
+}
+
+
+@dataclass
+class DecodeBenchSetup:
+    model: str
+    layers: int
+    batch: int
+    context: int
+    selection: dict
+
+
+def _fill(dec: Decoder, batch: int, context: int, seed: int, chunk: int = 4096) -> None:
+    """Write `context` random tokens of `batch` sequences into every layer of dec's cache (through `update`, i.e.
+    `store`): K, V and index keys ~ N(0, 1)."""
+    c, dev = dec.model.config, dec.model.device
+    g = torch.Generator(device=dev).manual_seed(seed)
+    B = batch
+    for layer in range(c.n_layers):
+        for p0 in range(0, context, chunk):
+            pos = torch.arange(p0, min(context, p0 + chunk), device=dev)
+            T = pos.shape[0]
+            k = torch.randn(B, T, c.n_kv_heads, c.head_dim, generator=g, device=dev)    # k, v: [B, T, Hkv, D]
+            v = torch.randn(B, T, c.n_kv_heads, c.head_dim, generator=g, device=dev)
+            ik = torch.randn(B, T, c.index_dim, generator=g, device=dev)                # ik: [B, T, Di]
+            dec.cache.update(layer, pos, k, v, ik)
+    dec.pos = context
+
+
+def _weight_bytes(model: CausalLM) -> int:
+    return sum(t.numel() * t.element_size() for t in getattr(model, "w", {}).values())
+
+
+def _step_case(name: str, dec: Decoder, batch: int, context: int, nbytes: int, note: str) -> BenchCase:
+    token = torch.zeros(batch, dtype=torch.long, device=dec.model.device)
+
+    def step():
+        dec.pos = context  # every call decodes the token at the same position (context + 1 tokens visible)
+        return dec.decode_one(token)
+
+    return BenchCase(name, step, nbytes, group="decode step", note=note)
+
+
+def run_decode_bench(model: str | None = None, device: str = "cpu", kv: tuple[str, ...] = ("nvfp4",),
+                     index: tuple[str, ...] = ("fp4",), batch: int | None = None, context: int | None = None,
+                     layers: int | None = None, backend: str = "auto", seed: int = 0,
+                     progress=None) -> BenchReport:
+    """Time one decode step per configuration (module docstring); None = the device's preset. Returns the
+    BenchReport with `extra`: tokens/s per case, the speed ratios and the goals."""
+    dev = resolve_device(device)
+    preset = PRESETS["cuda" if dev.type == "cuda" else "cpu"]
+    model = model or preset["model"]
+    batch = batch or preset["batch"]
+    context = context or preset["context"]
+    layers = layers if layers is not None else preset["layers"]
+    if batch < 1 or context < 1:
+        raise InputError("--batch and --context must be positive")
+    kw = ({"layers": layers} if layers is not None else {}) | ({"seed": seed} if model != "smollm2" else {})
+    lm = load_model(model, dev, **kw)
+    c = lm.config
+    sel = IndexerConfig(c.block_size, c.topk, c.init_blocks, c.local_blocks)
+    kernels = triton_available(lambda m: None) if resolve_backend(backend, dev) == "triton" else {}
+    weights = _weight_bytes(lm)
+    chosen = min(sel.topk * sel.block_size, context + 1)  # tokens of the selected blocks (per KV head)
+    cases = []
+
+    plain = Decoder(lm, PlainCache(c.n_layers, c.n_kv_heads, c.head_dim, batch, context + 1, dev), None)
+    cases.append(("bf16 dense (plain SDPA)", plain,
+                  weights + batch * c.n_layers * (context + 1) * 2 * c.n_kv_heads * 2 * c.head_dim,
+                  "contiguous bf16 K/V, no index"))
+    specs = [CacheSpec(get_format("bf16"), get_format("bf16"))]
+    specs += [CacheSpec(get_format(k), get_format(i)) for k in kv for i in index]
+    for spec in specs:
+        cache = ConfigCache(spec, c.n_layers, c.n_kv_heads, c.head_dim, c.index_dim, batch, context + 1,
+                            sel.block_size, dev, shadow=not kernels,
+                            store_backend="triton" if kernels.get("store") else "torch")
+        dec = Decoder(lm, cache, sel, kernels)
+        per_tok_kv = 2 * c.n_kv_heads * spec.kv.bytes_per_token(c.head_dim)
+        nbytes = weights + batch * c.n_layers * ((context + 1) * spec.index.bytes_per_token(c.index_dim)
+                                                 + chosen * per_tok_kv)
+        path = "triton" if kernels.get("attention") else "torch shadow"
+        bpt = spec.bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim, c.index_dim)
+        cases.append((f"{spec.label} paged sparse", dec, nbytes, f"{path}; {bpt:,} B/token"))
+    bench = []
+    with torch.no_grad():
+        for name, dec, nbytes, note in cases:
+            if progress:
+                progress(f"fill {name}")
+            _fill(dec, batch, context, seed)
+            bench.append(_step_case(name, dec, batch, context, nbytes, note))
+        report = run_cases(f"decode step: {model}, {c.n_layers} layers, batch {batch}, context {context}", bench,
+                           str(dev), progress=progress)
+    tps = {r.name: batch / (r.time_us * 1e-6) for r in report.rows}
+    names = [r.name for r in report.rows]
+    plain_tps, bf16_tps = tps[names[0]], tps[names[1]]
+    report.extra = {
+        "setup": dataclasses.asdict(DecodeBenchSetup(model, c.n_layers, batch, context, dataclasses.asdict(sel))),
+        "tokens_per_s": tps,
+        "vs_plain_bf16": {n: tps[n] / plain_tps for n in names},
+        "vs_paged_bf16": {n: tps[n] / bf16_tps for n in names},
+        "goals": _goals(dev, names, tps, plain_tps, bf16_tps),
+    }
+    return report
+
+
+def _goals(dev: torch.device, names: list[str], tps: dict, plain_tps: float, bf16_tps: float) -> list[str]:
+    out = []
+    for n in names[2:]:
+        if dev.type == "cuda":
+            ok = tps[n] > bf16_tps
+            out.append(f"{n}: {tps[n] / bf16_tps:.2f}x the bf16 paged step (goal > 1): {'met' if ok else 'NOT met'}")
+        else:
+            ok = tps[n] >= 0.5 * plain_tps
+            out.append(f"{n}: {tps[n] / plain_tps:.2f}x the plain bf16 dense tokens/s (goal >= 0.5): "
+                       f"{'met' if ok else 'NOT met'}")
+    return out
+
+
+def render_goals(report: BenchReport, console) -> None:
+    for name, value in report.extra["tokens_per_s"].items():
+        console.print(f"  {name}: {value:,.1f} tok/s ({report.extra['vs_plain_bf16'][name]:.2f}x plain bf16, "
+                      f"{report.extra['vs_paged_bf16'][name]:.2f}x paged bf16)")
+    for line in report.extra["goals"]:
+        console.print(f"  goal: {line}")
