@@ -128,3 +128,42 @@ def bench_codecs(
         render_speedups(r, stdout)
 
     emit(report, as_json, render)
+
+
+# ------------------------------------------------------------------------------------------------ bench decode
+from typing import Annotated, Optional  # noqa: E402,F811
+
+from kvtool.cli.common import DeviceOpt, JsonOpt, emit, handle_errors, stderr, stdout  # noqa: E402,F811
+
+
+@bench_app.command("decode", epilog="Examples:\n\n  kvtool bench decode                     (smollm2, batch 1, 1K context, CPU)\n\n"
+                                    "  kvtool bench decode --device cuda       (synthetic-m3, 4 layers, batch 64, 32K)\n\n"
+                                    "  kvtool bench decode --device cuda --kv nvfp4,fp8 --index fp4,fp8 --json")
+@handle_errors
+def bench_decode(
+    model: Annotated[Optional[str], typer.Option("--model", help="Default: smollm2 on cpu, synthetic-m3 on cuda.")]
+    = None,
+    kv: Annotated[str, typer.Option("--kv", help="Candidate K/V formats, comma separated.")] = "nvfp4",
+    index: Annotated[str, typer.Option("--index", help="Candidate index formats, comma separated.")] = "fp4",
+    batch: Annotated[Optional[int], typer.Option("--batch", help="Sequences per step (cpu 1, cuda 64).")] = None,
+    context: Annotated[Optional[int], typer.Option("--context", help="Tokens in the cache (cpu 1024, cuda 32768).")]
+    = None,
+    layers: Annotated[Optional[int], typer.Option("--layers", help="Layers of the synthetic model (cuda 4).")] = None,
+    backend: Annotated[str, typer.Option("--backend", help="auto | torch | triton.")] = "auto",
+    device: DeviceOpt = "cpu",
+    as_json: JsonOpt = False,
+) -> None:
+    """One decode step of the whole model per cache configuration (plain bf16 dense SDPA, bf16 paged sparse, each
+    candidate), as tokens/s with the issue's goals."""
+    from kvtool.bench.common import render_report
+    from kvtool.bench.decode import render_goals, run_decode_bench
+
+    split = lambda text: tuple(t.strip() for t in text.split(",") if t.strip())  # noqa: E731
+    report = run_decode_bench(model, device, split(kv), split(index), batch, context, layers, backend,
+                              progress=lambda name: stderr.print(f"[dim]{name}[/dim]"))
+
+    def render(r):
+        render_report(r, stdout)
+        render_goals(r, stdout)
+
+    emit(report, as_json, render)
