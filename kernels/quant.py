@@ -10,7 +10,7 @@ import torch
 from kvtool.errors import InputError, KernelArgumentError
 from kvtool.formats import Format, QTensor, require_finite
 from kvtool.formats.codecs import fp8_row_scale, nvfp4_outer_scale
-from kvtool.kernels.dequant import check_output_dtype, launch_dequant
+from kvtool.kernels.dequant import OUTPUT_DTYPES, check_output_dtype, launch_dequant
 from kvtool.kernels.store import check_floating, launch_store
 
 
@@ -47,7 +47,8 @@ def triton_quantize(fmt: Format, x: torch.Tensor, tensor_amax: torch.Tensor | No
         amax = x2.abs().amax() if tensor_amax is None else tensor_amax.float()
         scales_out = fp8_row_scale(amax.reshape(()), ds_floor=False, pow2=False).to(x.device)
         tensor_scale = float(scales_out)
-    launch_store(x2.unsqueeze(1), None, payload, scales if scales.numel() else None, fmt, tensor_scale=tensor_scale, g_dec=g_dec, config=config)
+    launch_store(x2.unsqueeze(1), None, payload, scales if scales.numel() else None, fmt, tensor_scale=tensor_scale,
+                 g_dec=g_dec, config=config)
     if fmt.scale_element in ("e4m3", "e8m0"):
         scales_out = scales.reshape(*lead, -1)
     elif fmt.scale_element == "fp32-row":
@@ -60,9 +61,12 @@ def triton_quantize(fmt: Format, x: torch.Tensor, tensor_amax: torch.Tensor | No
 
 def triton_dequantize(q: QTensor, dtype: torch.dtype = torch.float32, *,
                       config: tuple[int, int] | None = None) -> torch.Tensor:
-    """Decode a QTensor (payload [..., PB] on CUDA or under the interpreter) to `dtype` (fp32, bf16 or fp16) [..., D]:
-    the same values, bit for bit, as `q.dequantize(dtype)`."""
+    """Decode a QTensor (payload [..., PB] on CUDA or under the interpreter) to a floating `dtype` [..., D]: the same
+    values, bit for bit, as `q.dequantize(dtype)`. fp32 / bf16 / fp16 come out of the kernel; any other floating dtype
+    is the kernel's fp32 cast by torch, as the torch path casts its fp32 result."""
     fmt = q.fmt
+    if dtype.is_floating_point and dtype not in OUTPUT_DTYPES:
+        return triton_dequantize(q, torch.float32, config=config).to(dtype)
     check_output_dtype(dtype)
     payload = q.payload
     if payload.dtype == torch.bfloat16:

@@ -12,12 +12,16 @@ Design for bandwidth (the work is memory bound: a bf16 row of D = 128 is 256 B i
 - the nibble pack is `reshape [R, D/2, 2] + split`: the pair sits in one thread, so it costs no data movement; the
   compiler may still add one shared-memory layout conversion before the 16-byte stores.
 
-Prediction for the H200 (lead to measure; the copy ceiling there was 4210 GB/s): nvfp4 / mxfp4 store from bf16 moves
-2.56 / 2.53 B per element and the dequantize to bf16 the same. Both should sit at 80-90 % of copy at >= 64M elements if
-the per-element instruction count stays near 20 (E2M1 encode is 7 compares; the `rcp` recipe and every mx rule have no
-per-element division). The `div` / `unrounded` recipes and fp8 `tensor` / `token` pay an IEEE division per element
-(div_rn, ~10 instructions) and should land lower, around 60-75 %. If nvfp4 / mxfp4 fall well short, first look at the
-SASS count per element, then at BLOCK_R / num_warps (bench `--configs`).
+Prediction for the H200 (written before any GPU run; the lead measures). The sm_90 SASS (compiled offline, D = 128,
+bf16 in, 32 x 4-warp tiles) has per element about 14.5 integer-pipe ops (ALU: LOP3, SHF, PRMT, FMNMX, ISETP, SEL; half
+rate on Hopper) and 8-9 FMA-pipe ops for nvfp4 (native e4m3 scale conversion) and mxfp4 alike, 13.3 for mxfp4 floor /
+even. Memory bound at 85 % of the 4210 GB/s copy needs <= ~12 ALU ops per element (64 ALU lanes per SM and cycle,
+1.41e12 elements/s at 2.53 B each), so the store is ALU bound: expect about 60-75 % of copy for nvfp4 / mxfp4 at
+>= 64M elements, below the 85 % goal. The E2M1 encoder was already cut from ~24 to ~6 ALU ops (kernels/codecs.py); what
+is left is spread thin: the 3 mins of that encoder, the block amax, uint8 byte shuffles of the code pipeline, per-row
+address math amortized over only 8 elements a thread (a thread holds one 16-byte vector of a row). The dequantize
+kernels have ~6-7 ALU ops per element and should be memory bound: 85-90 %. fp8 unit with the native conversion ~85 %;
+fp8 token / tensor lower (an IEEE division per element).
 """
 
 from __future__ import annotations
@@ -178,9 +182,10 @@ class KernelFormat:
                     DS_FLOOR=self.DS_FLOOR, POW2=self.POW2)
 
 
-# Tokens (rows of one head) per program and warps, by padded row length. About 4K elements per program: 32 fp32 values a thread over 4
-# warps (registers stay well under the 64 a thread that full occupancy allows), 8 KiB of bf16 loads in flight per
-# program and 16 programs an SM. The interpreter gets one small config (many rows per program is only slower there).
+# Tokens (rows of one head) per program and warps, by padded row length. About 4K elements per program: 32 fp32
+# values a thread over 4 warps, 8 KiB of bf16 loads in flight per program and many programs an SM. The interpreter
+# gets one small config (many rows per program is only slower there). Override per call with `config=` (bench
+# `--configs`) to tune on a new device.
 LAUNCH_CONFIGS = {32: (128, 4), 64: (64, 4), 128: (32, 4), 256: (16, 4), 512: (8, 4), 1024: (4, 8)}
 
 

@@ -72,14 +72,14 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality of two tensors of the same dtype (NaN == NaN when the bits match)."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
     return torch.equal(a.contiguous().view(view).cpu(), b.contiguous().view(view).cpu())
 
 
 def first_diff(a: torch.Tensor, b: torch.Tensor) -> str:
     if a.shape != b.shape or a.dtype != b.dtype:
         return f"shape/dtype {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}"
-    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
     diff = (a.contiguous().view(view) != b.contiguous().view(view)).reshape(-1).nonzero()
     if not len(diff):
         return "equal"
@@ -115,7 +115,7 @@ def check_planes(fmt: Format, x: torch.Tensor, tensor_amax: torch.Tensor | None 
     else:
         assert same_bits(got.scales, want.scales), f"{fmt.label}: scales {first_diff(got.scales, want.scales)}"
         assert got.scales.device == want.scales.device
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         dv, rv = triton_dequantize(want, dtype), want.dequantize(dtype)
         assert same_bits(dv, rv), f"{fmt.label} {dtype}: dequantized {first_diff(dv, rv)}"
 
