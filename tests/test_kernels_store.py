@@ -282,7 +282,7 @@ def test_e2m1_encode_dense_sweep(device):
     v = torch.cat([base, near]).to(torch.int32).view(torch.float32)
     v = torch.cat([v, -v, torch.tensor([0.0, -0.0, float("inf"), 3e38])]).to(device)
     out = torch.empty(v.shape, dtype=torch.uint8, device=device)
-    block = 1 << 16
+    block = 1 << 16 if torch.device(device).type == "cpu" else 1024  # the interpreter likes big programs, a GPU not
     _e2m1_kernel[(triton.cdiv(v.numel(), block),)](v, out, v.numel(), BLOCK=block)
     assert same_bits(out, e2m1_encode(v)), first_diff(out, e2m1_encode(v))
 
