@@ -390,3 +390,34 @@ def test_cli_verify_topk_min_recall_gates_on_the_torch_path():
     assert report["backend"] == "torch" and len(report["layers"]) == 1 and len(report["overall"]) == 1
     recall = report["layers"][0]["vs_original"]["recall"]
     assert CliRunner().invoke(app, args + ["--min-recall", str(min(recall + 0.01, 1.01))]).exit_code == 1
+
+
+# ---------------------------------------------------------------------------------------------------------- bench
+def test_bench_eager_peers_match_the_reference():
+    from kvtool.bench.index import eager_decode_topk, eager_prefill_topk
+
+    ctx = [300, 77]
+    cache, table, cl, _ = make_cache("nvfp4", ctx, page=16, seed=21)
+    iq = queries(2, 4, 128, seed=22)
+    cfg = IndexerConfig(32, 4)
+    ref_ids, ref_scores = paged_reference(iq[:, None], cache, table, cl, cfg)
+    assert torch.equal(eager_decode_topk(iq, cache, table, cl, cfg, 300).cpu(), ref_ids[:, 0].cpu())
+    one = make_cache("fp8", [300], page=16, seed=23)
+    iq4 = queries(1, 4, 128, seed=24, q=300)
+    ref_ids, _ = paged_reference(iq4, one[0], one[1], one[2], cfg)
+    assert torch.equal(eager_prefill_topk(iq4, one[0], one[1], one[2], cfg, chunk=128).cpu(), ref_ids.cpu())
+
+
+def test_bench_index_cli_plumbing():
+    import json
+
+    res = CliRunner().invoke(app, ["bench", "index", "--device", "cpu", "--batches", "1", "--contexts", "200",
+                                   "--prefill", "", "--formats", "mxfp4", "--json"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    names = [r["name"] for r in report["rows"]]
+    assert "torch eager mxfp4-rceil" in names
+    if DEVICE == "cuda" or "TRITON_INTERPRET" in __import__("os").environ:
+        assert {"triton score mxfp4-rceil", "triton score+topk mxfp4-rceil"} <= set(names)
+    row = report["rows"][0]
+    assert row["bytes_moved"] >= 200 * 68 and row["time_us"] > 0

@@ -167,3 +167,61 @@ def bench_decode(
         render_goals(r, stdout)
 
     emit(report, as_json, render)
+
+
+# ------------------------------------------------------------------------------------------------- bench index
+from typing import Annotated  # noqa: E402,F811  (each section imports what it uses)
+
+from kvtool.cli.common import DeviceOpt, JsonOpt, emit, handle_errors, stderr, stdout  # noqa: E402,F811
+
+
+@bench_app.command("index", epilog="Examples:\n\n  kvtool bench index --device cuda\n\n"
+                                   "  kvtool bench index --device cuda --batches 64 --contexts 150000 --prefill '' "
+                                   "--sweep\n\n  kvtool bench index --device cuda --formats nvfp4,fp8 --json > index.json\n\n"
+                                   "  TRITON_INTERPRET=1 kvtool bench index --device cpu --batches 1 --contexts 512 "
+                                   "--prefill 256 --formats nvfp4")
+@handle_errors
+def bench_index(
+    batches: Annotated[str, typer.Option("--batches", help="Comma-separated decode batch sizes.")] = "1,16,64",
+    contexts: Annotated[str, typer.Option("--contexts", help="Comma-separated decode context lengths.")]
+    = "8192,32768,150000",
+    prefill: Annotated[str, typer.Option("--prefill", help="Comma-separated prefill lengths (every position a "
+                                                           "query; '' for none).")] = "4096,32768",
+    formats: Annotated[str, typer.Option("--formats", help="Comma-separated index cache formats / labels.")]
+    = "bf16,fp8,nvfp4,mxfp4",
+    peers: Annotated[bool, typer.Option("--peers/--no-peers", help="Also time the torch eager scorer.")] = True,
+    sweep: Annotated[bool, typer.Option("--sweep", help="Also time blocks-per-program variants at 64 x 150K.")]
+    = False,
+    device: DeviceOpt = "cuda",
+    as_json: JsonOpt = False,
+) -> None:
+    """M3 lightning indexer: decode scoring (block scores) and fused score + top-k per index-cache format, and causal
+    prefill top-k, beside a torch eager scorer; bandwidth, fraction of copy and the issue's goals."""
+    from kvtool.backend import resolve_device
+    from kvtool.bench.common import render_report
+    from kvtool.bench.index import render_goals, run_index_bench
+    from kvtool.errors import InputError
+
+    def ints(text: str, name: str) -> list[int]:
+        try:
+            out = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise InputError(f"bad {name} {text!r} (example: 1,16,64)") from None
+        if any(v < 1 for v in out):
+            raise InputError(f"{name} needs positive values, got {text!r}")
+        return out
+
+    names = tuple(f.strip() for f in formats.split(",") if f.strip())
+    if not names:
+        raise InputError("--formats needs at least one format")
+    report = run_index_bench(ints(batches, "--batches"), ints(contexts, "--contexts"), ints(prefill, "--prefill"),
+                             names, device=str(resolve_device(device)), peers=peers, sweep=sweep,
+                             progress=lambda name: stderr.print(f"[dim]{name}[/dim]"))
+
+    def render(r):
+        render_report(r, stdout)
+        render_goals(r, stdout)
+        if r.extra.get("note"):
+            stderr.print(f"note: {r.extra['note']}")
+
+    emit(report, as_json, render)

@@ -1,0 +1,227 @@
+"""`kvtool bench index`: the lightning-indexer scorers over paged index caches (M3: 4 index heads sharing one 128-d
+key per token, 128-token blocks, top-16), per cache format, beside a torch eager scorer.
+
+Cases:
+- decode at batch 1, 16, 64 x context 8K, 32K, 150K: `score` (block scores written, `decode_block_scores`) and
+  `score+topk` (the fused path engines run, `decode_topk`: block ids only); torch eager (gather + dequantize the
+  keys, fp32 einsum, max-pool, forced blocks, top-k) beside them.
+- prefill of one request at 4K and 32K tokens, every position a query (causal): `prefill_topk`, and torch eager in
+  query chunks. Prefill is compute-bound (4 heads x Q x ctx / 2 x 128 MACs); its note gives TFLOP/s.
+
+Bytes (SPEC section 6): the index cache read once (context x bytes per token: payload + scales), queries read once,
+outputs written once (block scores fp32 or ids int32), plus the block table and context lengths.
+
+Timing: each decode case scores `layers` layers back to back (distinct caches; enough that one step reads over three
+times the H200's 50 MB L2, at most M3's 57 sparse layers), captured in a CUDA graph and replayed, so the numbers are
+what an engine's step sees; time and bytes are per step of all those layers. Torch eager runs eagerly, one layer.
+
+Goals (H200, batch 64 x 150K): FP4 score+topk within 1.15x of its byte floor at the measured copy bandwidth; FP4
+time <= 0.62x FP8 time; score+topk within 1.1x of score alone (`report.extra["goals"]`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Callable
+
+import torch
+
+from kvtool.bench.common import BenchCase, BenchReport, run_cases
+from kvtool.formats import get_format
+from kvtool.indexer import IndexerConfig, apply_forced, select_topk
+from kvtool.paged import PagedCache
+
+GEOMETRY = {"index_heads": 4, "head_dim": 128, "page_size": 128}
+DEFAULT_FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4")
+DEFAULT_BATCHES = (1, 16, 64)
+DEFAULT_CONTEXTS = (8192, 32768, 150_000)
+DEFAULT_PREFILL = (4096, 32768)
+L2_TARGET_BYTES = 150e6  # three times the H200's 50 MB L2
+MAX_LAYERS = 57  # M3's sparse layers
+SWEEP_CHUNKS = (8, 16, 32, 64, 128)  # --sweep: blocks per program at the goal shape
+
+
+class _Decode:
+    """One (batch, context, format) decode step over `layers` layers: caches, block table, queries, byte counts."""
+
+    def __init__(self, fmt_name: str, batch: int, context: int, layers: int, device: str, gen: torch.Generator,
+                 cfg: IndexerConfig):
+        hi, d, p = GEOMETRY["index_heads"], GEOMETRY["head_dim"], GEOMETRY["page_size"]
+        self.fmt, self.cfg, self.batch, self.context, self.layers = get_format(fmt_name), cfg, batch, context, layers
+        pages = math.ceil(context / p)
+        self.ctx = torch.full((batch,), context, dtype=torch.int32, device=device)
+        perm = torch.randperm(batch * pages, generator=gen).to(torch.int32)  # scattered pages, as in an engine
+        self.table = perm.reshape(batch, pages).contiguous().to(device)
+        tok = torch.arange(context, device=device)
+        slots = (self.table.long()[:, tok // p] * p + tok % p).reshape(-1)
+        self.caches = []
+        for _ in range(layers):
+            x = torch.randn(batch * context, 1, d, device=device) * torch.exp(torch.randn(d, device=device))
+            c = PagedCache.allocate(self.fmt, batch * pages, p, 1, d, device=device,
+                                    tensor_amax=float(x.abs().max()) if self.fmt.needs_tensor_amax else None)
+            c.store(x.to(torch.bfloat16), slots)
+            self.caches.append(c)
+        self.iq = torch.randn(batch, hi, d, generator=gen).to(torch.bfloat16).to(device)
+        nb = math.ceil(context / cfg.block_size)
+        per_layer_in = batch * context * self.fmt.bytes_per_token(d) + self.iq.numel() * 2 + self.table.numel() * 4 \
+            + batch * 4
+        self.bytes_score = layers * (per_layer_in + batch * hi * nb * 4)
+        self.bytes_topk = layers * (per_layer_in + batch * hi * cfg.topk * 4)
+
+    def score(self, **kw) -> Callable[[], object]:
+        from kvtool.kernels.index_score import decode_block_scores
+
+        return lambda: [decode_block_scores(self.iq, c, self.table, self.ctx, self.cfg, max_context=self.context,
+                                            **kw) for c in self.caches]
+
+    def topk(self, **kw) -> Callable[[], object]:
+        from kvtool.kernels.index_score import decode_topk
+
+        return lambda: [decode_topk(self.iq, c, self.table, self.ctx, self.cfg, max_context=self.context, **kw)
+                        for c in self.caches]
+
+    def eager(self) -> Callable[[], object]:
+        return lambda: eager_decode_topk(self.iq, self.caches[0], self.table, self.ctx, self.cfg, self.context)
+
+
+def _keys_dense(cache: PagedCache, table: torch.Tensor, ctx: torch.Tensor, max_context: int):
+    """Gather + dequantize every request's keys: fp32 [B, S, D] and validity [B, S]."""
+    p = cache.page_size
+    tok = torch.arange(max_context, device=table.device)
+    valid = tok[None, :] < ctx[:, None]
+    pages = table.long()[:, (tok // p).clamp(max=table.shape[1] - 1)]
+    slots = torch.where(valid, pages * p + tok % p, torch.zeros_like(pages))
+    k = cache.dequantize(slots.reshape(-1))[:, 0].reshape(*slots.shape, cache.head_dim)
+    return k, valid
+
+
+def eager_decode_topk(iq, cache, table, ctx, cfg: IndexerConfig, max_context: int) -> torch.Tensor:
+    """The unfused torch path: gather + dequantize, fp32 scores, max-pool, forced blocks, top-k.
+    iq bf16 [B, Hi, D] -> int32 [B, Hi, topk]."""
+    k, valid = _keys_dense(cache, table, ctx, max_context)
+    z = torch.einsum("bhd,bsd->hbs", iq.float(), k).masked_fill(~valid[None], -math.inf)  # [Hi, B, S]
+    nb = math.ceil(max_context / cfg.block_size)
+    z = torch.nn.functional.pad(z, (0, nb * cfg.block_size - max_context), value=-math.inf)
+    pos = ctx.long() - 1
+    b = apply_forced(z.view(*z.shape[:2], nb, cfg.block_size).amax(-1), pos.clamp(min=0), cfg)
+    return select_topk(b, pos.clamp(min=0), cfg).transpose(0, 1)
+
+
+def eager_prefill_topk(iq, cache, table, ctx, cfg: IndexerConfig, chunk: int = 1024) -> torch.Tensor:
+    """Unfused prefill for one request (every position a query), in query chunks: iq bf16 [1, Q, Hi, D] ->
+    int32 [1, Q, Hi, topk]."""
+    n = int(ctx[0])
+    k, _ = _keys_dense(cache, table, ctx, n)
+    out = []
+    for q0 in range(0, iq.shape[1], chunk):
+        q = iq[0, q0:q0 + chunk].float().transpose(0, 1)  # [Hi, C, D]
+        pos = torch.arange(n - iq.shape[1] + q0, n - iq.shape[1] + q0 + q.shape[1], device=iq.device)
+        z = torch.matmul(q, k[0].t()).masked_fill(torch.arange(n, device=iq.device)[None, None] > pos[None, :, None],
+                                                  -math.inf)
+        nb = math.ceil(n / cfg.block_size)
+        z = torch.nn.functional.pad(z, (0, nb * cfg.block_size - n), value=-math.inf)
+        b = apply_forced(z.view(*z.shape[:2], nb, cfg.block_size).amax(-1), pos, cfg)
+        out.append(select_topk(b, pos, cfg).transpose(0, 1))
+    return torch.cat(out)[None]
+
+
+def layers_for(batch: int, context: int, fmt_name: str, device: str) -> int:
+    """Enough layers that one step's index cache exceeds L2_TARGET_BYTES (GPU), capped at 57; 1 on the CPU."""
+    if not device.startswith("cuda"):
+        return 1
+    per_layer = batch * context * get_format(fmt_name).bytes_per_token(GEOMETRY["head_dim"])
+    return max(1, min(MAX_LAYERS, math.ceil(L2_TARGET_BYTES / per_layer)))
+
+
+def _prefill_cases(fmt_name: str, context: int, device: str, gen: torch.Generator, cfg: IndexerConfig,
+                   peers: bool, run_kernel: bool) -> list[BenchCase]:
+    one = _Decode(fmt_name, 1, context, 1, device, gen, cfg)
+    hi, d = GEOMETRY["index_heads"], GEOMETRY["head_dim"]
+    iq = torch.randn(1, context, hi, d, generator=gen).to(torch.bfloat16).to(device)
+    nbytes = context * one.fmt.bytes_per_token(d) + iq.numel() * 2 + context * hi * cfg.topk * 4
+    flops = 2 * hi * d * context * (context + 1) / 2
+    group, label = f"prefill {context}", one.fmt.label
+    cases = []
+    if run_kernel:
+        from kvtool.kernels.index_score import prefill_topk
+
+        fn = lambda: prefill_topk(iq, one.caches[0], one.table, one.ctx, cfg, max_context=context)  # noqa: E731
+        cases.append(BenchCase(f"triton score+topk {label}", fn, nbytes, group, f"causal, {flops / 1e9:.0f} GFLOP",
+                               cuda_graph=device.startswith("cuda")))
+    if peers:
+        fn = lambda: eager_prefill_topk(iq, one.caches[0], one.table, one.ctx, cfg)  # noqa: E731
+        cases.append(BenchCase(f"torch eager {label}", fn, nbytes, group, "query chunks of 1024"))
+    return cases
+
+
+def run_index_bench(batches=DEFAULT_BATCHES, contexts=DEFAULT_CONTEXTS, prefill=DEFAULT_PREFILL,
+                    formats=DEFAULT_FORMATS, device: str = "cuda", peers: bool = True, sweep: bool = False,
+                    seed: int = 0, progress: Callable[[str], None] | None = None) -> BenchReport:
+    """Build the case table and run it (see the module docstring). On the CPU the kernel rows need
+    TRITON_INTERPRET=1 (the interpreter: times are meaningless there, the run checks the plumbing)."""
+    cfg = IndexerConfig()
+    gen = torch.Generator().manual_seed(seed)
+    on_cuda = device.startswith("cuda")
+    how = "graph" if on_cuda else "eager"
+    run_kernel = on_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    cases: list[BenchCase] = []
+    for batch in batches:
+        for context in contexts:
+            group = f"decode b{batch} x {context}"
+            for name in formats:
+                layers = layers_for(batch, context, name, device)
+                if progress:
+                    progress(f"building {group} {name} x {layers} layers")
+                step = _Decode(name, batch, context, layers, device, gen, cfg)
+                label, note = step.fmt.label, f"{how} x {layers} layers"
+                if run_kernel:
+                    cases.append(BenchCase(f"triton score {label}", step.score(), step.bytes_score, group, note,
+                                           cuda_graph=on_cuda))
+                    cases.append(BenchCase(f"triton score+topk {label}", step.topk(), step.bytes_topk, group, note,
+                                           cuda_graph=on_cuda))
+                    for ch in SWEEP_CHUNKS if sweep and (batch, context) == (64, 150_000) else ():
+                        cases.append(BenchCase(f"triton score+topk {label} chunk={ch}", step.topk(chunk_blocks=ch),
+                                               step.bytes_topk, group, note, cuda_graph=on_cuda))
+                if peers:
+                    cases.append(BenchCase(f"torch eager {label}", step.eager(), step.bytes_topk // layers, group,
+                                           "eager x 1 layer"))
+    for context in prefill:
+        for name in formats:
+            if progress:
+                progress(f"building prefill {context} {name}")
+            cases += _prefill_cases(name, context, device, gen, cfg, peers, run_kernel)
+    report = run_cases("M3 lightning indexer (4 index heads, D 128, 128-token blocks, top-16)", cases, device,
+                       progress=progress)
+    report.extra = {"geometry": {**GEOMETRY, "block_size": cfg.block_size, "topk": cfg.topk},
+                    "goals": _goals(report)}
+    if not run_kernel:
+        report.extra["note"] = "kernel rows skipped: no CUDA device (set TRITON_INTERPRET=1 to run the interpreter)"
+    return report
+
+
+def _goals(report: BenchReport) -> list[dict]:
+    """The issue's goals at batch 64 x 150K (only where those rows exist)."""
+    rows = {(r.group, r.name): r for r in report.rows}
+    group = "decode b64 x 150000"
+    t = lambda name: rows.get((group, name))  # noqa: E731
+    goals = []
+    for fp4 in ("nvfp4-rcp", "mxfp4-rceil"):
+        fused, score, fp8 = t(f"triton score+topk {fp4}"), t(f"triton score {fp4}"), t("triton score+topk fp8-unit")
+        if fused is not None:
+            floor_us = fused.bytes_moved / (report.copy_gbps * 1e9) * 1e6
+            goals.append({"goal": f"{fp4} score+topk <= 1.15x byte floor", "value": fused.time_us / floor_us,
+                          "target": 1.15, "met": fused.time_us <= 1.15 * floor_us})
+        if fused is not None and fp8 is not None:
+            goals.append({"goal": f"{fp4} time <= 0.62x fp8 time", "value": fused.time_us / fp8.time_us,
+                          "target": 0.62, "met": fused.time_us <= 0.62 * fp8.time_us})
+        if fused is not None and score is not None:
+            goals.append({"goal": f"{fp4} score+topk <= 1.1x score alone", "value": fused.time_us / score.time_us,
+                          "target": 1.1, "met": fused.time_us <= 1.1 * score.time_us})
+    return goals
+
+
+def render_goals(report: BenchReport, console) -> None:
+    for g in report.extra.get("goals", []):
+        mark = "[green]met[/green]" if g["met"] else "[red]missed[/red]"
+        console.print(f"goal: {g['goal']}: {g['value']:.3f} (target {g['target']}) {mark}")
