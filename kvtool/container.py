@@ -254,8 +254,16 @@ class CacheEntry:
             tscale = None if d.get("tensor_scale") is None else float(d["tensor_scale"])
         except (TypeError, ValueError):
             raise FileFormatError(f"{where}: outer_scale / tensor_scale must be numbers") from None
-        return cls(name, fmt, tuple(shape), str(d.get("dtype", "fp32")), str(d["payload"]), d.get("scales"),
-                   outer, tscale, layout, d.get("checksum") or {})
+        checksum = d.get("checksum") or {}
+        if not isinstance(checksum, dict) or not all(v is None or isinstance(v, str) for v in checksum.values()):
+            raise FileFormatError(f"{where}: checksum must map plane names to hex digests")
+        if checksum and checksum.get("algorithm", CHECKSUM_ALGORITHM) != CHECKSUM_ALGORITHM:
+            raise FileFormatError(f"{where}: unknown checksum algorithm {checksum['algorithm']!r}")
+        scales = d.get("scales")
+        if scales is not None and not isinstance(scales, str):
+            raise FileFormatError(f"{where}: 'scales' must be a tensor name or null")
+        return cls(name, fmt, tuple(shape), str(d.get("dtype", "fp32")), str(d["payload"]), scales,
+                   outer, tscale, layout, checksum)
 
 
 def plane_specs(fmt: Format, shape: tuple[int, ...]) -> tuple[tuple, tuple | None]:

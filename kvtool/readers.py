@@ -135,6 +135,8 @@ class InputFile:
             return None
         bad = [role for role, t in entry.stored.items()
                if entry.checksum.get(role) is not None and hash_stored(self.handle, t) != entry.checksum[role]]
+        if not any(entry.checksum.get(role) for role in entry.stored):
+            return None  # a record without digests: nothing to verify
         return "ok" if not bad else "mismatch: " + ", ".join(bad)
 
 
@@ -147,8 +149,11 @@ def open_input(path: Path, layout: str | None = None, geometry: str | None = Non
         raise InputError(f"{path}: is a directory, not a file")
     if layout is not None:
         return _open_layout(path, layout, geometry)
-    with open(path, "rb") as f:
-        magic = f.read(8)
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(8)
+    except OSError as err:
+        raise InputError(f"{path}: cannot read: {err.strerror or err}") from None
     suffix = path.suffix.lower()
     if magic.startswith(NPY_MAGIC) or suffix == ".npy":
         return _open_npy(path)
@@ -167,18 +172,21 @@ def _open_safetensors(path: Path) -> InputFile:
     entries: dict[str, Entry] = {}
     used: set[str] = set()
     order: dict[str, int] = {}
-    for ce in (kv or {}).values():
-        entries[ce.name] = _kvtool_entry(f, header, ce)
-        used.update(n for n in (ce.payload, ce.scales) if n)
-        order[ce.name] = header.tensors[ce.payload].start
-    for name, t in header.tensors.items():
-        if name in used:
-            continue
-        if name in entries:
-            f.close()
-            raise FileFormatError(f"{path}: tensor {name!r} is both a stored tensor and a kvtool entry")
-        entries[name] = Entry(name, t.shape, t.dtype, nbytes=t.nbytes, rows_fn=_stored_reader(f, t))
-        order[name] = t.start
+    try:
+        for ce in (kv or {}).values():
+            entries[ce.name] = _kvtool_entry(f, header, ce)
+            used.update(n for n in (ce.payload, ce.scales) if n)
+            order[ce.name] = header.tensors[ce.payload].start
+        for name, t in header.tensors.items():
+            if name in used:
+                continue
+            if name in entries:
+                raise FileFormatError(f"{path}: tensor {name!r} is both a stored tensor and a kvtool entry")
+            entries[name] = Entry(name, t.shape, t.dtype, nbytes=t.nbytes, rows_fn=_stored_reader(f, t))
+            order[name] = t.start
+    except BaseException:
+        f.close()
+        raise
     entries = dict(sorted(entries.items(), key=lambda kv_: order[kv_[0]]))
     schema = None if kv is None else int(header.metadata["kvtool.schema"])
     return InputFile(path, "kvtool" if kv is not None else "safetensors", entries, schema,

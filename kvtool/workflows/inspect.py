@@ -9,6 +9,9 @@ or the fp32 scale; the nvfp4 outer scale is reported separately), a histogram of
 `floor(log2 scale)`, and per block (a scale block: 16 or 32 elements, or a row of D for fp8 and bf16): the share of
 SATURATED blocks (the largest element code is the element's max: E2M1 6, E4M3 448) and of ALL-ZERO blocks (every
 code is +-0). Scales of all-zero blocks are left out of min / max / histogram (their byte is a convention: 0).
+Reading the saturation share: formats whose scale maps each block's amax onto the element max (nvfp4's E4M3 scale,
+fp8 `token`) saturate almost every block by design; for mxfp4 (power-of-two scales) it is the share of blocks that
+use the top code, for fp8 `tensor` the rows that hold the tensor's max, and for fp8 `unit` the rows clipped at 448.
 
 Checksums: `unverified` unless `verify=True`, which recomputes every plane's blake2b-256 and reports `ok` or
 `mismatch: payload|scales`; plain tensors have `none`. The CLI exits 1 when a verified checksum mismatches (the file
@@ -78,7 +81,7 @@ class InspectReport:
 
 def inspect_file(path: Path, *, verify: bool = False, include: list[str] | None = None,
                  exclude: list[str] | None = None, chunk_mb: float = 64.0, layout: str | None = None,
-                 geometry: dict | None = None, progress: Progress | None = None) -> InspectReport:
+                 geometry: str | None = None, progress: Progress | None = None) -> InspectReport:
     """Describe every (selected) tensor of `path`; `verify` recomputes the kvtool checksums."""
     chunk = chunk_bytes(chunk_mb)
     with open_input(path, layout, geometry) as inp:
