@@ -28,7 +28,7 @@ E4M3_MAX = tl.constexpr(448.0)  # 0b0_1111_110: 2**(15 - 7) * 1.75 (0b0_1111_111
 
 # ------------------------------------------------------------------------------------------------------------ E2M1
 @triton.jit
-def e2m1_encode(y):
+def e2m1_encode(y, SATURATE: tl.constexpr = True):
     """fp32 -> E2M1 code (uint8 0..15), round half to even, saturating at 6, sign bit 3 also for -0.
 
     E2M1 rounding of m = |y| is round-half-even of the concave piecewise-linear code line
@@ -38,11 +38,14 @@ def e2m1_encode(y):
     2, 4); 0.75, 1.75, 3.5 tie up (1, 2, 4): the SPEC table. Three fmas and four mins, no compare-select chain: the
     store kernels are bound by integer-pipe issue, and a seven-threshold count costs about three times as many ALU
     ops. The products m * k are exact (k is a power of two), so contraction into fma does not change a bit. NaN is
-    refused before encoding (SPEC); Inf saturates to 7.
+    refused before encoding (SPEC); Inf saturates to 7. SATURATE=False drops the clamp at code 7 for callers that
+    guarantee |y| < 7 (where the clamp changes nothing; one integer-pipe op less per value).
     """
     m = tl.abs(y)
     t = tl.minimum(m * 2.0 + 8388608.0, m + 8388610.0)  # 2**23, 2**23 + 2
-    t = tl.minimum(tl.minimum(t, m * 0.5 + 8388612.0), 8388615.0)  # 2**23 + 4; saturate at code 7 (6.0)
+    t = tl.minimum(t, m * 0.5 + 8388612.0)  # 2**23 + 4
+    if SATURATE:
+        t = tl.minimum(t, 8388615.0)  # code 7 (6.0)
     sign = (y.to(tl.int32, bitcast=True) >> 28) & 8
     return ((t.to(tl.int32, bitcast=True) & 7) | sign).to(tl.uint8)
 
@@ -167,7 +170,9 @@ def mxfp4_quantize_block(x, RULE: tl.constexpr):
     e = mx_exponent(amax, RULE)
     y = x * exp2_int(-e)[:, :, None]
     zero = amax == 0.0
-    codes = tl.where(zero[:, :, None], 0, e2m1_encode(y)).to(tl.uint8)
+    # |y| <= amax * 2**-e < 7 under every rule but floor (ceil: <= 4; even: < 1.75 * 4 without the round-up, <= 4
+    # with it; rceil: <= 6 (1 + 2**-23)), so only floor needs the encoder's clamp at 6.
+    codes = tl.where(zero[:, :, None], 0, e2m1_encode(y, RULE == RULE_FLOOR)).to(tl.uint8)
     scale = tl.where(zero, 0, e + 127).to(tl.uint8)
     return codes, scale
 

@@ -111,7 +111,7 @@ def launch_dequant(payload: torch.Tensor, scales: torch.Tensor | None, slots: to
     if T * H == 0:
         return
     dp = next_pow2(D)
-    block_r, num_warps = launch_config(dp, config)
+    block_r, num_warps = launch_config(dp, 8, config)  # 2-D tiles for every format
     paged = slots is not None
     kf = KernelFormat.of(fmt)
     grid = (triton.cdiv(T, block_r), H)

@@ -2,26 +2,27 @@
 payload and scales either into a paged cache through a slot mapping (engines' store) or into plain planes (the whole
 tensor quantize of `kernels/quant.py`). Every codec step comes from `kernels/codecs.py`; the kernel only moves bytes.
 
-Design for bandwidth (the work is memory bound: a bf16 row of D = 128 is 256 B in, 68-132 B out):
-- one program = BLOCK_R whole rows (a row = one token of one head, D elements), so loads are full coalesced rows
-  (16-byte vectors of 8 bf16), the block amaxes reduce inside a row (a 16/32 block spans 2/4 threads: one or two
-  shuffles), payload bytes go out as whole rows (PB contiguous bytes, 16-byte aligned when PB is) and the block scales
-  as a short contiguous vector per row; no atomics, no shared state between programs;
-- slot math per row in int32 (page = slot // PAGE with PAGE a constexpr power of two is a shift), byte offsets in int64
-  so caches and inputs past 2 GiB work;
-- the nibble pack is `reshape [R, D/2, 2] + split`: the pair sits in one thread, so it costs no data movement; the
-  compiler may still add one shared-memory layout conversion before the 16-byte stores.
+Design for bandwidth (the work is memory bound only if the integer pipe keeps up: a bf16 row of D = 128 is 256 B in,
+68-132 B out, and Hopper's ALU pipe runs at half the FP32 rate):
+- one program = BLOCK_R whole rows of one head (grid: token tiles x heads, no division per row); no atomics, no state
+  shared between programs; dead rows (slot -1, tail) are neither read nor written;
+- block formats load each row as 16-byte chunks joined in registers so that one thread owns whole 16 / 32-element
+  blocks (`load_blocks`): the block amax needs no shuffle and the per-block scale work runs once per block; the
+  nibble pack (`reshape [R, D/2, 2] + split`) is register-local; one shared-memory layout conversion then gives
+  16-byte payload stores of whole rows, and the block scales go out as a short contiguous vector per row;
+- 8 / 16-bit formats use plain 2-D tiles (16-byte vectors of a row per thread);
+- slot math per row in int32 (page = slot // PAGE, PAGE a constexpr: a shift for powers of two), byte offsets in
+  int64 so caches and inputs past 2 GiB work.
 
-Prediction for the H200 (written before any GPU run; the lead measures). The sm_90 SASS (compiled offline, D = 128,
-bf16 in, 32 x 4-warp tiles) has per element about 14.5 integer-pipe ops (ALU: LOP3, SHF, PRMT, FMNMX, ISETP, SEL; half
-rate on Hopper) and 8-9 FMA-pipe ops for nvfp4 (native e4m3 scale conversion) and mxfp4 alike, 13.3 for mxfp4 floor /
-even. Memory bound at 85 % of the 4210 GB/s copy needs <= ~12 ALU ops per element (64 ALU lanes per SM and cycle,
-1.41e12 elements/s at 2.53 B each), so the store is ALU bound: expect about 60-75 % of copy for nvfp4 / mxfp4 at
->= 64M elements, below the 85 % goal. The E2M1 encoder was already cut from ~24 to ~6 ALU ops (kernels/codecs.py); what
-is left is spread thin: the 3 mins of that encoder, the block amax, uint8 byte shuffles of the code pipeline, per-row
-address math amortized over only 8 elements a thread (a thread holds one 16-byte vector of a row). The dequantize
-kernels have ~6-7 ALU ops per element and should be memory bound: 85-90 %. fp8 unit with the native conversion ~85 %;
-fp8 token / tensor lower (an IEEE division per element).
+Prediction for the H200 (written before any GPU run; the lead measures), from the sm_90 SASS compiled offline (D = 128,
+bf16 in, default 64 x 4-warp tiles): per element mxfp4 rceil 11.2 integer-pipe ops (ALU: FMNMX, LOP3, PRMT, SHF, SEL,
+...; floor 11.8, even 10.9) and ~6 FMA-pipe ops; nvfp4 (native e4m3 scale conversion) 12.3 ALU + 7 FMA. Memory bound
+at 85 % of the 4210 GB/s copy needs <= ~11.8 ALU ops per element at full ALU issue (64 ALU lanes per SM and cycle,
+1.41e12 elements/s at 2.53 B each), so the store sits right at the edge: expect about 75-85 % of copy for mxfp4 and
+70-80 % for nvfp4 at >= 64M elements. Where the rest goes: the encoder's 2-3 mins, the block amax, the sign / pack /
+byte shuffles of the uint8 code pipeline (~4-5 ops; a fused encode-and-pack in int32 would save ~2.5), per-row address
+math. The dequantize kernels have ~6-7 ALU ops per element and should be memory bound: 85-90 %. fp8 unit with the
+native conversion ~85 %; fp8 token / tensor lower (an IEEE division per element).
 """
 
 from __future__ import annotations
@@ -84,6 +85,52 @@ def row_mask(live, cols, N: tl.constexpr, NP: tl.constexpr):
         return live[:, None] & (cols[None, :] < N)
 
 
+@triton.jit
+def load_f32(ptrs, mask):
+    """Masked load (0 where masked) converted to fp32; bf16 by bits (exact, also for bf16 subnormals)."""
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    if x.dtype.is_bf16():
+        return kc.bf16_decode(x)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def load_blocks(x_ptr, x_off, live, D: tl.constexpr, BLOCK: tl.constexpr, NBP: tl.constexpr, VEC: tl.constexpr):
+    """Rows at `x_off` [R] (live mask [R]) -> fp32 [R, NBP, BLOCK]: NBP blocks per row (the ones past D are 0).
+
+    Loaded as BLOCK // VEC separate chunks of VEC elements (16 bytes) per block and joined in registers, so that one
+    thread holds whole blocks: the block amax needs no shuffle, and the per-block scale work (exponent, E4M3 scale,
+    divisions) runs once per block and thread instead of on every thread that holds a piece of the block. A 2-D load
+    would give each thread one 16-byte vector of a row (the block spread over 2-4 threads). Chunk loads hit the same
+    sectors one after another, so DRAM traffic is unchanged."""
+    R: tl.constexpr = x_off.shape[0]
+    CH: tl.constexpr = BLOCK // VEC
+    blk = tl.arange(0, NBP)[None, :, None]
+    p = x_ptr + x_off[:, None, None] + blk * BLOCK + tl.arange(0, VEC)[None, None, :]  # [R, NBP, VEC], chunk 0
+    if NBP * BLOCK == D:
+        m = tl.broadcast_to(live[:, None, None], (R, NBP, VEC))
+    else:
+        m = tl.broadcast_to(live[:, None, None] & (blk * BLOCK < D), (R, NBP, VEC))
+    # join(a, b) adds a last dim of 2; chunk c = sum of its binary digits, lowest digit innermost after the join
+    if CH == 1:
+        xb = load_f32(p, m)
+    elif CH == 2:
+        j = tl.join(load_f32(p, m), load_f32(p + VEC, m))  # [R, NBP, VEC, c]
+        xb = tl.reshape(tl.permute(j, (0, 1, 3, 2)), [R, NBP, BLOCK])
+    elif CH == 4:
+        j = tl.join(tl.join(load_f32(p, m), load_f32(p + VEC, m)),
+                    tl.join(load_f32(p + 2 * VEC, m), load_f32(p + 3 * VEC, m)))  # [R, NBP, VEC, c & 1, c >> 1]
+        xb = tl.reshape(tl.permute(j, (0, 1, 4, 3, 2)), [R, NBP, BLOCK])
+    else:
+        j = tl.join(tl.join(tl.join(load_f32(p, m), load_f32(p + VEC, m)),
+                            tl.join(load_f32(p + 2 * VEC, m), load_f32(p + 3 * VEC, m))),
+                    tl.join(tl.join(load_f32(p + 4 * VEC, m), load_f32(p + 5 * VEC, m)),
+                            tl.join(load_f32(p + 6 * VEC, m), load_f32(p + 7 * VEC, m))))  # [.., VEC, c0, c1, c2]
+        xb = tl.reshape(tl.permute(j, (0, 1, 5, 4, 3, 2)), [R, NBP, BLOCK])
+    return xb
+
+
 # ----------------------------------------------------------------------------------------------------------- kernel
 @triton.jit
 def _store_kernel(
@@ -114,6 +161,7 @@ def _store_kernel(
     DS_FLOOR: tl.constexpr,  # fp8 token: DeepSeek amax floor
     POW2: tl.constexpr,  # fp8 token: power-of-two scale
     NATIVE_FP8: tl.constexpr,  # hardware fp32 -> e4m3 conversion (CUDA sm_89+, see kc.e4m3_encode)
+    VEC: tl.constexpr,  # x elements per 16 bytes (8 for bf16 / fp16, 4 for fp32)
     BLOCK_R: tl.constexpr,  # tokens per program
 ):
     # grid: (token tiles, heads); one program = BLOCK_R tokens of one head, no integer division per row
@@ -121,16 +169,10 @@ def _store_kernel(
     head = tl.program_id(1)
     live, pay, sc = row_addresses(tok, head, n_tok, num_heads, slot_ptr, page_stride, head_stride,
                                   PAGED, PAGE, PB, SB)
-    cols = tl.arange(0, DP)
     x_off = tok.to(tl.int64) * stride_xt + head * stride_xh
     # dead rows (slot -1, tail) are not read: skipped tokens cost no bandwidth
-    x = tl.load(x_ptr + x_off[:, None] + cols[None, :], mask=row_mask(live, cols, D, DP), other=0.0)
-    if x.dtype.is_bf16():  # [BLOCK_R, DP] fp32; padded columns are 0, which changes no amax
-        x = kc.bf16_decode(x)
-    else:
-        x = x.to(tl.float32)
     if BITS == 4:
-        xb = tl.reshape(x, [BLOCK_R, DP // BLOCK, BLOCK])
+        xb = load_blocks(x_ptr, x_off, live, D, BLOCK, DP // BLOCK, VEC)  # [BLOCK_R, DP / BLOCK, BLOCK] fp32
         if SCALE == SCALE_E8M0:
             codes, sbytes = kc.mxfp4_quantize_block(xb, RULE)
         else:
@@ -140,22 +182,25 @@ def _store_kernel(
         tl.store(payload_ptr + pay[:, None] + pcols[None, :], packed, mask=row_mask(live, pcols, PB, DP // 2))
         scols = tl.arange(0, DP // BLOCK)
         tl.store(scale_ptr + sc[:, None] + scols[None, :], sbytes, mask=row_mask(live, scols, SB, DP // BLOCK))
-    elif BITS == 8:
-        if SCALE == SCALE_NONE:
-            codes = kc.e4m3_encode(x, NATIVE_FP8)
-        elif SCALE == SCALE_TENSOR:
-            codes = kc.fp8_encode_scaled(x, tl.zeros_like(x) + tensor_scale, NATIVE_FP8)
-        else:
-            s = kc.fp8_row_scale(tl.max(tl.abs(x), axis=1), DS_FLOOR, POW2)  # [BLOCK_R]
-            codes = kc.fp8_encode_scaled(x, tl.broadcast_to(s[:, None], x.shape), NATIVE_FP8)
-            # the fp32 scale as its 4 little-endian bytes: the scale field needs no 4-byte alignment
-            b4 = tl.arange(0, 4)
-            sb = (s.to(tl.int32, bitcast=True)[:, None] >> (8 * b4)[None, :]) & 0xFF
-            tl.store(scale_ptr + sc[:, None] + b4[None, :], sb.to(tl.uint8), mask=row_mask(live, b4, 4, 4))
-        tl.store(payload_ptr + pay[:, None] + cols[None, :], codes, mask=row_mask(live, cols, D, DP))
     else:
-        bf = payload_ptr.to(tl.pointer_type(tl.bfloat16))  # PB = 2 D and every offset is even
-        tl.store(bf + (pay // 2)[:, None] + cols[None, :], kc.bf16_encode(x), mask=row_mask(live, cols, D, DP))
+        cols = tl.arange(0, DP)
+        x = load_f32(x_ptr + x_off[:, None] + cols[None, :], row_mask(live, cols, D, DP))  # [BLOCK_R, DP], padding 0
+        if BITS == 8:
+            if SCALE == SCALE_NONE:
+                codes = kc.e4m3_encode(x, NATIVE_FP8)
+            elif SCALE == SCALE_TENSOR:
+                codes = kc.fp8_encode_scaled(x, tl.zeros_like(x) + tensor_scale, NATIVE_FP8)
+            else:
+                s = kc.fp8_row_scale(tl.max(tl.abs(x), axis=1), DS_FLOOR, POW2)  # [BLOCK_R]
+                codes = kc.fp8_encode_scaled(x, tl.broadcast_to(s[:, None], x.shape), NATIVE_FP8)
+                # the fp32 scale as its 4 little-endian bytes: the scale field needs no 4-byte alignment
+                b4 = tl.arange(0, 4)
+                sb = (s.to(tl.int32, bitcast=True)[:, None] >> (8 * b4)[None, :]) & 0xFF
+                tl.store(scale_ptr + sc[:, None] + b4[None, :], sb.to(tl.uint8), mask=row_mask(live, b4, 4, 4))
+            tl.store(payload_ptr + pay[:, None] + cols[None, :], codes, mask=row_mask(live, cols, D, DP))
+        else:
+            bf = payload_ptr.to(tl.pointer_type(tl.bfloat16))  # PB = 2 D and every offset is even
+            tl.store(bf + (pay // 2)[:, None] + cols[None, :], kc.bf16_encode(x), mask=row_mask(live, cols, D, DP))
 
 
 # ---------------------------------------------------------------------------------------------- launcher helpers
@@ -182,20 +227,24 @@ class KernelFormat:
                     DS_FLOOR=self.DS_FLOOR, POW2=self.POW2)
 
 
-# Tokens (rows of one head) per program and warps, by padded row length. About 4K elements per program: 32 fp32
-# values a thread over 4 warps, 8 KiB of bf16 loads in flight per program and many programs an SM. The interpreter
-# gets one small config (many rows per program is only slower there). Override per call with `config=` (bench
-# `--configs`) to tune on a new device.
+# Tokens (rows of one head) per program and warps, by padded row length: 2-D tiles of about 4K elements for the 8 / 16
+# bit formats (32 fp32 values a thread over 4 warps), and 8K for the block formats, whose tiles put one row per lane
+# and the blocks across warps (`load_blocks`): 64 rows x 128 are 2 rows of one mx block (4 nvfp4 blocks) a thread,
+# which halves the per-row work per element against 32 rows (sm_90 SASS: 12.2 vs 12.8 ALU ops per element for mxfp4,
+# 72 registers; nvfp4 12.3 vs 13.3, 96 registers). The interpreter gets one small config (many rows per program are
+# only slower there). Override per call with `config=` (bench `--configs`) to tune on a new device.
 LAUNCH_CONFIGS = {32: (128, 4), 64: (64, 4), 128: (32, 4), 256: (16, 4), 512: (8, 4), 1024: (4, 8)}
+BLOCK_FORMAT_CONFIGS = {32: (256, 4), 64: (128, 4), 128: (64, 4), 256: (32, 4), 512: (16, 4), 1024: (8, 8)}
 
 
-def launch_config(dp: int, config: tuple[int, int] | None = None) -> tuple[int, int]:
-    """(BLOCK_R, num_warps) for rows of `dp` (padded) elements; `config` overrides (bench `--configs`)."""
+def launch_config(dp: int, bits: int, config: tuple[int, int] | None = None) -> tuple[int, int]:
+    """(BLOCK_R, num_warps) for rows of `dp` (padded) elements of a `bits`-bit payload; `config` overrides."""
     if config is not None:
         return config
     if INTERPRET:
         return max(1, min(8, 1024 // dp)), 4
-    return LAUNCH_CONFIGS.get(dp, (max(1, 4096 // dp), 4 if dp < 1024 else 8))
+    table, elements = (BLOCK_FORMAT_CONFIGS, 8192) if bits == 4 else (LAUNCH_CONFIGS, 4096)
+    return table.get(dp, (max(1, elements // dp), 4 if dp < 1024 else 8))
 
 
 def check_floating(x: torch.Tensor, name: str) -> None:
@@ -252,7 +301,7 @@ def launch_store(x3: torch.Tensor, slots: torch.Tensor | None, payload: torch.Te
     if T * H == 0:
         return
     dp = next_pow2(D)
-    block_r, num_warps = launch_config(dp, config)
+    block_r, num_warps = launch_config(dp, fmt.spec.payload_bits, config)
     g_dec, g_enc = outer_scales(g_dec)
     paged = slots is not None
     grid = (triton.cdiv(T, block_r), H)
@@ -260,7 +309,8 @@ def launch_store(x3: torch.Tensor, slots: torch.Tensor | None, payload: torch.Te
         x3, slots if paged else payload, payload, scales if scales is not None else payload, T, H,
         x3.stride(0), x3.stride(1), page_stride, head_stride, tensor_scale, g_dec, g_enc,
         PAGED=paged, PAGE=page_size, D=D, DP=dp, PB=fmt.payload_bytes(D), SB=fmt.scale_bytes(D),
-        **KernelFormat.of(fmt).constexprs(), NATIVE_FP8=native_fp8(x3.device), BLOCK_R=block_r, num_warps=num_warps)
+        **KernelFormat.of(fmt).constexprs(), NATIVE_FP8=native_fp8(x3.device), VEC=16 // x3.element_size(), BLOCK_R=block_r,
+        num_warps=num_warps)
 
 
 # ----------------------------------------------------------------------------------------------------- the store
