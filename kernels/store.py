@@ -309,8 +309,8 @@ def launch_store(x3: torch.Tensor, slots: torch.Tensor | None, payload: torch.Te
         x3, slots if paged else payload, payload, scales if scales is not None else payload, T, H,
         x3.stride(0), x3.stride(1), page_stride, head_stride, tensor_scale, g_dec, g_enc,
         PAGED=paged, PAGE=page_size, D=D, DP=dp, PB=fmt.payload_bytes(D), SB=fmt.scale_bytes(D),
-        **KernelFormat.of(fmt).constexprs(), NATIVE_FP8=native_fp8(x3.device), VEC=16 // x3.element_size(), BLOCK_R=block_r,
-        num_warps=num_warps)
+        **KernelFormat.of(fmt).constexprs(), NATIVE_FP8=native_fp8(x3.device), VEC=16 // x3.element_size(),
+        BLOCK_R=block_r, num_warps=num_warps)
 
 
 # ----------------------------------------------------------------------------------------------------- the store
