@@ -61,20 +61,20 @@ def _block_amax(xb: torch.Tensor) -> torch.Tensor:
 
 def _quantize_blocks(x: torch.Tensor, block: int, quantize_chunk) -> tuple[torch.Tensor, torch.Tensor]:
     """Run `quantize_chunk(xb)` (fp32 [r, D/block, block] -> packed uint8 [r, D/block, block/2], scale bytes uint8
-    [r, D/block]) over the rows of `x` [..., D], in CPU_CHUNK_ELEMENTS chunks on CPU. Returns (payload uint8
-    [..., D/2], scales uint8 [..., D/block])."""
+    [r, D/block]) over the rows of `x` [..., D] (any float dtype: each chunk is made fp32 while it is in cache), in
+    CPU_CHUNK_ELEMENTS chunks on CPU. Returns (payload uint8 [..., D/2], scales uint8 [..., D/block])."""
     d = x.shape[-1]
     nb = d // block
     x2 = x.reshape(-1, d)
     rows = x2.shape[0]
     step = max(1, CPU_CHUNK_ELEMENTS // d) if x.device.type == "cpu" else max(rows, 1)
     if step >= rows:
-        payload, scales = quantize_chunk(x2.reshape(rows, nb, block))
+        payload, scales = quantize_chunk(x2.reshape(rows, nb, block).float())
     else:
         payload = torch.empty(rows, nb, block // 2, dtype=torch.uint8, device=x.device)
         scales = torch.empty(rows, nb, dtype=torch.uint8, device=x.device)
         for start in range(0, rows, step):
-            p, sc = quantize_chunk(x2[start:start + step].reshape(-1, nb, block))
+            p, sc = quantize_chunk(x2[start:start + step].reshape(-1, nb, block).float())  # bf16 -> fp32 in cache
             payload[start:start + step] = p
             scales[start:start + step] = sc
     return payload.reshape(*x.shape[:-1], d // 2), scales.reshape(*x.shape[:-1], nb)
