@@ -25,6 +25,7 @@ from kvtool.kernels.store import (
     check_cache,
     check_slot_ids,
     launch_config,
+    native_fp8,
     next_pow2,
     require_tensor_scale,
     row_addresses,
@@ -56,6 +57,7 @@ def _dequant_kernel(
     SCALE: tl.constexpr,  # store.SCALE_KINDS value
     BLOCK: tl.constexpr,  # elements per block scale (4-bit formats)
     OUT_BF16: tl.constexpr,  # output is bf16 (rounded by kc.bf16_encode)
+    NATIVE_FP8: tl.constexpr,  # hardware e4m3 -> fp32 conversion (CUDA sm_89+, see kc.e4m3_decode_any)
     BLOCK_R: tl.constexpr,  # tokens per program
 ):
     # grid: (token tiles, heads), as in the store
@@ -80,7 +82,7 @@ def _dequant_kernel(
         v = tl.reshape(vb, [BLOCK_R, DP])
     elif BITS == 8:
         codes = tl.load(payload_ptr + pay[:, None] + cols[None, :], mask=row_mask(live, cols, D, DP), other=0)
-        v = kc.e4m3_decode_any(codes)
+        v = kc.e4m3_decode_any(codes, NATIVE_FP8)
         if SCALE == SCALE_TENSOR:
             v = v * tensor_scale
         elif SCALE == SCALE_ROW:
@@ -119,7 +121,8 @@ def launch_dequant(payload: torch.Tensor, scales: torch.Tensor | None, slots: to
         payload, scales if scales is not None else payload, slots if paged else payload, out, T, H,
         page_stride, head_stride, float(tensor_scale), float(g_dec),
         PAGED=paged, PAGE=page_size, D=D, DP=dp, PB=fmt.payload_bytes(D), SB=fmt.scale_bytes(D), BITS=kf.BITS,
-        SCALE=kf.SCALE, BLOCK=kf.BLOCK, OUT_BF16=out.dtype == torch.bfloat16, BLOCK_R=block_r, num_warps=num_warps)
+        SCALE=kf.SCALE, BLOCK=kf.BLOCK, OUT_BF16=out.dtype == torch.bfloat16, NATIVE_FP8=native_fp8(out.device),
+        BLOCK_R=block_r, num_warps=num_warps)
 
 
 def check_output_dtype(dtype: torch.dtype) -> None:
