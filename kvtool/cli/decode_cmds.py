@@ -139,7 +139,7 @@ def render(r: DecodeReport) -> None:
                  f"prompt), {r.gen_tokens} generated; {r.device} (store {r.paths['store']}, attention "
                  f"{r.paths['attention']})")
     table = Table(title=f"vs baseline {r.baseline.label} (K/V / index)", box=box.SIMPLE_HEAVY)
-    for col in ("config", "B/token", f"fit {r.mem_gb:g}GiB", "tok/s", "x bf16", "KL", "top-1%", "ppl x", "1st div"):
+    for col in ("config", "B/tok", f"fit {r.mem_gb:g}GiB", "tok/s", "x bf16", "KL", "top-1%", "ppl x", "1st div"):
         table.add_column(col, justify="left" if col == "config" else "right")
     for i, c in enumerate([r.baseline] + r.candidates):
         o, g = c.overall, c.generation
@@ -170,8 +170,8 @@ def _render_buckets(r: DecodeReport) -> None:
 
 def _render_layers(r: DecodeReport) -> None:
     sparse = r.selection is not None
-    table = Table(title="per layer vs the baseline: " + ("top-k exact % / recall (positions where top-k is a "
-                  "choice) / " if sparse else "") + "attention rel_l2", box=box.SIMPLE)
+    legend = ("top-k exact % / recall (rows where top-k is a choice) / " if sparse else "") + "attention rel_l2"
+    table = Table(title="per layer vs the baseline", caption=legend, box=box.SIMPLE)
     table.add_column("layer", justify="right")
     for c in r.candidates:
         table.add_column(c.label, justify="right")

@@ -181,7 +181,7 @@ class Decoder:
                  kernels: dict | None = None, record: bool = False):
         self.model, self.cache, self.indexer, self.record = model, cache, indexer, record
         self.kernels = kernels or {}  # 'index' / 'attention' -> True where the Triton path runs
-        self.pos, self.trace = 0, StepTrace()
+        self.pos, self.length, self.trace = 0, 0, StepTrace()
         self.timed_s, self.timed_tokens = 0.0, 0
         self.last: torch.Tensor | None = None  # logits [B, V] at the last teacher-forced position
 
@@ -189,7 +189,7 @@ class Decoder:
         """tokens [B, T] at positions self.pos .. self.pos + T - 1 -> logits fp32 [B, T, V]."""
         B, T = tokens.shape
         pos = torch.arange(self.pos, self.pos + T, device=self.model.device)      # pos: [T]
-        self.trace = StepTrace()
+        self.trace, self.length = StepTrace(), self.pos + T                      # length: context after this step
         h = self.model.embed(tokens.reshape(-1))                                  # h: [B*T, hidden]
         for layer in range(self.model.config.n_layers):
             h = self.layer(layer, h, pos, B)
@@ -199,10 +199,10 @@ class Decoder:
     def layer(self, layer: int, h: torch.Tensor, pos: torch.Tensor, B: int) -> torch.Tensor:
         """One decoder layer over the cache: h [B*T, hidden] -> [B*T, hidden]."""
         c, T = self.model.config, pos.shape[0]
-        q, k, v = self.model.qkv(layer, h, pos.repeat(B))                         # q: [B*T, Hq, D], k, v: [B*T, Hkv, D]
+        q, k, v = self.model.qkv(layer, h, pos.repeat(B))                         # q: [B*T, Hq, D]; k, v: [B*T, Hkv, D]
         iq = ik = None
         if self.indexer is not None:
-            iq, ik = self.model.index_qk(layer, q, k, h)                          # iq: [B*T, Hi, Di], ik: [B*T, Di]
+            iq, ik = self.model.index_qk(layer, q, k, h, pos.repeat(B))           # iq: [B*T, Hi, Di]; ik: [B*T, Di]
             iq, ik = iq.view(B, T, c.index_heads, -1), ik.view(B, T, -1)
         self.cache.update(layer, pos, k.view(B, T, c.n_kv_heads, -1), v.view(B, T, c.n_kv_heads, -1), ik)
         attn = self.attend(layer, q.view(B, T, c.n_heads, -1), iq, pos)           # attn: [B, T, Hq, D]
@@ -214,15 +214,19 @@ class Decoder:
         """q [B, T, Hq, D], iq [B, T, Hi, Di] -> attention output fp32 [B, T, Hq, D]: the Triton kernels over the
         paged bytes where `kernels` says so, else the torch reference per sequence over the dequantized cache."""
         if isinstance(self.cache, PlainCache):
-            return self.cache.attend(layer, q, pos)
+            return self.cache.attend(layer, q, pos, self.length)
         if self.kernels.get("attention") and (self.indexer is None or self.kernels.get("index")):
             return self.attend_triton(layer, q, iq, pos)
+        return self.attend_torch(layer, q, iq, pos)
+
+    def attend_torch(self, layer: int, q: torch.Tensor, iq: torch.Tensor | None, pos: torch.Tensor) -> torch.Tensor:
+        """The torch path, per sequence over the dequantized cache (the CPU shadow, or decoded on demand)."""
         outs, ids_all, scores_all = [], [], []
         for b in range(q.shape[0]):
-            k, v = self.cache.kv(layer, b, int(pos[-1]) + 1)                      # k, v: [S, Hkv, D]
+            k, v = self.cache.kv(layer, b, self.length)                           # k, v: [S, Hkv, D]
             ids = None
             if self.indexer is not None:
-                ik = self.cache.index_keys(layer, b, int(pos[-1]) + 1)            # ik: [S, Di]
+                ik = self.cache.index_keys(layer, b, self.length)                 # ik: [S, Di]
                 scores = reference_block_scores(iq[b].transpose(0, 1), ik, pos, self.indexer)  # [Hi, T, NB]
                 ids = select_topk(scores, pos, self.indexer)                      # ids: [Hi, T, K] int32
                 ids_all.append(ids)
@@ -230,8 +234,8 @@ class Decoder:
             block = self.indexer.block_size if self.indexer else 1
             outs.append(block_masked_attention(q[b].transpose(0, 1), k, v, pos, ids, block))  # [Hq, T, D]
         if self.record and ids_all:
-            self.trace.ids.append(torch.stack(ids_all))
-            self.trace.scores.append(torch.stack(scores_all))
+            self.trace.ids.append(torch.stack(ids_all))                           # [B, Hi, T, K]
+            self.trace.scores.append(torch.stack(scores_all))                     # [B, Hi, T, NB]
         return torch.stack(outs).transpose(1, 2)                                  # [B, T, Hq, D]
 
     def attend_triton(self, layer: int, q: torch.Tensor, iq: torch.Tensor | None, pos: torch.Tensor) -> torch.Tensor:
@@ -242,11 +246,11 @@ class Decoder:
             ids = all_blocks_selection(pos, block, c.n_kv_heads)[None].expand(B, -1, -1, -1)  # [B, Hkv, T, NB]
         else:
             block = self.indexer.block_size
-            ids, scores = select_triton(self.cache, layer, iq, pos, self.indexer, self.record)  # [B, Hi, T, K]
-            if self.record:
+            ids, scores = select_triton(self.cache, layer, iq, pos, self.length, self.indexer, self.record)
+            if self.record:                                                       # ids: [B, Hi, T, K]
                 self.trace.ids.append(ids)
                 self.trace.scores.append(scores)
-        return attend_triton(self.cache, layer, q, pos, ids.to(torch.int32), block)          # [B, T, Hq, D]
+        return attend_triton(self.cache, layer, q, pos, self.length, ids.to(torch.int32), block)  # [B, T, Hq, D]
 
     def prefill(self, tokens: torch.Tensor, chunk: int = 128) -> torch.Tensor:
         """tokens [B, P] from the current position, in chunks of `chunk` -> logits [B, P, V]."""

@@ -67,9 +67,9 @@ class ConfigCache:
 
     def __init__(self, spec: CacheSpec, n_layers: int, n_kv_heads: int, head_dim: int, index_dim: int, batch: int,
                  max_len: int, page_size: int, device: str | torch.device = "cpu", shadow: bool = True,
-                 store_backend: str = "auto"):
+                 store_backend: str = "auto", validate: bool = True):
         self.spec, self.batch, self.max_len, self.shadow, self.page_size = spec, batch, max_len, shadow, page_size
-        self.store_backend = store_backend
+        self.store_backend, self.validate = store_backend, validate  # validate: the store's finite / slot checks
         table, slots = contiguous_slots([max_len] * batch, page_size)
         self.block_table = table.to(device)                          # [B, pages_per_seq] int32
         self.slots = torch.stack(slots).to(device)                   # [B, max_len] int64
@@ -102,7 +102,7 @@ class ConfigCache:
         flat = x.reshape(-1, *x.shape[2:])                            # [B*T, H, D]
         store = getattr(kv_backend, "store", None)                    # B's kernel dispatch, when present
         if store is not None:
-            store(cache, flat, slots, backend=self.store_backend)
+            store(cache, flat, slots, backend=self.store_backend, validate=self.validate)
         else:
             cache.store(flat, slots)
         if self.shadow:
@@ -144,46 +144,55 @@ class ConfigCache:
 
 
 class PlainCache:
-    """A plain contiguous bf16 K/V cache [B, max_len, Hkv, D] per layer (no paging, no index, no codec): the speed
+    """A plain contiguous bf16 K/V cache [B, Hkv, max_len, D] per layer (no paging, no index, no codec): the speed
     reference `kvtool decode` reports beside the paged configurations."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, batch: int, max_len: int,
                  device: str | torch.device = "cpu"):
-        shape = (batch, max_len, n_kv_heads, head_dim)
+        shape = (batch, n_kv_heads, max_len, head_dim)
+        self.batch = batch
         self.k = [torch.zeros(shape, dtype=torch.bfloat16, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=torch.bfloat16, device=device) for _ in range(n_layers)]
 
     def update(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ik=None) -> None:
         """k, v [B, T, Hkv, D] at positions pos [T]."""
-        self.k[layer][:, pos] = k.to(torch.bfloat16)
-        self.v[layer][:, pos] = v.to(torch.bfloat16)
+        self.k[layer][:, :, pos] = k.transpose(1, 2).to(torch.bfloat16)
+        self.v[layer][:, :, pos] = v.transpose(1, 2).to(torch.bfloat16)
 
     def kv(self, layer: int, b: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[layer][b, :length].float(), self.v[layer][b, :length].float()
+        """fp32 [length, Hkv, D] K and V of sequence b."""
+        return (self.k[layer][b, :, :length].transpose(0, 1).float(),
+                self.v[layer][b, :, :length].transpose(0, 1).float())
 
-    def attend(self, layer: int, q: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Dense causal attention with torch's fused SDPA, batched: q [B, T, Hq, D] at positions pos [T] -> fp32
-        [B, T, Hq, D]. bf16 compute on CUDA, fp32 on CPU (where bf16 matmuls are slow)."""
-        S = int(pos[-1]) + 1
+    def attend(self, layer: int, q: torch.Tensor, pos: torch.Tensor, length: int) -> torch.Tensor:
+        """Dense causal attention by torch's fused SDPA over the first `length` tokens, batched: q [B, T, Hq, D] at
+        positions pos [T] -> fp32 [B, T, Hq, D]. bf16 compute on CUDA, fp32 on CPU (where bf16 matmuls are slow).
+        A decode step (T = 1) folds the G query heads of a KV head into G query rows of one head (plain MHA, every
+        SDPA backend); prefill uses a causal mask with enable_gqa."""
+        B, T, hq, D = q.shape
+        hkv = self.k[layer].shape[1]
         dt = torch.bfloat16 if q.is_cuda else torch.float32
-        k = self.k[layer][:, :S].transpose(1, 2).to(dt)                         # k: [B, Hkv, S, D]
-        v = self.v[layer][:, :S].transpose(1, 2).to(dt)
-        mask = None if q.shape[1] == 1 else torch.arange(S, device=q.device)[None, :] <= pos[:, None]  # [T, S]
+        k = self.k[layer][:, :, :length].to(dt)                                  # k: [B, Hkv, S, D]
+        v = self.v[layer][:, :, :length].to(dt)
+        if T == 1:
+            out = torch.nn.functional.scaled_dot_product_attention(q.view(B, hkv, hq // hkv, D).to(dt), k, v)
+            return out.reshape(B, 1, hq, D).float()                              # [B, Hkv, G, D] -> [B, 1, Hq, D]
+        mask = torch.arange(length, device=q.device)[None, :] <= pos[:, None]    # mask: [T, S]
         out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2).to(dt), k, v, attn_mask=mask,
                                                                enable_gqa=True)  # [B, Hq, T, D]
         return out.transpose(1, 2).float()
 
 
 # --------------------------------------------------------------------------------------------- the Triton reads
-def select_triton(cache: ConfigCache, layer: int, iq: torch.Tensor, pos: torch.Tensor, cfg,
+def select_triton(cache: ConfigCache, layer: int, iq: torch.Tensor, pos: torch.Tensor, length: int, cfg,
                   with_scores: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Block selection from the paged index cache by the Triton scorer (C's kernels): iq [B, T, Hi, Di] (cast to
-    bf16, as the kernels take it) at positions pos [T] -> ids int32 [B, Hi, T, K] and, when asked, block scores fp32
-    [B, Hi, T, NB] (for the per-layer comparison)."""
+    bf16, as the kernels take it) at positions pos [T] (`length` = pos[-1] + 1, known on the host) -> ids int32
+    [B, Hi, T, K] and, when asked, block scores fp32 [B, Hi, T, NB] (for the per-layer comparison)."""
     from kvtool.kernels.index_score import decode_topk, prefill_block_scores, prefill_topk  # noqa: PLC0415
 
     B, T = iq.shape[:2]
-    ctx = torch.full((B,), int(pos[-1]) + 1, dtype=torch.int32, device=iq.device)
+    ctx = torch.full((B,), length, dtype=torch.int32, device=iq.device)
     iqb = iq.to(torch.bfloat16)
     q_pos = pos[None].expand(B, T).to(torch.int32)
     if T == 1:
@@ -193,12 +202,12 @@ def select_triton(cache: ConfigCache, layer: int, iq: torch.Tensor, pos: torch.T
     scores = None
     if with_scores:
         scores = prefill_block_scores(iqb, cache.ik[layer], cache.block_table, ctx, cfg, q_pos=q_pos,
-                                      max_context=int(pos[-1]) + 1).transpose(1, 2)          # [B, Hi, T, NB]
+                                      max_context=length).transpose(1, 2)                    # [B, Hi, T, NB]
     return ids, scores
 
 
-def attend_triton(cache: ConfigCache, layer: int, q: torch.Tensor, pos: torch.Tensor, ids: torch.Tensor,
-                  block_size: int) -> torch.Tensor:
+def attend_triton(cache: ConfigCache, layer: int, q: torch.Tensor, pos: torch.Tensor, length: int,
+                  ids: torch.Tensor, block_size: int) -> torch.Tensor:
     """Sparse attention over the paged K/V by D's kernels: q [B, T, Hq, D] (cast to bf16), positions pos [T], block
     ids int32 [B, Hkv, T, K] -> fp32 [B, T, Hq, D]."""
     from kvtool.kernels.sparse_attn import sparse_decode, sparse_prefill  # noqa: PLC0415
@@ -206,7 +215,7 @@ def attend_triton(cache: ConfigCache, layer: int, q: torch.Tensor, pos: torch.Te
     B, T, Hq, D = q.shape
     k, v, table = cache.k[layer], cache.v[layer], cache.block_table
     if T == 1:
-        ctx = torch.full((B,), int(pos[-1]) + 1, dtype=torch.int32, device=q.device)
+        ctx = torch.full((B,), length, dtype=torch.int32, device=q.device)
         out = sparse_decode(q[:, 0].to(torch.bfloat16).contiguous(), k, v, table, ctx, ids[:, :, 0].contiguous(),
                             block_size, out_dtype=torch.float32)
         return out[:, None]
