@@ -130,7 +130,7 @@ SHAPES = [("bf16", 1, 128), ("fp16", 4, 64), ("fp32", 2, 96)]
 @pytest.mark.parametrize("dtype,heads,dim", SHAPES, ids=[f"{d}-H{h}-D{k}" for d, h, k in SHAPES])
 def test_store_matches_torch(fmt, dtype, heads, dim, device):
     seed = SEED + heads * 1000 + dim
-    pages, page_size = 6, 8
+    pages, page_size = 3, 16  # one page size for the small tests (fewer GPU compiles), 128 for the large
     x = spread_values((23, heads, dim), seed, DTYPES[dtype]).to(device)
     slots = slot_mapping(23, pages * page_size, page_size, seed).to(device)
     check_store(fmt, x, slots, pages, page_size, seed)
@@ -163,8 +163,8 @@ def test_strided_input_and_int32_slots(device):
     qkv = spread_values((19, 3, 2 * 64), SEED + 5, torch.bfloat16).to(device)
     x = qkv[:, :, 64:]
     assert not x.is_contiguous()
-    slots = slot_mapping(19, 4 * 8, 8, SEED + 5).to(torch.int32).to(device)
-    check_store(fmt, x, slots, 4, 8, SEED + 5)
+    slots = slot_mapping(19, 2 * 16, 16, SEED + 5).to(torch.int32).to(device)
+    check_store(fmt, x, slots, 2, 16, SEED + 5)
 
 
 def test_all_tokens_skipped(device):
@@ -205,8 +205,8 @@ def test_paged_cache_backend_methods(device):
     """PagedCache.store_ / dequantize_ (the backend-choosing twins) give the reference's bytes and values."""
     fmt = get_format("nvfp4-auto")
     x = spread_values((11, 2, 64), SEED + 9, torch.float32).to(device)
-    slots = slot_mapping(11, 24, 8, SEED + 9).to(device)
-    ref, ker = fresh_caches(fmt, 3, 8, 2, 64, device, SEED + 9)
+    slots = slot_mapping(11, 32, 16, SEED + 9).to(device)
+    ref, ker = fresh_caches(fmt, 2, 16, 2, 64, device, SEED + 9)
     ref.store_(x, slots, backend="torch")
     ker.store_(x, slots, backend="triton")
     assert torch.equal(ker.data.cpu(), ref.data.cpu())
@@ -291,10 +291,10 @@ def test_e2m1_encode_dense_sweep(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.label)
 def test_store_gpu_large(fmt, device):
-    """64K tokens x 4 heads x 128 (32M elements) of fresh bf16 data into 64-token pages, 20 % of tokens skipped;
+    """64K tokens x 4 heads x 128 (32M elements) of fresh bf16 data into 128-token pages, 20 % of tokens skipped;
     then the index-cache shape (H = 1) with fp32 input."""
     seed = SEED + 11
-    n, pages, page_size = 1 << 16, (1 << 16) * 5 // 4 // 64, 64
+    n, pages, page_size = 1 << 16, (1 << 16) * 5 // 4 // 128, 128
     x = spread_values((n, 4, 128), seed, torch.bfloat16).to(device)
     slots = slot_mapping(n, pages * page_size, page_size, seed).to(device)
     check_store(fmt, x, slots, pages, page_size, seed, validate=False)
