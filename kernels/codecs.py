@@ -82,16 +82,28 @@ def unpack_nibbles(packed, ROWS: tl.constexpr, HALF_COLS: tl.constexpr):
 
 
 @triton.jit
+def _e2m1_nibble_f16(words, K: tl.constexpr):
+    """Nibble K of int32 words -> fp16 value * 2**-14 (see e2m1_words_f16)."""
+    bits = ((words << (28 - 4 * K)) >> 19) & 0x8E00
+    return bits.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
 def e2m1_words_f16(words, ROWS: tl.constexpr, WORDS: tl.constexpr):
     """Packed E2M1 as int32 words [ROWS, WORDS] (4 packed bytes each, little-endian: element 8i + k is nibble k of
     word i, the pack_nibbles order) -> fp16 [ROWS, 8 * WORDS] in element order, holding value * 2**-14 (exact, also
     the 0.5 code as an fp16 subnormal): multiply by 2**14, or fold it into a scale. Per element three integer ops:
     shift the nibble to bits 28..31, arithmetic shift right by 19 (the sign smears over bits 12..15 and the magnitude
     lands in bits 9..11, the fp16 exponent / mantissa of e2m1_decode_f16), keep bits 15 and 9..11 (0x8E00). About
-    half the integer-pipe work of unpack_nibbles + e2m1_decode_f16 per element: no byte extraction, no sign shift."""
-    shift = 28 - 4 * tl.arange(0, 8)
-    bits = ((words[:, :, None] << shift[None, None, :]) >> 19) & 0x8E00
-    return tl.reshape(bits.to(tl.int16).to(tl.float16, bitcast=True), [ROWS, WORDS * 8])
+    half the integer-pipe work of unpack_nibbles + e2m1_decode_f16 per element: no byte extraction, no sign shift.
+    The eight nibbles are joined pairwise (tl.join keeps the new axis inside a thread), so each thread expands its
+    own words without data movement."""
+    # tl.join appends the new axis last: join over bit 2 of k first, bit 0 last, so k = 4 k2 + 2 k1 + k0 flattens
+    even = tl.join(tl.join(_e2m1_nibble_f16(words, 0), _e2m1_nibble_f16(words, 4)),
+                   tl.join(_e2m1_nibble_f16(words, 2), _e2m1_nibble_f16(words, 6)))
+    odd = tl.join(tl.join(_e2m1_nibble_f16(words, 1), _e2m1_nibble_f16(words, 5)),
+                  tl.join(_e2m1_nibble_f16(words, 3), _e2m1_nibble_f16(words, 7)))
+    return tl.reshape(tl.join(even, odd), [ROWS, WORDS * 8])
 
 
 # ------------------------------------------------------------------------------------------------------------ E4M3
