@@ -97,6 +97,11 @@ def test_prompt_shorter_than_tokens_is_continued_by_the_baseline():
     r = _run(["nvfp4"], ["fp4"], prompt="hello kvtool", tokens=30)
     assert r.prompt_tokens == len("hello kvtool".encode()) and r.tokens == 30
     assert len(r.candidates[0].series["kl"]) == 30
+    r = run_decode(DecodeOptions(kv=["bf16"], index=["bf16"], prompt="hello kvtool", model="tiny-llama",
+                                 gen_tokens=5, speed_reference=False), warn=lambda m: None)
+    assert r.tokens == 12 + 5  # a user prompt without --tokens: the prompt plus the baseline's continuation
+    assert r.candidates[0].generation.tokens == r.baseline.generation.tokens  # both free-run after the prompt
+    assert r.candidates[0].overall.kl_max == 0.0
 
 
 def test_dense_mode_has_no_index_and_smaller_bytes():

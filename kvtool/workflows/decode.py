@@ -8,9 +8,12 @@ bf16 index by default) runs beside them in lockstep:
 1. Teacher-forced: the baseline's token stream (the prompt, then the baseline's greedy continuation up to `tokens`)
    feeds every configuration; per position KL(p_base || p), top-1 agreement, delta-p of the stream's next token and the
    perplexity ratio (`decode_metrics`), and per layer the block selection and attention output against the baseline's.
-2. Free-running: from the end of the stream, each configuration generates `gen_tokens` greedily on its own; the first
-   divergence from the baseline's generation and the token agreement are reported (texts side by side for smollm2).
-   These steps are timed: tokens/s per configuration, beside a plain bf16 dense decode of the same model.
+2. Free-running: from the end of the prompt (each cache rewound there: later writes overwrite the teacher-forced
+   tokens), each configuration generates `gen_tokens` greedily on its own; the first divergence from the baseline's
+   generation and the token agreement are reported (texts side by side for smollm2). These steps are timed: tokens/s
+   per configuration, beside a plain bf16 dense decode of the same model.
+With the default corpus the prompt fills all `tokens` positions; a user prompt (without --tokens) is teacher-forced
+together with the baseline's continuation of `gen_tokens` tokens.
 
 On CPU the caches keep an fp32 shadow of the dequantized tokens (decoded once at store: cached tokens never change),
 so attention sees exactly the dequantized cache at about bf16 speed; on CUDA the Triton kernels read the paged bytes
@@ -183,7 +186,7 @@ class Decoder:
         self.kernels = kernels or {}  # 'index' / 'attention' -> True where the Triton path runs
         self.pos, self.length, self.trace = 0, 0, StepTrace()
         self.timed_s, self.timed_tokens = 0.0, 0
-        self.last: torch.Tensor | None = None  # logits [B, V] at the last teacher-forced position
+        self.at_prompt_end: torch.Tensor | None = None  # logits [B, V] at the prompt's last position
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B, T] at positions self.pos .. self.pos + T - 1 -> logits fp32 [B, T, V]."""
@@ -368,9 +371,9 @@ def run_decode(opts: DecodeOptions, progress: Callable[[ProgressEvent], None] | 
         (warn or (lambda m: print(f"warning: {m}", file=sys.stderr)))(msg)
 
     preset = {**DEFAULT_PRESET, **PRESETS.get(opts.model, {})}
-    n_tok = opts.tokens if opts.tokens is not None else preset["tokens"]
+    cap = opts.tokens if opts.tokens is not None else preset["tokens"]
     n_gen = opts.gen_tokens if opts.gen_tokens is not None else preset["gen_tokens"]
-    if n_tok < 2 or n_gen < 0 or opts.batch < 1 or opts.chunk < 1 or opts.mem_gb <= 0:
+    if cap < 2 or n_gen < 0 or opts.batch < 1 or opts.chunk < 1 or opts.mem_gb <= 0:
         raise InputError("need --tokens >= 2, --gen-tokens >= 0, --batch >= 1 and --mem-gb > 0")
     base_spec, cand_specs = resolve_specs(opts)
     device = resolve_device(opts.device)
@@ -380,12 +383,13 @@ def run_decode(opts: DecodeOptions, progress: Callable[[ProgressEvent], None] | 
         model = load_model(opts.model, device, **({"layers": layers} if layers is not None else {}),
                            **({"seed": opts.seed} if opts.model != "smollm2" else {}))
     indexer = _indexer(model, opts)
-    prompt, prompt_tail = _prompt_tokens(model, opts, n_tok)
+    prompt, prompt_tail = _prompt_tokens(model, opts, cap)                     # prompt: [B, P], P <= cap
+    n_tok = cap if opts.tokens is not None or opts.prompt is None else max(prompt.shape[1] + n_gen, 2)
     backend = resolve_backend(opts.backend, device)
     kernels = triton_available(note) if backend == "triton" else {}
     paths = _paths(kernels, opts.sparse)
     c = model.config
-    max_len = n_tok + n_gen
+    max_len = max(n_tok, prompt.shape[1] + n_gen)
     page = indexer.block_size if indexer else 64
 
     def make(spec: CacheSpec, record: bool) -> Decoder:
@@ -398,9 +402,9 @@ def run_decode(opts: DecodeOptions, progress: Callable[[ProgressEvent], None] | 
         cands = [make(s, True) for s in cand_specs]
         stream_m = [StreamMetrics() for _ in cands]
         layer_m = [LayerAccumulator(c.n_layers, indexer is not None) for _ in cands]
-        last = _teacher_forced(base, cands, prompt.to(device), n_tok, opts.chunk, stream_m, layer_m, progress)
-        gens = _free_run(base, cands, last, n_gen, progress, stream_m)
-        ref_tps = _bf16_reference(model, prompt.to(device), n_tok, n_gen, opts, progress) \
+        _teacher_forced(base, cands, prompt.to(device), n_tok, opts.chunk, stream_m, layer_m, progress)
+        gens = _free_run(base, cands, n_gen, progress, stream_m)
+        ref_tps = _bf16_reference(model, prompt.to(device), n_gen, opts, progress) \
             if opts.speed_reference and n_gen > 1 else None
     return _report(opts, model, device, indexer, paths, prompt_tail, prompt.shape[1], n_tok, n_gen, base_spec,
                    cand_specs, base, cands, stream_m, layer_m, gens, ref_tps, warnings)
@@ -408,9 +412,9 @@ def run_decode(opts: DecodeOptions, progress: Callable[[ProgressEvent], None] | 
 
 def _teacher_forced(base: Decoder, cands: list[Decoder], prompt: torch.Tensor, n_tok: int, chunk: int,
                     stream_m: list[StreamMetrics], layer_m: list[LayerAccumulator],
-                    progress: Callable | None) -> list[torch.Tensor]:
-    """Feed the baseline's stream (prompt, then its greedy continuation up to n_tok) to every decoder in lockstep;
-    returns each decoder's logits [B, V] at the last stream position (baseline first)."""
+                    progress: Callable | None) -> None:
+    """Feed the baseline's stream (prompt, then its greedy continuation up to n_tok) to every decoder in lockstep,
+    accumulating the metrics; each decoder keeps its logits at the prompt's last position (`at_prompt_end`)."""
     P = prompt.shape[1]
     pos, token_in = 0, None
     while pos < n_tok:
@@ -427,14 +431,16 @@ def _teacher_forced(base: Decoder, cands: list[Decoder], prompt: torch.Tensor, n
             lc = dec.forward(toks)
             sm.update(pos, lb, lc, nxt)
             _compare_layers(lm, dec.trace, base.trace, pos, base.indexer)
-            dec.last = lc[:, -1]
-        base.last, token_in = lb[:, -1], nxt[:, -1]
+            if pos < P <= pos + T:
+                dec.at_prompt_end = lc[:, P - 1 - pos]
+        if pos < P <= pos + T:
+            base.at_prompt_end = lb[:, P - 1 - pos]
+        token_in = nxt[:, -1]
         pos += T
         if progress:
             progress(ProgressEvent("teacher-forced", min(pos, n_tok), n_tok, _running(cands, stream_m)))
     for dec in [base] + cands:
-        dec.record, dec.trace = False, StepTrace()
-    return [base.last] + [d.last for d in cands]
+        dec.record, dec.trace, dec.pos = False, StepTrace(), P  # rewind: the free run continues the prompt
 
 
 def _compare_layers(acc: LayerAccumulator, trace: StepTrace, base: StepTrace, pos0: int,
@@ -457,25 +463,25 @@ def _running(cands: list[Decoder], stream_m: list[StreamMetrics]) -> dict:
     return {d.cache.spec.label: sm.running() for d, sm in zip(cands, stream_m)}
 
 
-def _free_run(base: Decoder, cands: list[Decoder], last: list[torch.Tensor], n_gen: int,
-              progress: Callable | None, stream_m: list[StreamMetrics]) -> list[torch.Tensor]:
-    """Each decoder generates n_gen greedy tokens from its own last logits: [B, n_gen] each (baseline first)."""
+def _free_run(base: Decoder, cands: list[Decoder], n_gen: int, progress: Callable | None,
+              stream_m: list[StreamMetrics]) -> list[torch.Tensor]:
+    """Each decoder generates n_gen greedy tokens after the prompt on its own: [B, n_gen] each (baseline first)."""
     gens, decs = [], [base] + cands
-    for i, (dec, lg) in enumerate(zip(decs, last)):
-        first = lg.argmax(-1)                                                    # first: [B]
+    for i, dec in enumerate(decs):
+        first = dec.at_prompt_end.argmax(-1)                                      # first: [B]
         step = (lambda j, i=i: progress(ProgressEvent(f"generate {i + 1}/{len(decs)}", j + 1, n_gen,
                                                       _running(cands, stream_m)))) if progress else None
-        rest = dec.decode_n(first, max(n_gen - 1, 0), step)                   # rest: [B, n_gen - 1]
+        rest = dec.decode_n(first, max(n_gen - 1, 0), step)                       # rest: [B, n_gen - 1]
         gens.append(torch.cat([first[:, None], rest], dim=1)[:, :n_gen])
     return gens
 
 
-def _bf16_reference(model: CausalLM, prompt: torch.Tensor, n_tok: int, n_gen: int, opts: DecodeOptions,
+def _bf16_reference(model: CausalLM, prompt: torch.Tensor, n_gen: int, opts: DecodeOptions,
                     progress: Callable | None) -> float | None:
-    """tokens/s of a plain bf16 dense decode (PlainCache, dense attention) over the same prompt."""
+    """tokens/s of a plain bf16 dense decode (PlainCache, torch SDPA) continuing the same prompt."""
     c = model.config
-    dec = Decoder(model, PlainCache(c.n_layers, c.n_kv_heads, c.head_dim, opts.batch, max(n_tok, prompt.shape[1])
-                                    + n_gen, model.device), None)
+    dec = Decoder(model, PlainCache(c.n_layers, c.n_kv_heads, c.head_dim, opts.batch, prompt.shape[1] + n_gen,
+                                    model.device), None)
     first = dec.prefill(prompt, opts.chunk)[:, -1].argmax(-1)
     step = (lambda j: progress(ProgressEvent("bf16 reference", j, n_gen - 1, {}))) if progress else None
     dec.decode_n(first, n_gen - 1, step)
