@@ -47,9 +47,11 @@ def decode_cmd(
     = None,
     tokens: Annotated[Optional[int], typer.Option("--tokens", help="Teacher-forced positions: the prompt (cut to "
                                                                     "N), then the baseline's greedy continuation. "
-                                                                    "Default: per model (smollm2 640).")] = None,
+                                                                    "Default: smollm2 1024, synthetic-m3 2560; with "
+                                                                    "--prompt, the prompt + --gen-tokens.")] = None,
     gen_tokens: Annotated[Optional[int], typer.Option("--gen-tokens", help="Free-running greedy tokens per "
-                                                                            "configuration (timed).")] = None,
+                                                                            "configuration after the prompt (timed; "
+                                                                            "default 32, synthetic-m3 16).")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the synthetic weights and random prompts.")] = 0,
     device: DeviceOpt = "cpu",
     backend: Annotated[str, typer.Option("--backend", help="auto (Triton kernels on cuda, torch on cpu) | torch | "
@@ -230,12 +232,15 @@ def plot_report(r: DecodeReport, path: Path, window: int = 16) -> None:
         for ax, key in zip(axes, ("kl", "top1_pct", "dp")):
             y = np.asarray(c.series[key], dtype=float)
             w = max(1, min(window, len(y)))
-            ax.plot(np.convolve(y, np.ones(w) / w, mode="valid"), label=c.label)
+            ax.plot(np.arange(w - 1, len(y)), np.convolve(y, np.ones(w) / w, mode="valid"), label=c.label)
+    choice = r.selection and r.selection["topk"] * r.selection["block_size"]  # top-k is a choice from here on
     for ax, title in zip(axes, ("KL(p_base || p) [nats]", "top-1 agreement [%]", "delta-p of the next token")):
         ax.set_ylabel(title)
         ax.grid(alpha=0.3)
+        if choice and choice < r.tokens:
+            ax.axvline(choice, color="gray", linestyle="--", linewidth=1)
     axes[0].legend(fontsize=8)
-    axes[-1].set_xlabel(f"position (moving average over {window})")
+    axes[-1].set_xlabel(f"position (trailing mean over {window}; dashed: top-k becomes a choice)")
     fig.suptitle(f"kvtool decode: {r.model['name']}, {r.mode}, vs {r.baseline.label}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
