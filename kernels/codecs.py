@@ -29,7 +29,7 @@ E4M3_MAX = tl.constexpr(448.0)  # 0b0_1111_110: 2**(15 - 7) * 1.75 (0b0_1111_111
 # ------------------------------------------------------------------------------------------------------------ E2M1
 @triton.jit
 def e2m1_encode(y, SATURATE: tl.constexpr = True):
-    """fp32 -> E2M1 code (uint8 0..15), round half to even, saturating at 6, sign bit 3 also for -0.
+    """fp32 -> E2M1 code (int32 0..15), round half to even, saturating at 6, sign bit 3 also for -0.
 
     E2M1 rounding of m = |y| is round-half-even of the concave piecewise-linear code line
     `g(m) = min(2m, m + 2, m / 2 + 4)` (codes 0..4 step 0.5, 4..6 step 1, 6..7 step 2), clamped at 7. Round-half-even
@@ -40,6 +40,8 @@ def e2m1_encode(y, SATURATE: tl.constexpr = True):
     ops. The products m * k are exact (k is a power of two), so contraction into fma does not change a bit. NaN is
     refused before encoding (SPEC); Inf saturates to 7. SATURATE=False drops the clamp at code 7 for callers that
     guarantee |y| < 7 (where the clamp changes nothing; one integer-pipe op less per value).
+    Codes stay int32 until pack_nibbles narrows whole bytes: uint8 codes cost byte shuffles (PRMT) on the GPU, about
+    1.4 integer-pipe ops per value in the store kernel.
     """
     m = tl.abs(y)
     t = tl.minimum(m * 2.0 + 8388608.0, m + 8388610.0)  # 2**23, 2**23 + 2
@@ -47,7 +49,7 @@ def e2m1_encode(y, SATURATE: tl.constexpr = True):
     if SATURATE:
         t = tl.minimum(t, 8388615.0)  # code 7 (6.0)
     sign = (y.to(tl.int32, bitcast=True) >> 28) & 8
-    return ((t.to(tl.int32, bitcast=True) & 7) | sign).to(tl.uint8)
+    return (t.to(tl.int32, bitcast=True) & 7) | sign
 
 
 @triton.jit
@@ -67,10 +69,11 @@ def e2m1_decode_f32(code):
 
 @triton.jit
 def pack_nibbles(codes, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """[ROWS, COLS] uint8 codes -> [ROWS, COLS // 2] bytes: element 2i low nibble, 2i+1 high nibble."""
-    pairs = tl.reshape(codes, [ROWS, COLS // 2, 2])
+    """[ROWS, COLS] codes (int32 or uint8) -> [ROWS, COLS // 2] uint8 bytes: element 2i low nibble, 2i+1 high nibble.
+    The pair is combined in int32 and only the byte is narrowed."""
+    pairs = tl.reshape(codes.to(tl.int32), [ROWS, COLS // 2, 2])
     lo, hi = tl.split(pairs)
-    return (lo & 0xF) | ((hi & 0xF) << 4)
+    return ((lo & 0xF) | ((hi & 0xF) << 4)).to(tl.uint8)
 
 
 @triton.jit
@@ -190,14 +193,14 @@ def mx_exponent(amax, RULE: tl.constexpr):
 # ------------------------------------------------------------------------------------------------ block quantizers
 @triton.jit
 def mxfp4_quantize_block(x, RULE: tl.constexpr):
-    """x: fp32 [R, NB, 32] -> (codes uint8 [R, NB, 32], scale bytes uint8 [R, NB]). Mirrors formats.codecs."""
+    """x: fp32 [R, NB, 32] -> (codes int32 [R, NB, 32], scale bytes uint8 [R, NB]). Mirrors formats.codecs."""
     amax = tl.max(tl.abs(x), axis=2)
     e = mx_exponent(amax, RULE)
     y = x * exp2_int(-e)[:, :, None]
     zero = amax == 0.0
     # |y| <= amax * 2**-e < 7 under every rule but floor (ceil: <= 4; even: < 1.75 * 4 without the round-up, <= 4
     # with it; rceil: <= 6 (1 + 2**-23)), so only floor needs the encoder's clamp at 6.
-    codes = tl.where(zero[:, :, None], 0, e2m1_encode(y, RULE == RULE_FLOOR)).to(tl.uint8)
+    codes = tl.where(zero[:, :, None], 0, e2m1_encode(y, RULE == RULE_FLOOR))
     scale = tl.where(zero, 0, e + 127).to(tl.uint8)
     return codes, scale
 
@@ -205,7 +208,7 @@ def mxfp4_quantize_block(x, RULE: tl.constexpr):
 @triton.jit
 def nvfp4_quantize_block(x, g_dec, g_enc, RECIPE: tl.constexpr, NATIVE: tl.constexpr = False):
     """x: fp32 [R, NB, 16]; g_dec / g_enc: fp32 outer scales (decode, encode = fp32(1 / g_dec)) ->
-    (codes uint8 [R, NB, 16], scale bytes uint8 [R, NB]). Mirrors formats.codecs.nvfp4_quantize op by op.
+    (codes int32 [R, NB, 16], scale bytes uint8 [R, NB]). Mirrors formats.codecs.nvfp4_quantize op by op.
     NATIVE: the scale byte through the hardware e4m3 conversion (see e4m3_encode)."""
     amax = tl.max(tl.abs(x), axis=2)
     amax_6 = tl.math.div_rn(amax, tl.full(amax.shape, E2M1_MAX, tl.float32))
@@ -219,7 +222,7 @@ def nvfp4_quantize_block(x, g_dec, g_enc, RECIPE: tl.constexpr, NATIVE: tl.const
         y = tl.math.div_rn(x, tl.broadcast_to(denom[:, :, None], x.shape))
     else:
         y = tl.math.div_rn(x, tl.broadcast_to(amax_6[:, :, None], x.shape))
-    codes = tl.where((scale == 0)[:, :, None], 0, e2m1_encode(y)).to(tl.uint8)
+    codes = tl.where((scale == 0)[:, :, None], 0, e2m1_encode(y))
     return codes, scale
 
 
