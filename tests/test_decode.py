@@ -336,3 +336,15 @@ def test_gpu_synthetic_m3_kernels_match_torch():
     assert all(lm.topk.rows > 0 for lm in ck.layers)
     assert abs(ck.layers[0].topk.recall - ct.layers[0].topk.recall) < 0.02
     assert ck.tokens_per_s > 0 and k.bf16_dense_tokens_per_s > 0
+
+
+# ------------------------------------------------------------------------------------------------- benchmark
+def test_decode_bench_runs_and_reports_the_goal():
+    from kvtool.bench.decode import run_decode_bench
+
+    report = run_decode_bench("tiny-llama", "cpu", ("nvfp4",), ("fp4",), batch=2, context=40)
+    names = [r.name for r in report.rows]
+    assert names == ["bf16 dense (plain SDPA)", "bf16 / bf16 paged sparse", "nvfp4 / nvfp4 paged sparse"]
+    assert all(r.time_us > 0 and r.bytes_moved > 0 for r in report.rows)
+    assert set(report.extra["tokens_per_s"]) == set(names) and len(report.extra["goals"]) == 1
+    assert "plain bf16 dense tokens/s (goal >= 0.5)" in report.extra["goals"][0]
