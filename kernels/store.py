@@ -15,14 +15,16 @@ Design for bandwidth (the work is memory bound only if the integer pipe keeps up
   int64 so caches and inputs past 2 GiB work.
 
 Prediction for the H200 (written before any GPU run; the lead measures), from the sm_90 SASS compiled offline (D = 128,
-bf16 in, default 64 x 4-warp tiles): per element mxfp4 rceil 11.2 integer-pipe ops (ALU: FMNMX, LOP3, PRMT, SHF, SEL,
-...; floor 11.8, even 10.9) and ~6 FMA-pipe ops; nvfp4 (native e4m3 scale conversion) 12.3 ALU + 7 FMA. Memory bound
-at 85 % of the 4210 GB/s copy needs <= ~11.8 ALU ops per element at full ALU issue (64 ALU lanes per SM and cycle,
-1.41e12 elements/s at 2.53 B each), so the store sits right at the edge: expect about 75-85 % of copy for mxfp4 and
-70-80 % for nvfp4 at >= 64M elements. Where the rest goes: the encoder's 2-3 mins, the block amax, the sign / pack /
-byte shuffles of the uint8 code pipeline (~4-5 ops; a fused encode-and-pack in int32 would save ~2.5), per-row address
-math. The dequantize kernels have ~6-7 ALU ops per element and should be memory bound: 85-90 %. fp8 unit with the
-native conversion ~85 %; fp8 token / tensor lower (an IEEE division per element).
+bf16 in, default 64 x 4-warp tiles): per element mxfp4 rceil 9.8 integer-pipe ops (ALU: FMNMX, LOP3, PRMT, SHF, SEL,
+...; floor 10.5) and ~6 FMA-pipe ops; nvfp4 (native e4m3 scale conversion) 10.9 ALU + 7 FMA; 79 / 96 registers.
+Memory bound at 85 % of the 4210 GB/s copy needs <= ~11.8 ALU ops per element at full ALU issue (64 ALU lanes per SM
+and cycle, 1.41e12 elements/s at 2.53 B each), so there is little slack: expect 80-88 % of copy for mxfp4 and 75-85 %
+for nvfp4 at >= 64M elements. The path there (each step bit-exact, measured in SASS): the E2M1 encoder from seven
+compare-select-adds to three fmas and mins (~24 -> ~6 ALU ops), whole blocks per thread (no shuffles, per-block work
+once: -1.5), no clamp for the mx rules that cannot reach 7 (-1), int32 codes until the byte pack (-1.4). What is left:
+the encoder's mins, the block amax, sign / pack shuffles, per-row address math. The dequantize kernels have ~6-7 ALU
+ops per element and should be memory bound: 85-90 %. fp8 unit with the native conversion ~85 %; fp8 token / tensor
+lower (an IEEE division per element).
 """
 
 from __future__ import annotations

@@ -15,10 +15,10 @@ payload and scales written). Fractions are of the device-to-device copy bandwidt
 
 Goals (H200): store and dequant >= 85 % of copy for nvfp4 and mxfp4 at >= 64M elements, and >= 20x the eager codec.
 Prediction written before the first H200 run (from the SASS of the sm_90 build, see kernels/store.py): the dequant
-kernels at 85-90 % (about 6-7 integer-pipe ops per element, memory bound); the store at 75-85 % for mxfp4 and 70-80 %
-for nvfp4: at 11.2 / 12.3 integer-pipe (ALU, half rate on Hopper) ops per element it is right at the ~11.8 that 85 % of
-copy allows; speed-up over eager torch 40-100x (the eager codec makes dozens of fp32 passes). fp8 unit with the native
-conversion near 85 %; fp8 token / tensor lower (an IEEE division per element).
+kernels at 85-90 % (about 6-7 integer-pipe ops per element, memory bound); the store at 80-88 % for mxfp4 and 75-85 %
+for nvfp4: at 9.8 / 10.9 integer-pipe (ALU, half rate on Hopper) ops per element it is just under the ~11.8 that 85 %
+of copy allows; speed-up over eager torch 40-100x (the eager codec makes dozens of fp32 passes). fp8 unit with the
+native conversion near 85 %; fp8 token / tensor lower (an IEEE division per element).
 """
 
 from __future__ import annotations
