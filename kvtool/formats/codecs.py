@@ -149,15 +149,18 @@ def nvfp4_quantize(fmt: "Format", x: torch.Tensor, tensor_amax: torch.Tensor | N
         amax = _block_amax(xb)  # [r, D/16, 1]
         scale_bytes = e4m3_encode(amax / E2M1_MAX * g_enc_t)
         s = e4m3_decode(scale_bytes)
-        if fmt.recipe == NvRecipe.RCP:
-            y = xb * (1.0 / (s * g_dec_t))
-        elif fmt.recipe == NvRecipe.DIV:
-            y = xb / (s * g_dec_t)
-        else:  # UNROUNDED: codes from the fp32 scale before E4M3 rounding
-            y = xb / (amax / E2M1_MAX)
-        packed = pack_nibbles(e2m1_encode(y))  # [r, D/16, 8]
         # A stored scale of 0 (all-zero block, or amax / 6 * g_enc <= 2**-10) decodes every code to 0: write codes 0.
-        return packed.masked_fill_(scale_bytes == 0, 0), scale_bytes.squeeze(-1)
+        # Done on the per-block factors (cheap) instead of the payload: such a block is scaled to +-0 (multiplier 0
+        # or divisor inf), then `+ 0.0` makes every -0 a +0 (code 0); other blocks add -0.0, which changes nothing.
+        zero = scale_bytes == 0
+        if fmt.recipe == NvRecipe.RCP:
+            y = xb * (1.0 / (s * g_dec_t)).masked_fill_(zero, 0.0)
+        elif fmt.recipe == NvRecipe.DIV:
+            y = xb / (s * g_dec_t).masked_fill_(zero, float("inf"))
+        else:  # UNROUNDED: codes from the fp32 scale before E4M3 rounding
+            y = xb / (amax / E2M1_MAX).masked_fill_(zero, float("inf"))
+        y += torch.where(zero, 0.0, -0.0)
+        return pack_nibbles(e2m1_encode(y)), scale_bytes.squeeze(-1)  # [r, D/16, 8], [r, D/16]
 
     payload, scales = _quantize_blocks(x, fmt.block, chunk)
     return payload, scales, g_dec
@@ -195,10 +198,11 @@ def mxfp4_quantize(fmt: "Format", x: torch.Tensor, tensor_amax: torch.Tensor | N
     def chunk(xb):  # [r, D/32, 32]
         amax = _block_amax(xb)  # [r, D/32, 1]
         e = mx_exponent(amax, fmt.scale_rule)
-        packed = pack_nibbles(e2m1_encode(xb * exp2_int(-e)))  # exact: a power-of-two scaling; [r, D/32, 16]
-        zero = amax == 0  # all-zero block: byte 0, codes 0 (also for -0)
+        zero = amax == 0  # all-zero block: byte 0, codes 0 (also for -0: `+ 0.0` turns -0 into +0; -0.0 elsewhere
+        # changes nothing; cheaper than masking the payload)
+        y = (xb * exp2_int(-e)).add_(torch.where(zero, 0.0, -0.0))  # exact: a power-of-two scaling
         scale_bytes = (e + E8M0_BIAS).masked_fill_(zero, 0).to(torch.uint8)
-        return packed.masked_fill_(zero, 0), scale_bytes.squeeze(-1)
+        return pack_nibbles(e2m1_encode(y)), scale_bytes.squeeze(-1)  # [r, D/32, 16], [r, D/32]
 
     payload, scales = _quantize_blocks(x, fmt.block, chunk)
     return payload, scales, 1.0
