@@ -342,7 +342,7 @@ def test_gpu_synthetic_m3_kernels_match_torch():
 def test_decode_bench_runs_and_reports_the_goal():
     from kvtool.bench.decode import run_decode_bench
 
-    report = run_decode_bench("tiny-llama", "cpu", ("nvfp4",), ("fp4",), batch=2, context=40)
+    report = run_decode_bench("tiny-llama", "cpu", ("nvfp4",), ("fp4",), batch=2, context=40, rounds=2)
     names = [r.name for r in report.rows]
     assert names == ["bf16 dense (plain SDPA)", "bf16 / bf16 paged sparse", "nvfp4 / nvfp4 paged sparse"]
     assert all(r.time_us > 0 and r.bytes_moved > 0 for r in report.rows)

@@ -18,6 +18,7 @@ tokens/s; on the H200 (synthetic-m3, batch 64, 32K context) the nvfp4 + fp4 step
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -33,8 +34,8 @@ from kvtool.workflows.decode_cache import CacheSpec, ConfigCache, PlainCache, tr
 
 # Per device: the model and sizes of the issue's goals (kwargs of run_decode_bench).
 PRESETS = {
-    "cpu": dict(model="smollm2", batch=1, context=1024, layers=None),
-    "cuda": dict(model="synthetic-m3", batch=64, context=32768, layers=4),
+    "cpu": dict(model="smollm2", batch=1, context=1024, layers=None, rounds=3),
+    "cuda": dict(model="synthetic-m3", batch=64, context=32768, layers=4, rounds=1),
 }
 
 
@@ -80,16 +81,18 @@ def _step_case(name: str, dec: Decoder, batch: int, context: int, nbytes: int, n
 
 def run_decode_bench(model: str | None = None, device: str = "cpu", kv: tuple[str, ...] = ("nvfp4",),
                      index: tuple[str, ...] = ("fp4",), batch: int | None = None, context: int | None = None,
-                     layers: int | None = None, backend: str = "auto", seed: int = 0,
+                     layers: int | None = None, backend: str = "auto", seed: int = 0, rounds: int | None = None,
                      progress=None) -> BenchReport:
-    """Time one decode step per configuration (module docstring); None = the device's preset. Returns the
-    BenchReport with `extra`: tokens/s per case, the speed ratios and the goals."""
+    """Time one decode step per configuration (module docstring); None = the device's preset. Each case's time is
+    the median over `rounds` rounds of the whole table (CPU default 3: a shared CPU's load then hits every case
+    alike). Returns the BenchReport with `extra`: tokens/s per case, the speed ratios and the goals."""
     dev = resolve_device(device)
     preset = PRESETS["cuda" if dev.type == "cuda" else "cpu"]
     model = model or preset["model"]
     batch = batch or preset["batch"]
     context = context or preset["context"]
     layers = layers if layers is not None else preset["layers"]
+    rounds = rounds or preset["rounds"]
     if batch < 1 or context < 1:
         raise InputError("--batch and --context must be positive")
     kw = ({"layers": layers} if layers is not None else {}) | ({"seed": seed} if model != "smollm2" else {})
@@ -125,8 +128,14 @@ def run_decode_bench(model: str | None = None, device: str = "cpu", kv: tuple[st
                 progress(f"fill {name}")
             _fill(dec, batch, context, seed)
             bench.append(_step_case(name, dec, batch, context, nbytes, note))
-        report = run_cases(f"decode step: {model}, {c.n_layers} layers, batch {batch}, context {context}", bench,
-                           str(dev), progress=progress)
+        title = f"decode step: {model}, {c.n_layers} layers, batch {batch}, context {context}"
+        report = run_cases(title, bench, str(dev), progress=progress)
+        more = [run_cases(title, bench, str(dev), copy_gbps=report.copy_gbps, progress=progress).rows
+                for _ in range(rounds - 1)]
+    for i, row in enumerate(report.rows):  # the median over rounds: each round times every case in turn, so load
+        row.time_us = statistics.median([row.time_us] + [r[i].time_us for r in more])  # from others hits all alike
+        row.gbps = row.bytes_moved / row.time_us / 1e3
+        row.frac_copy = row.gbps / report.copy_gbps
     tps = {r.name: batch / (r.time_us * 1e-6) for r in report.rows}
     names = [r.name for r in report.rows]
     plain_tps, bf16_tps = tps[names[0]], tps[names[1]]
