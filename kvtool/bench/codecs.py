@@ -113,6 +113,9 @@ def run_codec_bench(size_mb: float = 8.0, device: str = "cpu", seed: int = 0,
                     progress: Callable[[str], None] | None = None) -> BenchReport:
     """Quantize a bf16 [rows, 128] tensor of `size_mb` MB (random normal, per-row magnitudes 1e-3 .. 1e3) with every
     case; returns the BenchReport with `extra['speedup_vs_peer']` and `extra['input']`."""
+    from kvtool.backend import resolve_device
+
+    device = str(resolve_device(device))  # KvtoolError for an unknown or absent device
     rows = max(1, int(size_mb * 1e6) // (2 * DIM))
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, DIM, generator=g) * 10.0 ** (torch.rand(rows, 1, generator=g) * 6 - 3)
