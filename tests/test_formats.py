@@ -480,15 +480,13 @@ def test_idempotence_table_names_real_formats():
     assert IDEMPOTENT | VALUE_IDEMPOTENT <= labels
 
 
-@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.label)
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if f.label in IDEMPOTENT | VALUE_IDEMPOTENT], ids=lambda f: f.label)
 def test_requantize(data, fmt):
     # Rows with |x| near the top of fp32 are left out: under ceil / even / rceil a block max >= 1.75 * 2**127 gets
     # code 4 at e = 126, which decodes to 2**128 = inf in fp32 (the format holds it; fp32 cannot).
     data = data[data.abs().amax(-1) < 2.0**127]
     q = fmt.quantize(data)
     back = fmt.quantize(q.dequantize())
-    if fmt.label not in IDEMPOTENT | VALUE_IDEMPOTENT:
-        return  # documented above; their value round trip is covered by test_dequantize_matches_oracle_decode
     if fmt.label in VALUE_IDEMPOTENT:
         assert torch.equal(back.dequantize(), q.dequantize())  # by value: the zero-block rule may turn -0 into 0
         return
