@@ -7,19 +7,25 @@ in fp32. The selected tokens are walked tile by tile (T tokens of one page): til
 selected block i // (block_size / T). When rows x KV heads are too few to fill the GPU, the tiles are split among
 several programs (flash-decoding) that write fp32 partials (acc, max, sum), and a small combine kernel merges them.
 
-Decoding happens in registers, through the shared helpers of `kernels/codecs.py`:
-- E2M1 (nvfp4, mxfp4): a packed byte holds elements 2j (low nibble) and 2j+1 (high nibble). The kernel never
-  interleaves them: with q split into its even and odd columns, q . k = q_even . k_lo + q_odd . k_hi, and the output
-  is kept as two accumulators, P . V_lo (even output columns) and P . V_hi (odd ones), interleaved once at the end
-  (`tl.join`). Block scales multiply the decoded codes per 16 (E4M3) or 32 (E8M0) elements: code * scale is exact in
-  bf16 (at most 5 significant bits), so the bf16 tensor-core dots see the dequantized values exactly.
+Decoding happens in registers, through the shared helpers of `kernels/codecs.py`, into fp16 dot operands for every
+quantized format (bf16 for bf16), in element order:
+- E2M1 (nvfp4, mxfp4): the payload is read as int32 words and `e2m1_words_f16` expands each nibble with three
+  integer ops (value * 2**-14, the factor folded into the softmax and output scales). The brief's even/odd split
+  (q . k = q_even . k_lo + q_odd . k_hi) is not needed: the word expansion keeps the natural order for free (the
+  eight nibbles of a word stay inside one thread), so one [G, D] x [D, T] dot and one accumulator serve, and the
+  output needs no permutation. NVFP4 block scales multiply in fp16 exactly (code * scale has <= 5 significant bits).
+  MXFP4 scales 2**e leave fp16's range, so each token is normalized by its largest block (2**e_tok, applied in fp32
+  to the score column for K and to the probability column for V); the remaining 2**(e - e_tok) is exact in fp16
+  while a token's blocks lie within 2**9 of each other (see `_tile`).
 - E4M3 (fp8): `e4m3_decode` by bits (portable, tested), or the hardware fp8 conversion behind `native_fp8`
-  (CUDA capability >= 8.9 only). Per-token fp32 scales multiply score columns (K) and probability columns (V).
+  (CUDA capability >= 8.9 only); E4M3 values are exact in fp16. Per-token fp32 scales multiply score columns (K)
+  and probability columns (V, over the tile's largest so that P stays within fp16's range).
 - Whole-tensor scalars (fp8 `tensor` scale, nvfp4 outer scale g_dec) fold into the softmax scale (K) and the final
   normalization (V): one multiply per row instead of one per element.
-- P . V: P is split into bf16 hi + lo parts (two dots), so the probabilities keep ~16 bits instead of bf16's 8 and the
-  kernel stays within accumulation noise of the fp32 reference (verify-attn goal: max_rel <= 2e-3).
-Under the Triton interpreter the dots run in fp32 (bf16 dots give garbage there); the operands are the same values.
+- P . V: with fp16 dots P is rounded once to fp16 (2**-12 relative per probability); with bf16 dots (bf16 cache) P
+  is split into bf16 hi + lo parts (two dots), since one bf16 rounding (2**-9) would reach the verify-attn goal
+  (max_rel <= 2e-3 against the fp32 reference). `precise_p` overrides either way.
+Under the Triton interpreter the dots run in fp32 (bf16 dots give garbage there) on the same rounded operands.
 
 Masking: tokens after the query position, tiles of -1 selection slots and pages that are -1 are never loaded (masked
 loads give 0, then the score is -inf), so stale or non-finite bytes outside the selection never leak into the output.
@@ -52,75 +58,93 @@ SCALE_E8M0 = tl.constexpr(3)  # one E8M0 byte per BLOCK elements
 _ELEMENT_CODE = {"bf16": 0, "e4m3": 1, "e2m1": 2}
 _SCALE_CODE = {"none": 0, "fp32-tensor": 0, "fp32-row": 1, "e4m3": 2, "e8m0": 3}
 LOG2E = 1.4426950408889634
+E2M1_UNIT = 2.0**14  # e2m1_words_f16 returns value * 2**-14
 
 
 # ------------------------------------------------------------------------------------------------- tile decoding
 @triton.jit
-def _dot_operand(x, FP32_DOT: tl.constexpr):
-    if FP32_DOT:
-        return x.to(tl.float32)
-    return x.to(tl.bfloat16)
-
-
-@triton.jit
-def _decode_e4m3(b, NATIVE_FP8: tl.constexpr):
-    if NATIVE_FP8:
-        return b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    return kc.e4m3_decode(b)
-
-
-@triton.jit
-def _tile_plain(ptr, base, off, valid, D: tl.constexpr, ELEM: tl.constexpr, NATIVE_FP8: tl.constexpr):
-    """bf16 / e4m3 payload tile -> fp32 [T, D] (masked tokens 0). `ptr` is typed like the payload (bf16 or uint8);
-    `base` is the byte offset of the (page, head) slab."""
-    cols = tl.arange(0, D)
-    if ELEM == ELEM_BF16:
-        x = tl.load(ptr + base // 2 + off[:, None] * D + cols[None, :], mask=valid[:, None], other=0.0)
-        return x.to(tl.float32)
-    b = tl.load(ptr + base + off[:, None] * D + cols[None, :], mask=valid[:, None], other=0)
-    return _decode_e4m3(b, NATIVE_FP8)
-
-
-@triton.jit
-def _tile_packed(ptr, base, off, valid, P: tl.constexpr, D: tl.constexpr, SCALE: tl.constexpr,
-                 BLOCK: tl.constexpr, T: tl.constexpr):
-    """E2M1 payload tile with its block scales -> (lo, hi) fp32 [T, D/2]: the dequantized even and odd elements."""
-    D2: tl.constexpr = D // 2
-    NB: tl.constexpr = D // BLOCK
-    b = tl.load(ptr + base + off[:, None] * D2 + tl.arange(0, D2)[None, :], mask=valid[:, None], other=0)
-    sb = tl.load(ptr + base + P * D2 + off[:, None] * NB + tl.arange(0, NB)[None, :], mask=valid[:, None], other=0)
-    if SCALE == SCALE_E4M3:
-        s = kc.e4m3_decode(sb)
+def _dot_operand(x, F16: tl.constexpr, FP32_DOT: tl.constexpr):
+    """Round to the dot dtype (fp16 or bf16); in the interpreter carry the rounded values as fp32."""
+    if F16:
+        y = x.to(tl.float16)
     else:
-        s = kc.e8m0_decode(sb)
-    s = s[:, :, None]  # [T, NB, 1]: element 2j (and 2j+1) belongs to block j // (BLOCK / 2)
-    lo = tl.reshape(tl.reshape(kc.e2m1_decode_f32(b), [T, NB, BLOCK // 2]) * s, [T, D2])
-    hi = tl.reshape(tl.reshape(kc.e2m1_decode_f32(b >> 4), [T, NB, BLOCK // 2]) * s, [T, D2])
-    return lo, hi
+        y = x.to(tl.bfloat16)
+    if FP32_DOT:
+        y = y.to(tl.float32)
+    return y
 
 
 @triton.jit
-def _row_scale(ptr, base, off, valid, P: tl.constexpr, PB: tl.constexpr):
-    """fp32 per-token scales [T] stored after the P payloads of the slab (masked tokens 1)."""
-    sp = (ptr + base + P * PB).to(tl.pointer_type(tl.float32))
-    return tl.load(sp + off, mask=valid, other=1.0)
+def _decode_e4m3(b, NATIVE_FP8: tl.constexpr, F16: tl.constexpr):
+    """E4M3 bytes -> fp16 (F16) or fp32: the hardware conversion (two bytes per instruction), or the portable bit
+    decode. E4M3 values are exact in fp16."""
+    if NATIVE_FP8 and F16:
+        x = b.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    elif NATIVE_FP8:
+        x = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    elif F16:
+        x = kc.e4m3_decode(b).to(tl.float16)
+    else:
+        x = kc.e4m3_decode(b)
+    return x
 
 
 @triton.jit
-def _split_p(p, FP32_DOT: tl.constexpr):
-    """fp32 probabilities -> (hi, lo) dot operands with hi + lo = p to ~16 bits."""
-    hi = p.to(tl.bfloat16)
-    lo = (p - hi.to(tl.float32)).to(tl.bfloat16)
-    return _dot_operand(hi, FP32_DOT), _dot_operand(lo, FP32_DOT)
+def _pow2_f16(d):
+    """fp16 2**d for int32 d <= 0 (exact down to the subnormal 2**-24, 0 below): a relative block scale."""
+    bits = tl.where(d >= -14, (d + 15) << 10, tl.where(d >= -24, 1 << tl.maximum(d + 24, 0), 0))
+    return bits.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _tile(ptr, base, off, valid, P: tl.constexpr, D: tl.constexpr, T: tl.constexpr, PB: tl.constexpr,
+          ELEM: tl.constexpr, SCALE: tl.constexpr, QBLOCK: tl.constexpr, NATIVE_FP8: tl.constexpr,
+          F16: tl.constexpr):
+    """One K or V tile -> (x [T, D] in element order, masked tokens 0; rs [T] fp32 per-token factor). x is fp16 with
+    F16, else fp32; the dequantized value of token t is x[t] * rs[t] (times the launcher's folded scalars). `ptr` is
+    the cache's uint8 data (a bf16 view for bf16), `base` the byte offset of the (page, head) slab, `off` [T] token
+    offsets in it.
+    - E2M1 values carry 2**-14 (e2m1_words_f16; the launcher folds 2**14 into the scalars). With E4M3 block scales
+      the fp16 product code * 2**-14 * scale is exact (<= 5 significant bits, on the fp16 grid down to 2**-24).
+    - With E8M0 block scales 2**e, each token is normalized by its largest block, 2**e_tok (rs): blocks multiply by
+      2**(e - e_tok) in fp16, exact while a token's blocks lie within 2**9 of its largest; smaller blocks round on
+      fp16's subnormal grid (absolute error <= 2**(e_tok - 11), about 1e-4 of the token's largest value).
+    - fp8 `token` scales come back as rs; E4M3 values are exact in fp16."""
+    rs = tl.full([T], 1.0, tl.float32)  # unused unless a per-token factor applies
+    if ELEM == ELEM_E2M1:
+        W: tl.constexpr = D // 8  # int32 words per token
+        NB: tl.constexpr = D // QBLOCK
+        wp = (ptr + base).to(tl.pointer_type(tl.int32))
+        words = tl.load(wp + off[:, None] * W + tl.arange(0, W)[None, :], mask=valid[:, None], other=0)
+        sb = tl.load(ptr + base + P * (D // 2) + off[:, None] * NB + tl.arange(0, NB)[None, :], mask=valid[:, None],
+                     other=0)
+        if SCALE == SCALE_E4M3:
+            s = _decode_e4m3(sb, NATIVE_FP8, True)  # fp16, exact
+        else:
+            e = sb.to(tl.int32) - 127  # E8M0 exponents
+            e_tok = tl.max(e, axis=1)
+            s = _pow2_f16(e - e_tok[:, None])
+            rs = kc.exp2_int(e_tok)
+        x = kc.e2m1_words_f16(words, T, W)
+        x = tl.reshape(tl.reshape(x, [T, NB, QBLOCK]) * s[:, :, None], [T, D])
+    elif ELEM == ELEM_E4M3:
+        b = tl.load(ptr + base + off[:, None] * D + tl.arange(0, D)[None, :], mask=valid[:, None], other=0)
+        x = _decode_e4m3(b, NATIVE_FP8, F16)
+        if SCALE == SCALE_ROW:
+            sp = (ptr + base + P * PB).to(tl.pointer_type(tl.float32))
+            rs = tl.load(sp + off, mask=valid, other=0.0)
+    else:
+        x = tl.load(ptr + base // 2 + off[:, None] * D + tl.arange(0, D)[None, :], mask=valid[:, None], other=0.0)
+    return x, rs
 
 
 # ---------------------------------------------------------------------------------------------------- main kernel
 @triton.jit
 def _sparse_attn_kernel(
     q_ptr, k_ptr, v_ptr,  # q bf16 [R, Hq, D]; K / V cache data (bf16 view for bf16, else uint8) [pages, Hkv, bytes]
-    out_ptr, part_ptr, ml_ptr,  # out bf16 or fp32 [R, Hq, D]; split partials: acc fp32 [R, Hq, S, D], (m, l) fp32 [R, Hq, S, 2]
+    out_ptr, part_ptr, ml_ptr,  # out bf16 / fp32 [R, Hq, D]; split partials: acc fp32 [R, Hq, S, D], (m, l) [R, Hq, S, 2]
     table_ptr, ctx_ptr, req_ptr, pos_ptr, ids_ptr,  # block_table int32 [B, W]; context_lens [B]; rows' request/pos [R]; ids [R, Hkv, topk]
-    qk_scale, v_scalar,  # softmax scale * log2(e) * K's folded scalar; V's folded scalar
+    qk_scale, v_scalar,  # softmax scale * log2(e) * K's folded factors; V's folded factors
     stride_qr, stride_qh,  # q strides (elements)
     stride_kp, stride_kh, stride_vp, stride_vh,  # cache strides in BYTES (page, head)
     stride_tb, stride_ir, stride_ih,  # block-table row stride; selection strides (row, head)
@@ -132,8 +156,9 @@ def _sparse_attn_kernel(
     TILES: tl.constexpr,  # tiles each split walks (constexpr: the interpreter cannot loop to a runtime bound)
     DECODE: tl.constexpr,  # rows are requests (pos = context_len - 1); else rows read req_ptr / pos_ptr
     SPLIT: tl.constexpr,  # write partials for the combine kernel instead of the output
-    NATIVE_FP8: tl.constexpr, FP32_DOT: tl.constexpr,  # hardware fp8 -> fp32; fp32 dots (the interpreter)
-    P_SPLIT: tl.constexpr,  # P as bf16 hi + lo (two dots) instead of one bf16 rounding
+    NATIVE_FP8: tl.constexpr, FP32_DOT: tl.constexpr,  # hardware fp8 conversion; fp32 dots (the interpreter)
+    F16: tl.constexpr,  # fp16 dots (formats whose values are exact in fp16) instead of bf16
+    P_SPLIT: tl.constexpr,  # P as hi + lo parts (two P.V dots) instead of one rounding
 ):
     row = tl.program_id(0)
     h = tl.program_id(1)
@@ -145,22 +170,15 @@ def _sparse_attn_kernel(
     else:
         req = tl.load(req_ptr + row)
         pos = tl.load(pos_ptr + row)
-    PACKED: tl.constexpr = ELEM == ELEM_E2M1
-    D2: tl.constexpr = D // 2
     TPB: tl.constexpr = BS // T
+    ROWSCALE: tl.constexpr = (SCALE == SCALE_ROW) or (SCALE == SCALE_E8M0)  # a per-token factor (see _tile)
 
     g = tl.arange(0, BLOCK_G)
     gmask = g < G
+    cols = tl.arange(0, D)
     q_rows = q_ptr + row.to(tl.int64) * stride_qr + (h * G + g)[:, None] * stride_qh
-    if PACKED:
-        j = tl.arange(0, D2)
-        q_a = _dot_operand(tl.load(q_rows + 2 * j[None, :], mask=gmask[:, None], other=0.0), FP32_DOT)
-        q_b = _dot_operand(tl.load(q_rows + 2 * j[None, :] + 1, mask=gmask[:, None], other=0.0), FP32_DOT)
-        acc_a = tl.zeros([BLOCK_G, D2], dtype=tl.float32)
-        acc_b = tl.zeros([BLOCK_G, D2], dtype=tl.float32)
-    else:
-        q_a = _dot_operand(tl.load(q_rows + tl.arange(0, D)[None, :], mask=gmask[:, None], other=0.0), FP32_DOT)
-        acc_a = tl.zeros([BLOCK_G, D], dtype=tl.float32)
+    q = _dot_operand(tl.load(q_rows + cols[None, :], mask=gmask[:, None], other=0.0), F16, FP32_DOT)
+    acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], -float("inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
 
@@ -181,15 +199,10 @@ def _sparse_attn_kernel(
         v_base = page64 * stride_vp + h * stride_vh
 
         # scores [BLOCK_G, T] in the log2 domain
-        if PACKED:
-            k_lo, k_hi = _tile_packed(k_ptr, k_base, off, valid, P, D, SCALE, QBLOCK, T)
-            qk = tl.dot(q_a, tl.trans(_dot_operand(k_lo, FP32_DOT)))
-            qk += tl.dot(q_b, tl.trans(_dot_operand(k_hi, FP32_DOT)))
-        else:
-            k = _tile_plain(k_ptr, k_base, off, valid, D, ELEM, NATIVE_FP8)
-            qk = tl.dot(q_a, tl.trans(_dot_operand(k, FP32_DOT)))
-        if SCALE == SCALE_ROW:
-            qk = qk * _row_scale(k_ptr, k_base, off, valid, P, PB)[None, :]
+        k, k_rs = _tile(k_ptr, k_base, off, valid, P, D, T, PB, ELEM, SCALE, QBLOCK, NATIVE_FP8, F16)
+        qk = tl.dot(q, tl.trans(_dot_operand(k, F16, FP32_DOT)))
+        if ROWSCALE:
+            qk = qk * k_rs[None, :]
         s = tl.where(valid[None, :], qk * qk_scale, -float("inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -198,33 +211,25 @@ def _sparse_attn_kernel(
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
-        if SCALE == SCALE_ROW:
-            p = p * _row_scale(v_ptr, v_base, off, valid, P, PB)[None, :]
-        if P_SPLIT:
-            p_hi, p_lo = _split_p(p, FP32_DOT)
-        else:  # P rounded once to bf16 (faster, ~2^-9 relative per probability)
-            p_hi = _dot_operand(p.to(tl.bfloat16), FP32_DOT)
-        if PACKED:
-            v_lo, v_hi = _tile_packed(v_ptr, v_base, off, valid, P, D, SCALE, QBLOCK, T)
-            v_lo = _dot_operand(v_lo, FP32_DOT)
-            v_hi = _dot_operand(v_hi, FP32_DOT)
-            acc_a = tl.dot(p_hi, v_lo, acc_a * alpha[:, None])
-            acc_b = tl.dot(p_hi, v_hi, acc_b * alpha[:, None])
+        v, v_rs = _tile(v_ptr, v_base, off, valid, P, D, T, PB, ELEM, SCALE, QBLOCK, NATIVE_FP8, F16)
+        v = _dot_operand(v, F16, FP32_DOT)
+        if ROWSCALE:
+            # per-token V factors go into P, over the tile's largest so that P stays in [0, 1] (fp16 range)
+            rv_max = tl.max(v_rs, axis=0)
+            rv_max = tl.where(rv_max > 0, rv_max, 1.0)
+            p = p * (v_rs / rv_max)[None, :]
+        p_hi = _dot_operand(p, F16, FP32_DOT)
+        if ROWSCALE:
+            pv = tl.dot(p_hi, v)
             if P_SPLIT:
-                acc_a = tl.dot(p_lo, v_lo, acc_a)
-                acc_b = tl.dot(p_lo, v_hi, acc_b)
+                pv = tl.dot(_dot_operand(p - p_hi.to(tl.float32), F16, FP32_DOT), v, pv)
+            acc = acc * alpha[:, None] + pv * rv_max
         else:
-            v = _dot_operand(_tile_plain(v_ptr, v_base, off, valid, D, ELEM, NATIVE_FP8), FP32_DOT)
-            acc_a = tl.dot(p_hi, v, acc_a * alpha[:, None])
+            acc = tl.dot(p_hi, v, acc * alpha[:, None])
             if P_SPLIT:
-                acc_a = tl.dot(p_lo, v, acc_a)
+                acc = tl.dot(_dot_operand(p - p_hi.to(tl.float32), F16, FP32_DOT), v, acc)
 
-    if PACKED:
-        acc = tl.reshape(tl.join(acc_a, acc_b), [BLOCK_G, D])  # even / odd columns back to natural order
-    else:
-        acc = acc_a
     heads = row.to(tl.int64) * G * (tl.num_programs(1)) + h * G + g  # flat (row, query head) index
-    cols = tl.arange(0, D)
     if SPLIT:
         slot = heads * num_splits + split
         tl.store(part_ptr + slot[:, None] * D + cols[None, :], acc, mask=gmask[:, None])
@@ -317,6 +322,12 @@ def launch_plan(rows: int, num_kv_heads: int, topk: int, block_size: int, page_s
     return t, max(1, math.ceil(n_tiles / per)), per  # no empty trailing splits
 
 
+def uses_fp16_dots(fmt) -> bool:
+    """The kernel runs fp16 dots for every quantized format (their tiles are exact in fp16 once whole-tensor and
+    per-token factors are taken out, see `_tile`), and bf16 dots for bf16 (whose range fp16 lacks)."""
+    return fmt.element is not None
+
+
 def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_splits, decode, ctx, req, pos,
             tile_tokens, num_warps, num_stages, native_fp8, out_dtype, precise_p):
     rows, hq, d = q.shape
@@ -325,11 +336,13 @@ def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     if native_fp8 is None:
         native_fp8 = q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) >= (8, 9)
+    f16 = uses_fp16_dots(fmt)
     t, splits, tiles_per_split = launch_plan(rows, hkv, topk, block_size, k_cache.page_size, q.device, num_splits,
                                              tile_tokens)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    qk_scale = scale * LOG2E * _scalar_of(k_cache, "k_cache")
-    v_scalar = _scalar_of(v_cache, "v_cache")
+    unit = E2M1_UNIT if fmt.element is not None and fmt.element.name == "e2m1" else 1.0  # e2m1_words_f16's 2**-14
+    qk_scale = scale * LOG2E * _scalar_of(k_cache, "k_cache") * unit
+    v_scalar = _scalar_of(v_cache, "v_cache") * unit
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise KernelArgumentError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
     out = torch.empty(rows, hq, d, dtype=out_dtype, device=q.device)
@@ -356,7 +369,8 @@ def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_
         P=k_cache.page_size, BS=block_size, T=t,
         ELEM=_ELEMENT_CODE[fmt.element.name if fmt.element else "bf16"], SCALE=_SCALE_CODE[fmt.scale_element],
         QBLOCK=max(fmt.block, 1), PB=fmt.payload_bytes(d), TILES=tiles_per_split,
-        DECODE=decode, SPLIT=splits > 1, NATIVE_FP8=bool(native_fp8), FP32_DOT=interp, P_SPLIT=bool(precise_p),
+        DECODE=decode, SPLIT=splits > 1, NATIVE_FP8=bool(native_fp8), FP32_DOT=interp, F16=f16,
+        P_SPLIT=(not f16) if precise_p is None else bool(precise_p),
         num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
@@ -377,7 +391,7 @@ def sparse_decode(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, blo
                   context_lens: torch.Tensor, block_ids: torch.Tensor, block_size: int, scale: float | None = None,
                   num_splits: int | None = None, *, tile_tokens: int | None = None, num_warps: int = 4,
                   num_stages: int = 2, native_fp8: bool | None = None,
-                  out_dtype: torch.dtype = torch.bfloat16, precise_p: bool = True) -> torch.Tensor:
+                  out_dtype: torch.dtype = torch.bfloat16, precise_p: bool | None = None) -> torch.Tensor:
     """One decode step of sparse attention for B requests.
 
     q bf16 [B, Hq, D] (the token at position context_lens[b] - 1, already stored in the caches); k_cache / v_cache:
@@ -387,8 +401,9 @@ def sparse_decode(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, blo
     (zeros for a request whose selection holds no visible token). num_splits: programs per (request, KV head) along
     the selected tokens (default: enough to fill the GPU; > 1 adds the combine kernel). out_dtype torch.float32 skips
     the final bf16 rounding (verification). Keyword options tune the launch (tokens per tile, warps, pipeline stages,
-    hardware fp8 conversion; precise_p=False rounds P to bf16 once: one P.V dot instead of two, ~2^-9 relative
-    error per probability). No host synchronization, so it can be captured in a CUDA graph."""
+    hardware fp8 conversion; precise_p: P as hi + lo parts (two P.V dots) or one rounding; default: split for bf16
+    dots, where one rounding costs ~2^-9 per probability, single for fp16 dots, ~2^-12). No host synchronization,
+    so it can be captured in a CUDA graph."""
     _check_q(q)
     b, hq, d = q.shape
     _check_caches(k_cache, v_cache, q, hq, d, block_size)
@@ -404,7 +419,7 @@ def sparse_prefill(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, bl
                    q_req: torch.Tensor, q_pos: torch.Tensor, block_ids: torch.Tensor, block_size: int,
                    scale: float | None = None, num_splits: int | None = None, *, tile_tokens: int | None = None,
                    num_warps: int = 4, num_stages: int = 2, native_fp8: bool | None = None,
-                   out_dtype: torch.dtype = torch.bfloat16, precise_p: bool = True) -> torch.Tensor:
+                   out_dtype: torch.dtype = torch.bfloat16, precise_p: bool | None = None) -> torch.Tensor:
     """Sparse attention for N query rows of any requests (prefill, chunked prefill, speculative verify).
 
     q bf16 [N, Hq, D]; q_req int32 [N] (each row's request: its row of block_table [B, max_pages]); q_pos int32 [N]
