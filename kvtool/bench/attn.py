@@ -39,7 +39,7 @@ SWEEP = (
     ("splits=1", {"num_splits": 1}), ("splits=2", {"num_splits": 2}), ("splits=4", {"num_splits": 4}),
     ("splits=8", {"num_splits": 8}), ("splits=16", {"num_splits": 16}), ("tile=128 warps=8", {"tile_tokens": 128, "num_warps": 8}),
     ("tile=32", {"tile_tokens": 32}), ("stages=3", {"num_stages": 3}), ("warps=8", {"num_warps": 8}),
-    ("one-dot P", {"precise_p": False}), ("portable fp8", {"native_fp8": False}),
+    ("two-dot P", {"precise_p": True}), ("portable fp8", {"native_fp8": False}),
 )
 
 
