@@ -144,18 +144,22 @@ def test_shadow_is_exactly_the_dequantized_paged_cache(kv):
         dec.decode_one(torch.tensor([3, 5]))
     n = dec.pos
     assert cache.fused == (not get_format(kv).needs_tensor_amax)
+    assert cache.index_fused == (kv == "nvfp4")
     for layer in range(c.n_layers):
         for b in range(2):
             k, v = cache.kv(layer, b, n)
             slots = cache.slots[b, :n]
             if cache.fused:
                 paged = cache.kv_paged[layer].dequantize(slots)
-                pk, pv = paged[:, :c.n_kv_heads], paged[:, c.n_kv_heads:]
+                pk, pv = paged[:, :c.n_kv_heads], paged[:, c.n_kv_heads:2 * c.n_kv_heads]
             else:
                 pk, pv = cache.k[layer].dequantize(slots), cache.v[layer].dequantize(slots)
             assert torch.equal(k.view(torch.int32), pk.view(torch.int32))
             assert torch.equal(v.view(torch.int32), pv.view(torch.int32))
-            ik = cache.ik[layer].dequantize(slots)[:, 0]
+            if cache.index_fused:  # same format as K/V: one more head of the fused cache
+                ik = cache.kv_paged[layer].dequantize(slots)[:, 2 * c.n_kv_heads]
+            else:
+                ik = cache.ik[layer].dequantize(slots)[:, 0]
             assert torch.equal(cache.index_keys(layer, b, n).view(torch.int32), ik.view(torch.int32))
 
 
@@ -344,7 +348,7 @@ def test_decode_bench_runs_and_reports_the_goal():
 
     report = run_decode_bench("tiny-llama", "cpu", ("nvfp4",), ("fp4",), batch=2, context=40, rounds=2)
     names = [r.name for r in report.rows]
-    assert names == ["bf16 dense (plain SDPA)", "bf16 / bf16 paged sparse", "nvfp4 / nvfp4 paged sparse"]
+    assert names == ["bf16 dense (plain)", "bf16 / bf16 paged sparse", "nvfp4 / nvfp4 paged sparse"]
     assert all(r.time_us > 0 and r.bytes_moved > 0 for r in report.rows)
     assert set(report.extra["tokens_per_s"]) == set(names) and len(report.extra["goals"]) == 1
     assert "plain bf16 dense tokens/s (goal >= 0.5)" in report.extra["goals"][0]

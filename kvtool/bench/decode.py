@@ -105,9 +105,9 @@ def run_decode_bench(model: str | None = None, device: str = "cpu", kv: tuple[st
     cases = []
 
     plain = Decoder(lm, PlainCache(c.n_layers, c.n_kv_heads, c.head_dim, batch, context + 1, dev), None)
-    cases.append(("bf16 dense (plain SDPA)", plain,
+    cases.append(("bf16 dense (plain)", plain,
                   weights + batch * c.n_layers * (context + 1) * 2 * c.n_kv_heads * 2 * c.head_dim,
-                  "contiguous bf16 K/V, no index"))
+                  "contiguous bf16 K/V, no index (SDPA on cuda)"))
     specs = [CacheSpec(get_format("bf16"), get_format("bf16"))]
     specs += [CacheSpec(get_format(k), get_format(i)) for k in kv for i in index]
     for spec in specs:

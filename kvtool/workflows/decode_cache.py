@@ -22,9 +22,11 @@ bf16 dense decode keeps.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kvtool import backend as kv_backend
 from kvtool.formats import Format, get_format
@@ -81,19 +83,23 @@ class ConfigCache:
         def plane(heads: int, dim: int) -> list[torch.Tensor]:
             return [torch.zeros(batch, max_len, heads, dim, device=device) for _ in range(n_layers)] if shadow else []
 
-        # CPU: K and V of a layer share one PagedCache of 2*Hkv heads ([K heads | V heads]), so each step pays one
-        # quantize call for both (the codec's per-call overhead dominates at one token). Not with whole-tensor
-        # scales, where K and V must keep their own amax, and not for the kernels, which read separate caches.
+        # CPU: K and V of a layer share one PagedCache of 2*Hkv heads ([K heads | V heads], and the index key as one
+        # more head when it has the same format and dim), so each step pays one quantize call for all of them (the
+        # codec's per-call overhead dominates at one token). Not with whole-tensor scales, where each tensor keeps
+        # its own amax, and not for the kernels, which read separate caches.
         self.fused = shadow and not spec.kv.needs_tensor_amax
+        self.index_fused = self.fused and spec.index == spec.kv and index_dim == head_dim
         self.n_kv_heads = n_kv_heads
         if self.fused:
-            self.kv_paged, self.k, self.v = paged(spec.kv, 2 * n_kv_heads, head_dim), [], []
-            self.kv_deq = plane(2 * n_kv_heads, head_dim)
+            heads = 2 * n_kv_heads + int(self.index_fused)
+            self.kv_paged, self.k, self.v = paged(spec.kv, heads, head_dim), [], []
+            self.kv_deq = plane(heads, head_dim)
         else:
             self.k, self.v = paged(spec.kv, n_kv_heads, head_dim), paged(spec.kv, n_kv_heads, head_dim)
             self.k_deq, self.v_deq = plane(n_kv_heads, head_dim), plane(n_kv_heads, head_dim)
-        self.ik = paged(spec.index, 1, index_dim) if spec.index is not None else []
-        self.ik_deq = plane(1, index_dim) if spec.index is not None else []
+        separate_index = spec.index is not None and not self.index_fused
+        self.ik = paged(spec.index, 1, index_dim) if separate_index else []
+        self.ik_deq = plane(1, index_dim) if separate_index else []
 
     def _store(self, cache: PagedCache, shadow: list[torch.Tensor], layer: int, pos: torch.Tensor,
                x: torch.Tensor) -> None:
@@ -112,12 +118,14 @@ class ConfigCache:
                ik: torch.Tensor | None) -> None:
         """Write the new tokens of `layer`: pos [T] (the same positions in every sequence), k, v [B, T, Hkv, D],
         ik [B, T, Di] (None in dense mode). Quantize-on-write through `store`."""
+        has_ik = self.spec.index is not None and ik is not None
         if self.fused:
-            self._store(self.kv_paged[layer], self.kv_deq, layer, pos, torch.cat([k, v], dim=2))
+            parts = [k, v] + ([ik.unsqueeze(2)] if self.index_fused and has_ik else [])
+            self._store(self.kv_paged[layer], self.kv_deq, layer, pos, torch.cat(parts, dim=2))
         else:
             self._store(self.k[layer], self.k_deq, layer, pos, k)
             self._store(self.v[layer], self.v_deq, layer, pos, v)
-        if self.spec.index is not None and ik is not None:
+        if has_ik and not self.index_fused:
             self._store(self.ik[layer], self.ik_deq, layer, pos, ik.unsqueeze(2))
 
     def kv(self, layer: int, b: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,7 +133,7 @@ class ConfigCache:
         h = self.n_kv_heads
         if self.fused:
             kv = self.kv_deq[layer][b, :length]                          # [length, 2*Hkv, D]
-            return kv[:, :h], kv[:, h:]
+            return kv[:, :h], kv[:, h:2 * h]
         if self.shadow:
             return self.k_deq[layer][b, :length], self.v_deq[layer][b, :length]
         slots = self.slots[b, :length]
@@ -133,6 +141,8 @@ class ConfigCache:
 
     def index_keys(self, layer: int, b: int, length: int) -> torch.Tensor:
         """The dequantized index keys of sequence b's first `length` tokens: fp32 [length, Di]."""
+        if self.index_fused:
+            return self.kv_deq[layer][b, :length, 2 * self.n_kv_heads]
         if self.shadow:
             return self.ik_deq[layer][b, :length, 0]
         return self.ik[layer].dequantize(self.slots[b, :length])[:, 0]
@@ -165,22 +175,30 @@ class PlainCache:
                 self.v[layer][b, :, :length].transpose(0, 1).float())
 
     def attend(self, layer: int, q: torch.Tensor, pos: torch.Tensor, length: int) -> torch.Tensor:
-        """Dense causal attention by torch's fused SDPA over the first `length` tokens, batched: q [B, T, Hq, D] at
-        positions pos [T] -> fp32 [B, T, Hq, D]. bf16 compute on CUDA, fp32 on CPU (where bf16 matmuls are slow).
-        A decode step (T = 1) folds the G query heads of a KV head into G query rows of one head (plain MHA, every
-        SDPA backend); prefill uses a causal mask with enable_gqa."""
+        """Dense causal attention over the first `length` tokens, batched: q [B, T, Hq, D] at positions pos [T] ->
+        fp32 [B, T, Hq, D]. CUDA: torch's fused SDPA in bf16 (a decode step folds the G query heads of a KV head into
+        G query rows of one head: plain MHA, any backend; prefill uses enable_gqa and a causal mask). CPU: fp32
+        matmuls with the same folding (torch's CPU SDPA kernel runs tiny decode steps 10-50x slower on a loaded
+        2-core machine, which would flatter every comparison against this reference)."""
         B, T, hq, D = q.shape
         hkv = self.k[layer].shape[1]
-        dt = torch.bfloat16 if q.is_cuda else torch.float32
-        k = self.k[layer][:, :, :length].to(dt)                                  # k: [B, Hkv, S, D]
-        v = self.v[layer][:, :, :length].to(dt)
-        if T == 1:
-            out = torch.nn.functional.scaled_dot_product_attention(q.view(B, hkv, hq // hkv, D).to(dt), k, v)
-            return out.reshape(B, 1, hq, D).float()                              # [B, Hkv, G, D] -> [B, 1, Hq, D]
-        mask = torch.arange(length, device=q.device)[None, :] <= pos[:, None]    # mask: [T, S]
-        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2).to(dt), k, v, attn_mask=mask,
-                                                               enable_gqa=True)  # [B, Hq, T, D]
-        return out.transpose(1, 2).float()
+        g = hq // hkv
+        mask = None if T == 1 else torch.arange(length, device=q.device)[None, :] <= pos[:, None]  # [T, S]
+        if q.is_cuda:
+            k, v = self.k[layer][:, :, :length], self.v[layer][:, :, :length]       # k, v: [B, Hkv, S, D] bf16
+            if T == 1:
+                out = F.scaled_dot_product_attention(q.view(B, hkv, g, D).to(k.dtype), k, v)  # [B, Hkv, G, D]
+                return out.reshape(B, 1, hq, D).float()
+            out = F.scaled_dot_product_attention(q.transpose(1, 2).to(k.dtype), k, v, attn_mask=mask,
+                                                 enable_gqa=True)                # [B, Hq, T, D]
+            return out.transpose(1, 2).float()
+        k, v = self.k[layer][:, :, :length].float(), self.v[layer][:, :, :length].float()
+        qg = q.permute(0, 2, 1, 3).reshape(B, hkv, g * T, D)                      # qg: [B, Hkv, G*T, D]
+        scores = (qg @ k.transpose(2, 3)).view(B, hkv, g, T, length) * (1.0 / math.sqrt(D))
+        if mask is not None:
+            scores = scores.masked_fill(~mask, -math.inf)
+        out = torch.softmax(scores, dim=-1).view(B, hkv, g * T, length) @ v        # out: [B, Hkv, G*T, D]
+        return out.view(B, hq, T, D).transpose(1, 2)
 
 
 # --------------------------------------------------------------------------------------------- the Triton reads
