@@ -7,9 +7,10 @@ writes the new tokens through `store` (quantize-on-write), exactly as an engine 
 
 What attention reads:
 - CPU (`shadow=True`): cached tokens never change after they are written, so each token is decoded once, right after
-  its store, into an fp32 shadow [B, max_len, H, D] of the dequantized cache. Attention and the indexer read the shadow:
+  its store, into an fp32 shadow of the dequantized cache. Attention and the indexer read the shadow:
   they see exactly the values a dequantize of the paged bytes would give at every step (a test checks this), at close
-  to bf16 speed (no per-step re-decode of the whole context).
+  to bf16 speed (no per-step re-decode of the whole context). The shadow is head-major [B, H, max_len, D], so the
+  matmuls read each head's tokens in place.
 - CUDA (`shadow=False`): the Triton kernels read the paged bytes directly (`block_table`, `slots`); the torch fallback
   dequantizes the tokens it needs from the paged bytes on demand.
 
@@ -80,8 +81,8 @@ class ConfigCache:
         def paged(fmt: Format, heads: int, dim: int) -> list[PagedCache]:
             return [PagedCache.allocate(fmt, n_pages, page_size, heads, dim, device) for _ in range(n_layers)]
 
-        def plane(heads: int, dim: int) -> list[torch.Tensor]:
-            return [torch.zeros(batch, max_len, heads, dim, device=device) for _ in range(n_layers)] if shadow else []
+        def plane(heads: int, dim: int) -> list[torch.Tensor]:  # head-major, so each head's tokens are contiguous
+            return [torch.zeros(batch, heads, max_len, dim, device=device) for _ in range(n_layers)] if shadow else []
 
         # CPU: K and V of a layer share one PagedCache of 2*Hkv heads ([K heads | V heads], and the index key as one
         # more head when it has the same format and dim), so each step pays one quantize call for all of them (the
@@ -112,7 +113,7 @@ class ConfigCache:
         else:
             cache.store(flat, slots)
         if self.shadow:
-            shadow[layer][:, pos] = cache.dequantize(slots).view(x.shape)
+            shadow[layer][:, :, pos] = cache.dequantize(slots).view(x.shape).transpose(1, 2)  # [B, H, T, D]
 
     def update(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                ik: torch.Tensor | None) -> None:
@@ -132,19 +133,19 @@ class ConfigCache:
         """The dequantized K, V of sequence b's first `length` tokens: fp32 [length, Hkv, D] each."""
         h = self.n_kv_heads
         if self.fused:
-            kv = self.kv_deq[layer][b, :length]                          # [length, 2*Hkv, D]
-            return kv[:, :h], kv[:, h:2 * h]
+            kv = self.kv_deq[layer][b, :2 * h, :length].transpose(0, 1)  # [length, 2*Hkv, D] (a view)
+            return kv[:, :h], kv[:, h:]
         if self.shadow:
-            return self.k_deq[layer][b, :length], self.v_deq[layer][b, :length]
+            return self.k_deq[layer][b, :, :length].transpose(0, 1), self.v_deq[layer][b, :, :length].transpose(0, 1)
         slots = self.slots[b, :length]
         return self.k[layer].dequantize(slots), self.v[layer].dequantize(slots)
 
     def index_keys(self, layer: int, b: int, length: int) -> torch.Tensor:
         """The dequantized index keys of sequence b's first `length` tokens: fp32 [length, Di]."""
         if self.index_fused:
-            return self.kv_deq[layer][b, :length, 2 * self.n_kv_heads]
+            return self.kv_deq[layer][b, 2 * self.n_kv_heads, :length]
         if self.shadow:
-            return self.ik_deq[layer][b, :length, 0]
+            return self.ik_deq[layer][b, 0, :length]
         return self.ik[layer].dequantize(self.slots[b, :length])[:, 0]
 
     @property
