@@ -37,6 +37,7 @@ import triton.language as tl
 
 from kvtool.errors import KernelArgumentError
 from kvtool.kernels import codecs as kc
+from kvtool.kernels.store import native_fp8
 from kvtool.kernels.topk import merge_candidates, pick_next
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # fixed at import: the interpreter dots in fp32
@@ -57,13 +58,15 @@ SK_E8M0 = tl.constexpr(3)
 
 # --------------------------------------------------------------------------------------------------------- helpers
 @triton.jit
-def e4m3_decode_f16(byte):
+def e4m3_decode_f16(byte, SCALED: tl.constexpr = True):
     """E4M3FN byte -> fp16, exact (every E4M3 value is an fp16 value): the 7 exponent/mantissa bits go to fp16 bits
-    7..13 and the sign to bit 15, then a multiply by 2**8 rebiases (15 - 7); E4M3 subnormals land on fp16 subnormals.
-    0x7F / 0xFF decode to NaN (torch float8_e4m3fn). Cheaper than kc.e4m3_decode (fp32) on a whole key tile."""
+    7..13 and the sign to bit 15, which is the value times 2**-8 (E4M3 subnormals land on fp16 subnormals); SCALED
+    multiplies by 2**8 (the rebias 15 - 7), otherwise the caller folds 2**8 into an fp32 factor. 0x7F / 0xFF decode
+    to NaN (torch float8_e4m3fn). Cheaper than kc.e4m3_decode (fp32) on a whole key tile."""
     b = byte.to(tl.int16) & 0xFF
-    bits = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
-    v = bits.to(tl.float16, bitcast=True) * 256.0
+    v = (((b & 0x7F) << 7) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True)
+    if SCALED:
+        v = v * 256.0
     return tl.where((b & 0x7F) == 0x7F, float("nan"), v)
 
 
@@ -103,108 +106,199 @@ def _pow2_up_down(amax):
 
 
 @triton.jit
-def _load_query(q_ptr, q_off, row_ok, gscale, D: tl.constexpr, PAYLOAD_BITS: tl.constexpr, DOT_F32: tl.constexpr):
-    """Rows [MP] of bf16 queries -> (A^T operand [D or D/2, MP], B^T operand (odd half for FP4), column scale [MP])."""
+def _q_operand(q_ptr, q_off, row_ok, up, idx, DOT_F32: tl.constexpr):
+    """Query rows [MP] at element indices idx [K] (bf16), times 2**a per row, as a dot B operand [K, MP]."""
+    q = tl.load(q_ptr + q_off[:, None] + idx[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    return tl.trans(_to_dot(q * up[:, None], DOT_F32))
+
+
+@triton.jit
+def _load_query(q_ptr, q_off, row_ok, gscale, D: tl.constexpr, PAYLOAD_BITS: tl.constexpr, NATIVE_FP8: tl.constexpr,
+                DOT_F32: tl.constexpr):
+    """Rows [MP] of bf16 queries -> (four dot B operands, column scale [MP] fp32). bf16 caches: the bf16 rows [D, MP]
+    (four times the same). fp8: fp16 rows times 2**a. FP4: the four element orders of `_fp4_quarter` ([D/4, MP]
+    each: column c of quarter K is element 8 (c // 2) + K + 4 (c % 2)). The column scale undoes 2**a and carries
+    the whole-tensor factor and the fixed power of two of the key decode (2**8 portable fp8, 2**14 FP4)."""
+    c = tl.arange(0, D)
     if PAYLOAD_BITS == 16:
-        c = tl.arange(0, D)
         q = tl.load(q_ptr + q_off[:, None] + c[None, :], mask=row_ok[:, None], other=0.0)
         if DOT_F32:
             q = q.to(tl.float32)
         colscale = tl.full(row_ok.shape, 1.0, tl.float32) * gscale
-        return tl.trans(q), tl.trans(q), colscale
+        return tl.trans(q), tl.trans(q), tl.trans(q), tl.trans(q), colscale
     elif PAYLOAD_BITS == 8:
-        c = tl.arange(0, D)
         q = tl.load(q_ptr + q_off[:, None] + c[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
         up, down = _pow2_up_down(tl.max(tl.abs(q), axis=1))
         qa = tl.trans(_to_dot(q * up[:, None], DOT_F32))
-        return qa, qa, down * gscale
+        return qa, qa, qa, qa, down * (gscale if NATIVE_FP8 else gscale * 256.0)
     else:
-        c = tl.arange(0, D // 2)
-        qe = tl.load(q_ptr + q_off[:, None] + 2 * c[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-        qo = tl.load(q_ptr + q_off[:, None] + 2 * c[None, :] + 1, mask=row_ok[:, None], other=0.0).to(tl.float32)
-        up, down = _pow2_up_down(tl.maximum(tl.max(tl.abs(qe), axis=1), tl.max(tl.abs(qo), axis=1)))
-        qa = tl.trans(_to_dot(qe * up[:, None], DOT_F32))
-        qb = tl.trans(_to_dot(qo * up[:, None], DOT_F32))
-        return qa, qb, down * gscale
+        q = tl.load(q_ptr + q_off[:, None] + c[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+        up, down = _pow2_up_down(tl.max(tl.abs(q), axis=1))
+        cq = tl.arange(0, D // 4)
+        idx = 8 * (cq // 2) + 4 * (cq % 2)
+        return (_q_operand(q_ptr, q_off, row_ok, up, idx, DOT_F32),
+                _q_operand(q_ptr, q_off, row_ok, up, idx + 1, DOT_F32),
+                _q_operand(q_ptr, q_off, row_ok, up, idx + 2, DOT_F32),
+                _q_operand(q_ptr, q_off, row_ok, up, idx + 3, DOT_F32), down * (gscale * 16384.0))
 
 
 @triton.jit
-def _tile_scores(data_ptr, row_off, sc_off, tok_ok, qa, qb,
-                 D: tl.constexpr, TILE_T: tl.constexpr, PAYLOAD_BITS: tl.constexpr, SCALE_KIND: tl.constexpr,
-                 SCALE_BLOCK: tl.constexpr, DOT_F32: tl.constexpr):
-    """Decode one key tile [TILE_T, D] (byte offsets row_off / sc_off [TILE_T]) and dot it with the query rows:
-    fp32 [TILE_T, MP], already multiplied by any per-token factor (fp8 row scale, mxfp4 2**emax)."""
+def _fp4_quarter(w, K: tl.constexpr, TILE_T: tl.constexpr, NW: tl.constexpr):
+    """Packed E2M1 as uint32 words [T, NW] (element 8j + k in nibble k of word j) -> fp16 [T, 2 NW]: column 2j holds
+    element 8j + K, column 2j + 1 element 8j + K + 4, each as its E2M1 value times 2**-14, exactly: the bits of
+    kc.e2m1_decode_f16 before its final multiply by 2**14 (magnitude bits at 9..11, sign at 15), built for two
+    elements at once in one 32-bit word (about two integer ops per element instead of six).
+    Why these pairs: nibbles K and K + 4 sit 16 bits apart, like the two fp16 halves of a word."""
+    MAG: tl.constexpr = 9 - 4 * K  # nibble K's magnitude bits 4K..4K+2 -> 9..11 (and 16 bits up for K + 4)
+    SGN: tl.constexpr = 12 - 4 * K  # its sign bit 4K + 3 -> 15
+    if MAG >= 0:
+        m = w << MAG
+    else:
+        m = w >> (-MAG)
+    bits = (m & 0x0E000E00) | ((w << SGN) & 0x80008000)
+    lo = (bits & 0xFFFF).to(tl.uint16)
+    hi = (bits >> 16).to(tl.uint16)
+    return tl.reshape(tl.join(lo, hi), [TILE_T, 2 * NW]).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _pow2_f16(x):
+    """int32 x <= 15 -> fp16 2**x exactly from bits (subnormal down to 2**-24; 0 below): the fp16 form of
+    kc.exp2_int."""
+    bits = tl.where(x >= -14, (x + 15) << 10, tl.where(x >= -24, 1 << tl.maximum(x + 24, 0), 0))
+    return bits.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _e8m0_word_factors(words):
+    """A token's four E8M0 scale bytes as one uint32 word [T] -> (fp16 [T, 4] block factors 2**(e_k - emax + 14),
+    NaN for byte 255; fp32 [T] 2**(emax - 14)), emax the token's largest exponent: the same numbers as the
+    byte-wise path, computed once per token in a one-token-per-thread layout."""
+    b0 = (words & 0xFF).to(tl.int32)
+    b1 = ((words >> 8) & 0xFF).to(tl.int32)
+    b2 = ((words >> 16) & 0xFF).to(tl.int32)
+    b3 = (words >> 24).to(tl.int32)
+    bmax = tl.maximum(tl.maximum(tl.where(b0 == 255, 0, b0), tl.where(b1 == 255, 0, b1)),
+                      tl.maximum(tl.where(b2 == 255, 0, b2), tl.where(b3 == 255, 0, b3)))
+    f0 = tl.where(b0 == 255, float("nan"), _pow2_f16(b0 - bmax + 14))
+    f1 = tl.where(b1 == 255, float("nan"), _pow2_f16(b1 - bmax + 14))
+    f2 = tl.where(b2 == 255, float("nan"), _pow2_f16(b2 - bmax + 14))
+    f3 = tl.where(b3 == 255, float("nan"), _pow2_f16(b3 - bmax + 14))
+    f16 = tl.reshape(tl.join(tl.join(f0, f2), tl.join(f1, f3)), [words.shape[0], 4])
+    return f16, kc.exp2_int(bmax - 141)  # 2**(emax - 14), emax = bmax - 127
+
+
+@triton.jit
+def _scaled(x, f16, TILE_T: tl.constexpr, NSB: tl.constexpr):
+    """fp16 [T, C] times a per-(token, scale block) fp16 factor f16 [T, NSB] (block b = columns b C/NSB ..)."""
+    C: tl.constexpr = x.shape[1]
+    return tl.reshape(tl.reshape(x, [TILE_T, NSB, C // NSB]) * f16[:, :, None], [TILE_T, C])
+
+
+@triton.jit
+def _f32_operand(x, DOT_F32: tl.constexpr):
+    if DOT_F32:
+        return x.to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
+def _page_of(bt_row, t0, t_lim, num_pages, PAGE: tl.constexpr):
+    """Page id of the tile starting at token t0, or -1 (at or past t_lim, or a -1 / out-of-range table entry)."""
+    pg = tl.load(bt_row + t0 // PAGE, mask=t0 < t_lim, other=-1)
+    return tl.where((pg >= 0) & (pg < num_pages), pg, -1)
+
+
+@triton.jit
+def _fetch(data_ptr, pg, t0, t_lim, page_bytes, D: tl.constexpr, TILE_T: tl.constexpr, PAGE: tl.constexpr,
+           PB: tl.constexpr, SB: tl.constexpr, PAYLOAD_BITS: tl.constexpr, SCALE_KIND: tl.constexpr,
+           SCALE_BLOCK: tl.constexpr):
+    """Issue the loads of one key tile (tokens t0 .. t0 + TILE_T, all in page pg; token r's payload at byte
+    r PB of the page's payload plane, its scales at r SB of the scale plane): (payload, scales) as stored: int16
+    [T, D] (bf16), uint8 [T, D] (e4m3), uint32 words [T, D/8] (packed E2M1); uint8 [T, D/block] block scales, fp32
+    [T] row scales, or fp32 zeros [T] when there are none. Tokens at or past t_lim, or of page -1, read as 0 and
+    touch no memory."""
+    r = tl.arange(0, TILE_T)
+    ok = ((t0 + r) < t_lim) & (pg >= 0)
+    page = tl.maximum(pg, 0).to(tl.int64) * page_bytes
+    off = t0 % PAGE
+    pay = page + off * PB
+    sc = page + PAGE * PB + off * SB
     if PAYLOAD_BITS == 16:
-        c = tl.arange(0, D)
-        raw = tl.load(data_ptr.to(tl.pointer_type(tl.int16)) + (row_off // 2)[:, None] + c[None, :],
-                      mask=tok_ok[:, None], other=0)
+        ptrs = data_ptr.to(tl.pointer_type(tl.int16)) + pay // 2 + r[:, None] * (PB // 2) + tl.arange(0, D)[None, :]
+    elif PAYLOAD_BITS == 8:
+        ptrs = data_ptr + pay + r[:, None] * PB + tl.arange(0, D)[None, :]
+    else:
+        ptrs = data_ptr.to(tl.pointer_type(tl.uint32)) + pay // 4 + r[:, None] * (PB // 4) \
+            + tl.arange(0, D // 8)[None, :]
+    payload = tl.load(ptrs, mask=ok[:, None], other=0)
+    if SCALE_KIND == SK_ROW:
+        scales = tl.load(data_ptr.to(tl.pointer_type(tl.float32)) + sc // 4 + r, mask=ok, other=1.0)
+    elif (SCALE_KIND == SK_E8M0) & (D // SCALE_BLOCK == 4):  # one uint32 word of four E8M0 bytes per token
+        scales = tl.load(data_ptr.to(tl.pointer_type(tl.uint32)) + sc // 4 + r, mask=ok, other=0)
+    elif SCALE_KIND >= SK_E4M3:
+        scales = tl.load(data_ptr + sc + r[:, None] * SB + tl.arange(0, D // SCALE_BLOCK)[None, :],
+                         mask=ok[:, None], other=0)
+    else:
+        scales = tl.zeros([TILE_T], tl.float32)
+    return payload, scales
+
+
+@triton.jit
+def _tile_dot(payload, scales, qa, qb, qc, qd, D: tl.constexpr, TILE_T: tl.constexpr, PAYLOAD_BITS: tl.constexpr,
+              SCALE_KIND: tl.constexpr, SCALE_BLOCK: tl.constexpr, NATIVE_FP8: tl.constexpr,
+              DOT_F32: tl.constexpr):
+    """Decode one fetched key tile and dot it with the query rows: fp32 [TILE_T, MP], times any per-token factor
+    (fp8 row scale, mxfp4 2**emax), before the column scale."""
+    if PAYLOAD_BITS == 16:
         if DOT_F32:
-            k = (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+            k = (payload.to(tl.int32) << 16).to(tl.float32, bitcast=True)
         else:
-            k = raw.to(tl.bfloat16, bitcast=True)
+            k = payload.to(tl.bfloat16, bitcast=True)
         acc = tl.dot(k, qa)
     elif PAYLOAD_BITS == 8:
-        c = tl.arange(0, D)
-        raw = tl.load(data_ptr + row_off[:, None] + c[None, :], mask=tok_ok[:, None], other=0)
-        k = e4m3_decode_f16(raw)
-        if DOT_F32:
-            k = k.to(tl.float32)
-        acc = tl.dot(k, qa)
+        if NATIVE_FP8:  # hardware e4m3 -> fp16 (two per instruction; NaN codes give NaN)
+            k = payload.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        else:  # the value times 2**-8 (the column scale holds 2**8)
+            k = e4m3_decode_f16(payload, False)
+        acc = tl.dot(_f32_operand(k, DOT_F32), qa)
     else:
-        HALF: tl.constexpr = D // 2
+        NW: tl.constexpr = D // 8  # uint32 words per token
         NSB: tl.constexpr = D // SCALE_BLOCK  # scale blocks per token
-        BPS: tl.constexpr = SCALE_BLOCK // 2  # payload bytes per scale block
-        c = tl.arange(0, HALF)
-        raw = tl.load(data_ptr + row_off[:, None] + c[None, :], mask=tok_ok[:, None], other=0)
-        sb = tl.load(data_ptr + sc_off[:, None] + tl.arange(0, NSB)[None, :], mask=tok_ok[:, None], other=0)
-        sbi = sb.to(tl.int32)
         if SCALE_KIND == SK_E4M3:
-            f = tl.where((sbi & 0x7F) == 0x7F, float("nan"), kc.e4m3_decode(sb))
+            if NATIVE_FP8:
+                f16 = scales.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+            else:
+                f16 = e4m3_decode_f16(scales)
+        elif NSB == 4:
+            f16, rowfac = _e8m0_word_factors(scales)
         else:
+            # 2**(e - emax + 14) in fp16: the token's largest block scale maps to 2**14, 2**14 * 2**-14 = 1 with the
+            # 2**-14 of the decoded bits; 2**emax multiplies the fp32 score instead
+            sbi = scales.to(tl.int32)
             e = tl.where(sbi == 255, -127, sbi - 127)
             emax = tl.max(e, axis=1)
-            f = tl.where(sbi == 255, float("nan"), kc.exp2_int(e - emax[:, None]))
-        f16 = f.to(tl.float16)[:, :, None]
-        lo = tl.reshape(tl.reshape(kc.e2m1_decode_f16(raw & 0xF), [TILE_T, NSB, BPS]) * f16, [TILE_T, HALF])
-        hi = tl.reshape(tl.reshape(kc.e2m1_decode_f16(raw >> 4), [TILE_T, NSB, BPS]) * f16, [TILE_T, HALF])
-        if DOT_F32:
-            lo = lo.to(tl.float32)
-            hi = hi.to(tl.float32)
-        acc = tl.dot(hi, qb, tl.dot(lo, qa))
+            f16 = tl.where(sbi == 255, float("nan"), kc.exp2_int(tl.maximum(e - emax[:, None] + 14, -149)))
+            f16 = f16.to(tl.float16)
+            rowfac = kc.exp2_int(emax - 14)
+        acc = tl.dot(_f32_operand(_scaled(_fp4_quarter(payload, 0, TILE_T, NW), f16, TILE_T, NSB), DOT_F32), qa)
+        acc = tl.dot(_f32_operand(_scaled(_fp4_quarter(payload, 1, TILE_T, NW), f16, TILE_T, NSB), DOT_F32), qb, acc)
+        acc = tl.dot(_f32_operand(_scaled(_fp4_quarter(payload, 2, TILE_T, NW), f16, TILE_T, NSB), DOT_F32), qc, acc)
+        acc = tl.dot(_f32_operand(_scaled(_fp4_quarter(payload, 3, TILE_T, NW), f16, TILE_T, NSB), DOT_F32), qd, acc)
         if SCALE_KIND == SK_E8M0:
-            acc = acc * kc.exp2_int(emax)[:, None]
+            acc = acc * rowfac[:, None]
     if SCALE_KIND == SK_ROW:
-        rs = tl.load(data_ptr.to(tl.pointer_type(tl.float32)) + sc_off // 4, mask=tok_ok, other=1.0)
-        acc = acc * rs[:, None]
+        acc = acc * scales[:, None]
     return acc
 
 
 @triton.jit
-def _block_step(i, blk0, state, col, pos, valid, t_end, bt_row, data_ptr, qa, qb, colscale,
-                out_ptr, out_row, row_ok, n_out, num_pages, page_bytes,
-                D: tl.constexpr, PAGE: tl.constexpr, PB: tl.constexpr, SB: tl.constexpr,
-                PAYLOAD_BITS: tl.constexpr, SCALE_KIND: tl.constexpr, SCALE_BLOCK: tl.constexpr, BS: tl.constexpr,
-                TILE_T: tl.constexpr, MP: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
-                MODE: tl.constexpr, DOT_F32: tl.constexpr):
-    """Score block blk0 + i for every row: write token / block scores, or put the block's rank key in column i of
-    the top-k state [MP, CH]; returns the state."""
+def _finish_block(i, blk0, bmax, state, col, valid, out_ptr, out_row, row_ok, INIT: tl.constexpr,
+                  LOCAL: tl.constexpr, MODE: tl.constexpr):
+    """Block blk0 + i is scored (bmax [MP]): apply the forced blocks, then write its block scores or put its rank key
+    in column i of the top-k state [MP, CH]; returns the state."""
     blk = blk0 + i
-    bmax = tl.full([MP], float("-inf"), tl.float32)
-    for sub in tl.static_range(BS // TILE_T):
-        t = blk * BS + sub * TILE_T + tl.arange(0, TILE_T)
-        tok_ok = t < t_end
-        pg = tl.load(bt_row + t // PAGE, mask=tok_ok, other=-1)
-        tok_ok = tok_ok & (pg >= 0) & (pg < num_pages)
-        base = pg.to(tl.int64) * page_bytes
-        row_off = base + (t % PAGE) * PB
-        sc_off = base + PAGE * PB + (t % PAGE) * SB
-        acc = _tile_scores(data_ptr, row_off, sc_off, tok_ok, qa, qb, D, TILE_T, PAYLOAD_BITS, SCALE_KIND,
-                           SCALE_BLOCK, DOT_F32)
-        keep = tok_ok[:, None] & (t[:, None] <= pos[None, :])
-        s = tl.where(keep, acc * colscale[None, :], float("-inf"))
-        if MODE == MODE_TOKENS:
-            tl.store(out_ptr + out_row[None, :] + t[:, None], s, mask=row_ok[None, :] & (t < n_out)[:, None])
-        bmax = _nanmax(bmax, _col_nanmax(s, DOT_F32))
     forced_init = (blk < INIT) & (blk < valid)
     forced_local = (blk >= valid - LOCAL) & (blk < valid)
     bsc = tl.where(forced_local, LOCAL_SCORE, tl.where(forced_init, INIT_SCORE, bmax))
@@ -214,6 +308,46 @@ def _block_step(i, blk0, state, col, pos, valid, t_end, bt_row, data_ptr, qa, qb
         key = tl.where(bsc != bsc, NAN_RANK, bsc)
         state = tl.where(col[None, :] == i, key[:, None], state)
     return state
+
+
+@triton.jit
+def _tile_step(j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, t_full, col, pos, valid, bt_row, data_ptr,
+               qa, qb, qc, qd, colscale, out_ptr, out_row, row_ok, n_out, num_pages, page_bytes,
+               D: tl.constexpr, PAGE: tl.constexpr, PB: tl.constexpr, SB: tl.constexpr,
+               PAYLOAD_BITS: tl.constexpr, SCALE_KIND: tl.constexpr, SCALE_BLOCK: tl.constexpr, BS: tl.constexpr,
+               TILE_T: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, MODE: tl.constexpr,
+               NATIVE_FP8: tl.constexpr, PREFETCH: tl.constexpr, DOT_F32: tl.constexpr):
+    """Tile j of the program (tokens blk0 BS + j TILE_T ..), already fetched into (payload, scales) from page pg:
+    first issue the loads of tile j + 1 (page pg_next) and the page lookup of tile j + 2, so that memory works while
+    this tile decodes and multiplies (a register double buffer); then score it, fold it into the block maximum
+    bmax, and finish the block at its last tile. Returns the carried (payload, scales, pg, pg_next, bmax, state)."""
+    TPB: tl.constexpr = BS // TILE_T
+    t0 = blk0 * BS + j * TILE_T
+    t = t0 + tl.arange(0, TILE_T)
+    if PREFETCH:
+        cur_pay, cur_sc, cur_pg = payload, scales, pg
+        payload, scales = _fetch(data_ptr, pg_next, t0 + TILE_T, t_lim, page_bytes, D, TILE_T, PAGE, PB, SB,
+                                 PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK)
+        pg = pg_next
+        pg_next = _page_of(bt_row, t0 + 2 * TILE_T, t_lim, num_pages, PAGE)
+    else:
+        cur_pg = _page_of(bt_row, t0, t_lim, num_pages, PAGE)
+        cur_pay, cur_sc = _fetch(data_ptr, cur_pg, t0, t_lim, page_bytes, D, TILE_T, PAGE, PB, SB, PAYLOAD_BITS,
+                                 SCALE_KIND, SCALE_BLOCK)
+    acc = _tile_dot(cur_pay, cur_sc, qa, qb, qc, qd, D, TILE_T, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, NATIVE_FP8,
+                    DOT_F32)
+    keep = ((t < t_lim) & (cur_pg >= 0))[:, None] & (t[:, None] <= pos[None, :])
+    s = tl.where(keep, acc * colscale[None, :], float("-inf"))
+    if MODE == MODE_TOKENS:
+        tl.store(out_ptr + out_row[None, :] + t[:, None], s, mask=row_ok[None, :] & (t < n_out)[:, None])
+    bmax = _nanmax(bmax, _col_nanmax(s, DOT_F32))
+    if TPB == 1:
+        state = _finish_block(j, blk0, bmax, state, col, valid, out_ptr, out_row, row_ok, INIT, LOCAL, MODE)
+        bmax = tl.full(bmax.shape, float("-inf"), tl.float32)
+    elif j % TPB == TPB - 1:
+        state = _finish_block(j // TPB, blk0, bmax, state, col, valid, out_ptr, out_row, row_ok, INIT, LOCAL, MODE)
+        bmax = tl.full(bmax.shape, float("-inf"), tl.float32)
+    return payload, scales, pg, pg_next, bmax, state
 
 
 # ----------------------------------------------------------------------------------------------------------- kernel
@@ -238,7 +372,7 @@ def _index_score_kernel(
     SCALE_KIND: tl.constexpr,  # 0 none | 1 fp32 row | 2 e4m3 block | 3 e8m0 block
     SCALE_BLOCK: tl.constexpr,  # elements per block scale (1 when none)
     BS: tl.constexpr,  # index block size (tokens)
-    TILE_T: tl.constexpr,  # tokens per key tile (divides BS)
+    TILE_T: tl.constexpr,  # tokens per key tile: min(BS, PAGE, 128), so a tile lies in one page
     QT: tl.constexpr,  # queries per program
     HIP: tl.constexpr,  # index heads rounded up to a power of two
     MP: tl.constexpr,  # rows per program: max(16, QT * HIP)
@@ -248,6 +382,8 @@ def _index_score_kernel(
     LOCAL: tl.constexpr,  # forced local blocks
     HIGHER_ID: tl.constexpr,  # tie rule
     MODE: tl.constexpr,  # MODE_TOKENS | MODE_BLOCKS | MODE_TOPK
+    NATIVE_FP8: tl.constexpr,  # hardware e4m3 -> fp16 conversion (CUDA sm_89+)
+    PREFETCH: tl.constexpr,  # register double buffer of the next tile (else: the compiler's pipelining)
     DOT_F32: tl.constexpr,  # interpreter: dot in fp32
 ):
     pid = tl.program_id(0)
@@ -264,24 +400,37 @@ def _index_score_kernel(
     t_end = tl.minimum(tile_pos + 1, tl.load(ctx_ptr + b))  # no row sees a token at or past t_end
     blk0 = split * CH
     n_iter = tl.minimum((tile_pos + BS) // BS - blk0, CH)  # (tile_pos // BS + 1), also right for tile_pos = -1
+    t_full = tl.minimum(tl.min(tl.where(row_ok, pos, 2147483647), axis=0) + 1, t_end)  # every row sees [0, t_full)
     q_off = b.to(tl.int64) * stride_qb + qi.to(tl.int64) * stride_qq + h * stride_qh
-    qa, qb, colscale = _load_query(q_ptr, q_off, row_ok, gscale, D, PAYLOAD_BITS, DOT_F32)
+    qa, qb, qc, qd, colscale = _load_query(q_ptr, q_off, row_ok, gscale, D, PAYLOAD_BITS, NATIVE_FP8, DOT_F32)
     out_row = ((b * Q + qi) * HI + h).to(tl.int64) * n_out
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     col = tl.arange(0, CH)
     state = tl.full([MP, CH], float("-inf"), tl.float32)
+    bmax = tl.full([MP], float("-inf"), tl.float32)
+    TPB: tl.constexpr = BS // TILE_T
+    n_tiles = n_iter * TPB
+    t_lim = tl.minimum(t_end, (blk0 + tl.maximum(n_iter, 0)) * BS)  # this program's tokens end here
+    pg = _page_of(bt_row, blk0 * BS, t_lim, num_pages, PAGE)
+    payload, scales = _fetch(data_ptr, pg, blk0 * BS, t_lim if PREFETCH else 0, page_bytes, D, TILE_T, PAGE, PB, SB,
+                             PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK)
+    pg_next = _page_of(bt_row, blk0 * BS + TILE_T, t_lim, num_pages, PAGE)
     if DOT_F32:
-        # the interpreter cannot take a loaded scalar as a loop bound: run CH steps, skip the empty ones
-        for i in range(0, CH):
-            if i < n_iter:
-                state = _block_step(i, blk0, state, col, pos, valid, t_end, bt_row, data_ptr, qa, qb, colscale,
-                                    out_ptr, out_row, row_ok, n_out, num_pages, page_bytes, D, PAGE, PB, SB,
-                                    PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, BS, TILE_T, MP, INIT, LOCAL, MODE, DOT_F32)
+        # the interpreter cannot take a loaded scalar as a loop bound: run every step, skip the empty ones
+        for j in range(0, CH * TPB):
+            if j < n_tiles:
+                payload, scales, pg, pg_next, bmax, state = _tile_step(
+                    j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, t_full, col, pos, valid, bt_row,
+                    data_ptr, qa, qb, qc, qd, colscale, out_ptr, out_row, row_ok, n_out, num_pages, page_bytes, D,
+                    PAGE, PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, BS, TILE_T, INIT, LOCAL, MODE, NATIVE_FP8,
+                    PREFETCH, DOT_F32)
     else:
-        for i in range(0, n_iter):
-            state = _block_step(i, blk0, state, col, pos, valid, t_end, bt_row, data_ptr, qa, qb, colscale,
-                                out_ptr, out_row, row_ok, n_out, num_pages, page_bytes, D, PAGE, PB, SB,
-                                PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, BS, TILE_T, MP, INIT, LOCAL, MODE, DOT_F32)
+        for j in range(0, n_tiles):
+            payload, scales, pg, pg_next, bmax, state = _tile_step(
+                j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, t_full, col, pos, valid, bt_row,
+                data_ptr, qa, qb, qc, qd, colscale, out_ptr, out_row, row_ok, n_out, num_pages, page_bytes, D,
+                PAGE, PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, BS, TILE_T, INIT, LOCAL, MODE, NATIVE_FP8,
+                PREFETCH, DOT_F32)
     if MODE == MODE_TOPK:
         ids = tl.broadcast_to((blk0 + col)[None, :], [MP, CH])
         avail = (col[None, :] < n_iter) & (ids < valid[:, None])
@@ -294,13 +443,19 @@ def _index_score_kernel(
 
 # -------------------------------------------------------------------------------------------------------- launchers
 def _configs():
+    """Launch variants the autotuner times on the GPU: the compiler's cp.async pipeline (3 or 5 stages: with the page
+    lookup in front, 5 stages keep one key tile in flight during the previous tile's math) or the register double
+    buffer (PREFETCH), at 4 or 8 warps."""
     if INTERPRET:
-        return [triton.Config({}, num_warps=4, num_stages=1)]
-    return [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2, 3)]
+        return [triton.Config({"PREFETCH": False}, num_warps=4, num_stages=1)]
+    return [triton.Config({"PREFETCH": p}, num_warps=w, num_stages=s)
+            for w in (4, 8) for p, s in ((False, 3), (False, 5), (True, 1))]
 
 
 _tuned_kernel = triton.autotune(
-    configs=_configs(), key=["PAYLOAD_BITS", "SCALE_KIND", "BS", "MP", "CH", "MODE", "HI"])(_index_score_kernel)
+    configs=_configs(), key=["PAYLOAD_BITS", "SCALE_KIND", "BS", "MP", "CH", "MODE", "HI", "NATIVE_FP8"]
+)(_index_score_kernel)
+LAUNCH_OPTIONS = ("chunk_blocks", "q_tile", "prefetch", "native_fp8", "num_warps", "num_stages")
 
 
 def _num_sms(device: torch.device) -> int:
@@ -331,9 +486,11 @@ def _check(iq4: torch.Tensor, cache, block_table: torch.Tensor, context_lens: to
     if context_lens.dtype != torch.int32 or tuple(context_lens.shape) != (iq4.shape[0],) or context_lens.device != dev:
         raise KernelArgumentError(f"index scorer: context_lens must be int32 [{iq4.shape[0]}] on {dev}, got "
                                   f"{context_lens.dtype} {list(context_lens.shape)}")
-    bs = cfg.block_size
+    bs, page = cfg.block_size, cache.page_size
     if bs < 16 or bs & (bs - 1):
         raise KernelArgumentError(f"index scorer: block size must be a power of two >= 16, got {bs}")
+    if page < 16 or page & (page - 1):
+        raise KernelArgumentError(f"index scorer: page size must be a power of two >= 16, got {page}")
     if iq4.shape[2] > 16:
         raise KernelArgumentError(f"index scorer: at most 16 index heads, got {iq4.shape[2]}")
 
@@ -352,10 +509,14 @@ def _positions(q_pos, iq4: torch.Tensor, context_lens: torch.Tensor) -> torch.Te
     return torch.where(q_pos < 0, -1, q_pos).to(torch.int32).contiguous()
 
 
-def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_context: int | None,
-            chunk_blocks: int | None = None, q_tile: int | None = None):
+def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_context: int | None, **options):
     """iq4 bf16 [B, Q, Hi, D] -> MODE_TOKENS fp32 [B, Q, Hi, S] | MODE_BLOCKS fp32 [B, Q, Hi, NB] |
-    MODE_TOPK int32 [B, Q, Hi, cfg.topk]."""
+    MODE_TOPK int32 [B, Q, Hi, cfg.topk]. Options (LAUNCH_OPTIONS, for tests and benchmark sweeps): chunk_blocks
+    (blocks per program), q_tile (queries per program), native_fp8 (hardware e4m3 decode), and prefetch /
+    num_warps / num_stages (a fixed launch instead of the autotuned one)."""
+    bad = set(options) - set(LAUNCH_OPTIONS)
+    if bad:
+        raise KernelArgumentError(f"index scorer: unknown launch options {sorted(bad)} (known: {LAUNCH_OPTIONS})")
     _check(iq4, cache, block_table, context_lens, cfg)
     iq4 = iq4 if iq4.stride(-1) == 1 else iq4.contiguous()
     pos = _positions(q_pos, iq4, context_lens)
@@ -365,16 +526,17 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
         max_context = int(context_lens.max()) if mode != 2 and bsz else block_table.shape[1] * cache.page_size
     nb = triton.cdiv(max(max_context, 1), bs)
     hip = triton.next_power_of_2(hi)
-    qt = q_tile or (1 if nq == 1 else max(1, 64 // hip))
+    qt = options.get("q_tile") or (1 if nq == 1 else max(1, 64 // hip))
     qt = min(triton.next_power_of_2(qt), triton.next_power_of_2(nq))
     mp = max(16, qt * hip)
     n_qtiles = triton.cdiv(nq, qt)
     tile_pos = torch.nn.functional.pad(pos, (0, n_qtiles * qt - nq), value=-1).view(bsz, n_qtiles, qt)
     tile_pos = tile_pos.amax(-1).contiguous() if bsz * nq else tile_pos.new_empty(0)
-    if chunk_blocks is None:
+    ch = options.get("chunk_blocks")
+    if ch is None:
         want = triton.cdiv(nb * bsz * n_qtiles, 4 * _num_sms(iq4.device))
-        chunk_blocks = min(64, max(2, triton.next_power_of_2(want)))
-    ch = triton.next_power_of_2(chunk_blocks)
+        ch = min(64, max(2, triton.next_power_of_2(want)))
+    ch = triton.next_power_of_2(ch)
     splits = triton.cdiv(nb, ch)
     kc_ = min(cfg.topk, ch)
     n_out = {0: max_context, 1: nb, 2: splits * kc_}[mode]
@@ -382,15 +544,24 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
     ids = torch.empty((bsz, nq, hi, n_out) if mode == 2 else (1,), dtype=torch.int32, device=iq4.device)
     if bsz * nq and n_out:
         gscale = cache.fp8_tensor_scale() if fmt.scale_element == "fp32-tensor" else cache.outer_scale()
-        _tuned_kernel[(bsz * n_qtiles, splits)](
-            iq4, cache.data, block_table, context_lens, pos, tile_pos, out, ids, float(gscale),
-            nq, hi, cache.num_pages, cache.page_bytes, n_qtiles, n_out,
-            iq4.stride(0), iq4.stride(1), iq4.stride(2), block_table.stride(0), pos.stride(0),
-            D=d, PAGE=cache.page_size, PB=cache.payload_bytes, SB=cache.scale_bytes,
-            PAYLOAD_BITS=fmt.spec.payload_bits, SCALE_KIND=SCALE_KIND[fmt.scale_element],
-            SCALE_BLOCK=fmt.block or 1, BS=bs, TILE_T=min(bs, 128), QT=qt, HIP=hip, MP=mp, CH=ch, KC=kc_,
-            INIT=cfg.init_blocks, LOCAL=cfg.local_blocks, HIGHER_ID=cfg.tie_rule != "lower-id", MODE=mode,
-            DOT_F32=INTERPRET)
+        native = options.get("native_fp8")
+        args = (iq4, cache.data, block_table, context_lens, pos, tile_pos, out, ids, float(gscale),
+                nq, hi, cache.num_pages, cache.page_bytes, n_qtiles, n_out,
+                iq4.stride(0), iq4.stride(1), iq4.stride(2), block_table.stride(0), pos.stride(0))
+        consts = dict(D=d, PAGE=cache.page_size, PB=cache.payload_bytes, SB=cache.scale_bytes,
+                      PAYLOAD_BITS=fmt.spec.payload_bits, SCALE_KIND=SCALE_KIND[fmt.scale_element],
+                      SCALE_BLOCK=fmt.block or 1, BS=bs, TILE_T=min(bs, cache.page_size, 128), QT=qt, HIP=hip, MP=mp,
+                      CH=ch, KC=kc_, INIT=cfg.init_blocks, LOCAL=cfg.local_blocks,
+                      HIGHER_ID=cfg.tie_rule != "lower-id", MODE=mode,
+                      NATIVE_FP8=native_fp8(iq4.device) if native is None else bool(native), DOT_F32=INTERPRET)
+        grid = (bsz * n_qtiles, splits)
+        fixed = [k for k in ("prefetch", "num_warps", "num_stages") if options.get(k) is not None]
+        if fixed or INTERPRET:
+            _index_score_kernel[grid](*args, **consts, PREFETCH=bool(options.get("prefetch", False)),
+                                      num_warps=options.get("num_warps") or 4,
+                                      num_stages=1 if INTERPRET else options.get("num_stages") or 1)
+        else:
+            _tuned_kernel[grid](*args, **consts)
     if mode != 2:
         return out
     return merge_candidates(out, ids, cfg.topk, higher_id=cfg.tie_rule != "lower-id")
@@ -402,51 +573,52 @@ def _decode_q(iq: torch.Tensor) -> torch.Tensor:
     return iq[:, None]
 
 
-def decode_scores(iq, cache, block_table, context_lens, cfg=None, max_context: int | None = None) -> torch.Tensor:
+def decode_scores(iq, cache, block_table, context_lens, cfg=None, max_context: int | None = None,
+                  **options) -> torch.Tensor:
     """Token scores of one decode query per request: iq bf16 [B, Hi, D] at position ctx - 1 -> fp32
     [B, Hi, max_context] (`s >= ctx` is -inf; max_context defaults to max(context_lens), a host sync)."""
     cfg = cfg or _default_cfg()
-    return _launch(_decode_q(iq), cache, block_table, context_lens, None, cfg, 0, max_context)[:, 0]
+    return _launch(_decode_q(iq), cache, block_table, context_lens, None, cfg, 0, max_context, **options)[:, 0]
 
 
 def decode_block_scores(iq, cache, block_table, context_lens, cfg=None, max_context: int | None = None,
-                        chunk_blocks: int | None = None) -> torch.Tensor:
+                        **options) -> torch.Tensor:
     """Block scores of one decode query per request: iq bf16 [B, Hi, D] -> fp32 [B, Hi, ceil(max_context / block)]:
     max-pooled (NaN propagates), forced blocks 1e30 / 1e29, -inf past the valid blocks (kvtool.indexer.block_scores)."""
     cfg = cfg or _default_cfg()
-    return _launch(_decode_q(iq), cache, block_table, context_lens, None, cfg, 1, max_context, chunk_blocks)[:, 0]
+    return _launch(_decode_q(iq), cache, block_table, context_lens, None, cfg, 1, max_context, **options)[:, 0]
 
 
 def decode_topk(iq, cache, block_table, context_lens, cfg=None, max_context: int | None = None,
-                chunk_blocks: int | None = None) -> torch.Tensor:
+                **options) -> torch.Tensor:
     """Fused decode score + top-k: iq bf16 [B, Hi, D] -> int32 block ids [B, Hi, cfg.topk] in rank order,
     k = min(topk, valid blocks) per row, -1 padded. No host sync (the split count comes from the block-table width
     unless max_context is given)."""
     cfg = cfg or _default_cfg()
-    return _launch(_decode_q(iq), cache, block_table, context_lens, None, cfg, 2, max_context, chunk_blocks)[:, 0]
+    return _launch(_decode_q(iq), cache, block_table, context_lens, None, cfg, 2, max_context, **options)[:, 0]
 
 
 def prefill_block_scores(iq, cache, block_table, context_lens, cfg=None, q_pos=None,
-                         max_context: int | None = None) -> torch.Tensor:
+                         max_context: int | None = None, **options) -> torch.Tensor:
     """Many queries per request: iq bf16 [B, Q, Hi, D] at positions q_pos int [B, Q] (default ctx - Q .. ctx - 1;
     negative = padding row) -> fp32 block scores [B, Q, Hi, NB], causal inside the chunk."""
     cfg = cfg or _default_cfg()
-    return _launch(iq, cache, block_table, context_lens, q_pos, cfg, 1, max_context)
+    return _launch(iq, cache, block_table, context_lens, q_pos, cfg, 1, max_context, **options)
 
 
 def prefill_topk(iq, cache, block_table, context_lens, cfg=None, q_pos=None, max_context: int | None = None,
-                 chunk_blocks: int | None = None, q_tile: int | None = None) -> torch.Tensor:
+                 **options) -> torch.Tensor:
     """Many queries per request: iq bf16 [B, Q, Hi, D] at positions q_pos [B, Q] (default ctx - Q .. ctx - 1;
     negative = padding row, all -1) -> int32 block ids [B, Q, Hi, cfg.topk], causal inside the chunk."""
     cfg = cfg or _default_cfg()
-    return _launch(iq, cache, block_table, context_lens, q_pos, cfg, 2, max_context, chunk_blocks, q_tile)
+    return _launch(iq, cache, block_table, context_lens, q_pos, cfg, 2, max_context, **options)
 
 
 def prefill_scores(iq, cache, block_table, context_lens, cfg=None, q_pos=None,
-                   max_context: int | None = None) -> torch.Tensor:
+                   max_context: int | None = None, **options) -> torch.Tensor:
     """Token scores for many queries per request: iq bf16 [B, Q, Hi, D] -> fp32 [B, Q, Hi, max_context]."""
     cfg = cfg or _default_cfg()
-    return _launch(iq, cache, block_table, context_lens, q_pos, cfg, 0, max_context)
+    return _launch(iq, cache, block_table, context_lens, q_pos, cfg, 0, max_context, **options)
 
 
 def _default_cfg():

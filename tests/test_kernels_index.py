@@ -83,31 +83,65 @@ def assert_ids_match(got, ref, ref_scores, tol, exact=False):
     assert m.tie_aware_pct == 100.0, m
 
 
-def check_decode(cache, table, ctx, iq, cfg, chunk_blocks=None, exact=False):
+def check_decode(cache, table, ctx, iq, cfg, exact=False, **options):
+    """decode_topk and decode_block_scores against the reference on the dequantized cache (options: launch options
+    such as chunk_blocks and prefetch)."""
     ref_ids, ref_scores = paged_reference(iq[:, None], cache, table, ctx, cfg)
     tol = tolerance(iq, cache, table, ctx)
-    ids = K.decode_topk(iq, cache, table, ctx, cfg, chunk_blocks=chunk_blocks)
+    ids = K.decode_topk(iq, cache, table, ctx, cfg, **options)
     assert_ids_match(ids, ref_ids[:, 0], ref_scores[:, 0], tol, exact)
-    bs = K.decode_block_scores(iq, cache, table, ctx, cfg, chunk_blocks=chunk_blocks)
+    bs = K.decode_block_scores(iq, cache, table, ctx, cfg, **options)
     assert_scores_match(bs, ref_scores[:, 0], tol)
     return ids
 
 
 # ------------------------------------------------------------------------------------------------------ the helpers
 @triton.jit
-def _decode_f16_kernel(x_ptr, o_ptr, N: tl.constexpr):
+def _decode_f16_kernel(x_ptr, o_ptr, o2_ptr, N: tl.constexpr):
     o = tl.arange(0, N)
-    tl.store(o_ptr + o, K.e4m3_decode_f16(tl.load(x_ptr + o)).to(tl.float32))
+    x = tl.load(x_ptr + o)
+    tl.store(o_ptr + o, K.e4m3_decode_f16(x).to(tl.float32))
+    tl.store(o2_ptr + o, K.e4m3_decode_f16(x, False).to(tl.float32))
 
 
 def test_e4m3_decode_f16_every_code():
     codes = torch.arange(256, dtype=torch.uint8, device=DEVICE)
-    out = torch.empty(256, device=DEVICE)
-    _decode_f16_kernel[(1,)](codes, out, N=256)
+    out, out2 = torch.empty(256, device=DEVICE), torch.empty(256, device=DEVICE)
+    _decode_f16_kernel[(1,)](codes, out, out2, N=256)
     want = codes.cpu().view(torch.float8_e4m3fn).float()
-    assert torch.equal(torch.isnan(out.cpu()), torch.isnan(want))
-    fin = ~torch.isnan(want)
-    assert torch.equal(out.cpu()[fin].view(torch.int32), want[fin].view(torch.int32))  # -0 too
+    for got, scale in ((out, 1.0), (out2, 2.0 ** -8)):
+        assert torch.equal(torch.isnan(got.cpu()), torch.isnan(want))
+        fin = ~torch.isnan(want)
+        assert torch.equal(got.cpu()[fin].view(torch.int32), (want[fin] * scale).view(torch.int32))  # -0 too
+
+
+@triton.jit
+def _fp4_quarter_kernel(w_ptr, o_ptr, R: tl.constexpr, NW: tl.constexpr):
+    r = tl.arange(0, R)
+    w = tl.load(w_ptr.to(tl.pointer_type(tl.uint32)) + r[:, None] * NW + tl.arange(0, NW)[None, :])
+    c = tl.arange(0, 2 * NW)
+    for k in tl.static_range(4):
+        x = K._fp4_quarter(w, k, R, NW).to(tl.float32)
+        tl.store(o_ptr + k * R * 2 * NW + r[:, None] * 2 * NW + c[None, :], x)
+
+
+def test_fp4_quarters_match_the_codec_bit_for_bit():
+    """Every nibble value in every position of a word, plus random words: quarter K column 2j / 2j + 1 must be
+    element 8j + K / 8j + K + 4 of formats.unpack_nibbles, decoded by formats.e2m1_decode, times 2**-14 exactly."""
+    from kvtool.formats import e2m1_decode, unpack_nibbles
+
+    g = torch.Generator().manual_seed(0)
+    nib = torch.arange(16, dtype=torch.int64)
+    cyc = torch.stack([sum(((nib + p) % 16) << (4 * p) for p in range(8))])  # [1, 16] words
+    words = torch.cat([cyc.reshape(16), torch.randint(0, 2**32, (16 * 15,), generator=g)]).reshape(16, 16)
+    w32 = words.to(torch.int64).where(words < 2**31, words - 2**32).to(torch.int32)
+    out = torch.empty(4, 16, 32, device=DEVICE)
+    _fp4_quarter_kernel[(1,)](w32.to(DEVICE), out, R=16, NW=16)
+    codes = unpack_nibbles(w32.view(torch.uint8).reshape(16, 64))  # [16, 128] in element order
+    want = e2m1_decode(codes).float() * 2.0 ** -14
+    for k in range(4):
+        idx = 8 * (torch.arange(32) // 2) + k + 4 * (torch.arange(32) % 2)
+        assert torch.equal(out[k].cpu().view(torch.int32), want[:, idx].view(torch.int32)), k
 
 
 @pytest.mark.parametrize("higher", [True, False], ids=["higher-id", "lower-id"])
@@ -141,11 +175,13 @@ def test_decode_ragged_small_blocks(label):
 
 
 @pytest.mark.parametrize("label", ["bf16", "fp8", "nvfp4", "mxfp4"])
-def test_decode_real_block_size(label):
-    """M3 geometry: 128-token blocks, top-16, 4 heads, D = 128, pages of 64 tokens."""
+@pytest.mark.parametrize("prefetch", [False, True], ids=["pipelined", "prefetch"])
+def test_decode_real_block_size(label, prefetch):
+    """M3 geometry: 128-token blocks, top-16, 4 heads, D = 128, pages of 64 tokens (two tiles per block), through
+    both loop variants (the compiler's pipelining, the register double buffer)."""
     ctx = [1, 127, 128, 129, 130, 513, 2100]
     cache, table, cl, _ = make_cache(label, ctx, page=64, seed=2)
-    check_decode(cache, table, cl, queries(len(ctx), 4, 128, seed=3), IndexerConfig())
+    check_decode(cache, table, cl, queries(len(ctx), 4, 128, seed=3), IndexerConfig(), prefetch=prefetch)
 
 
 def test_decode_token_scores():
@@ -231,7 +267,7 @@ def test_prefill_causal_chunk(label):
     cfg = IndexerConfig(block_size=16, topk=4, init_blocks=1)
     tol = tolerance(iq, cache, table, cl)
     ref_ids, ref_scores = paged_reference(iq, cache, table, cl, cfg)
-    ids = K.prefill_topk(iq, cache, table, cl, cfg, q_tile=4, chunk_blocks=2)
+    ids = K.prefill_topk(iq, cache, table, cl, cfg, q_tile=4, chunk_blocks=2, prefetch=label in ("fp8", "mxfp4"))
     assert_ids_match(ids, ref_ids, ref_scores, tol)
     assert_scores_match(K.prefill_block_scores(iq, cache, table, cl, cfg), ref_scores, tol)
     pos = torch.tensor([[0, 1, 2, 3, 4, -1, -1, -1], [69, 0, 10, 50, 60, 15, 16, 17], [-1] * 8,
@@ -263,6 +299,11 @@ def test_launcher_rejects_bad_arguments():
         K.decode_topk(iq, cache, table, cl, IndexerConfig(block_size=24))
     with pytest.raises(KernelArgumentError):
         K.prefill_topk(iq[:, None], cache, table, cl, q_pos=torch.tensor([[20]], device=DEVICE))
+    with pytest.raises(KernelArgumentError):
+        K.decode_topk(iq, cache, table, cl, num_programs=3)
+    odd, table2, cl2, _ = make_cache("nvfp4", [20], page=24)
+    with pytest.raises(KernelArgumentError):
+        K.decode_topk(iq, odd, table2, cl2)  # page size not a power of two
 
 
 # ------------------------------------------------------------------------------------------------------ GPU sizes
