@@ -5,13 +5,21 @@ and emits token scores, block scores, or per-program top-k candidates (merged by
 cache as engines hold it: `kvtool.paged.PagedCache` with H = 1, uint8 [num_pages, 1, page_bytes], per page
 `[P x payload][P x scale]`, a block table [B, max_pages] int32 and context lengths [B] int32.
 
-How it stays bandwidth-bound:
+How it aims to stay bandwidth-bound (H200, batch 64 x 150K: ~706 MB of FP4 keys, a ~166 us floor):
 - MQA: all index heads (and, in prefill, a tile of queries) share each key, so one key tile is loaded and decoded once
-  and scored against every row with one tensor-core dot `K [T, D] x Q^T [D, rows]`.
+  and scored against every row with one tensor-core dot `K [T, D] x Q^T [D, rows]` (K from registers, wgmma).
 - the context is split across programs (grid = requests x query tiles x context splits); each program keeps its block
   scores in registers and emits only its top-k (key, id) pairs; a tiny merge kernel picks the final ids.
-- FP4 keys are never interleaved: the low nibbles are the even elements, the high nibbles the odd ones, so the query's
-  even and odd halves are dotted against the two decoded nibble tiles and the results added (two chained dots).
+- a tile never crosses a page (T = min(block, page, 128)): one scalar page lookup per tile, affine row addresses.
+- FP4 keys are decoded from uint32 words, two elements per 32-bit op and never interleaved: "quarter" K of a tile
+  holds nibbles K and K + 4 of every word (elements 8j + K, 8j + K + 4), which sit 16 bits apart like the two
+  halves of an fp16 pair, so shl / and / shl / and-or builds both fp16 values at once (~2 integer ops per element
+  instead of ~6); the query is loaded in the same four orders and the four quarter dots chain into one accumulator.
+- fp8 keys use the hardware e4m3 -> fp16 conversion where it exists (CUDA sm_89+), else an integer decode.
+- the next tile's loads overlap this tile's math: either the compiler's cp.async pipeline (5 stages: the page lookup,
+  then the payload, one tile ahead) or a register double buffer (PREFETCH); the autotuner picks per format.
+Offline SASS (sm_90, 4 warps, decode top-k; per thread and 128-token tile = 128 elements): nvfp4 ~640 instructions
+(decode ~270 integer + 64 HMUL2), mxfp4 ~810-1000, fp8 (native) ~510, bf16 ~410.
 
 Exactness (why the kernel equals the reference on the dequantized cache up to fp32 accumulation order):
 - bf16 caches: bf16 keys x bf16 queries, exact products, fp32 accumulation.
@@ -19,9 +27,11 @@ Exactness (why the kernel equals the reference on the dequantized cache up to fp
   magnitudes 2**-10 .. 2688) are exact. The bf16 query row is multiplied by a power of two 2**a that puts its max in
   [2**14, 2**15) and cast to fp16: exact (fp16 has 11 significant bits to bf16's 8) except for elements below
   2**-28 of the row max, which round at 2**-39 of it. The fp32 scores are multiplied back by 2**-a.
+- FP4 bits decode to value * 2**-14 (exact, 0.5 as an fp16 subnormal); nvfp4 multiplies by the E4M3 scale in fp16
+  (v * s * 2**-14 stays exact: a multiple of 2**-24, <= 6 significant bits) and 2**14 joins the fp32 column scale.
 - mxfp4 scales 2**e span fp32's range, so each token's block factors are taken relative to its largest scale,
-  2**(e - emax) in fp16, and the token's score is multiplied by 2**emax in fp32. Exact unless a token's block
-  exponents span more than 23 binades (then the tiny blocks lose at most one fp16 subnormal step).
+  2**(e - emax + 14) in fp16, and the token's score is multiplied by 2**(emax - 14) in fp32. Exact unless a token's
+  block exponents span more than 23 binades (then the tiny blocks lose at most one fp16 subnormal step).
 - fp8 `token` row scales, fp8 `tensor` scales and the nvfp4 outer scale multiply the fp32 score.
 - Under the Triton interpreter (which mangles bf16/fp16 dots) the same values are dotted in fp32.
 NaN codes (E4M3 0x7F/0xFF, E8M0 255) decode to NaN as in torch; a NaN token score makes its block NaN, ranked -1e30.
