@@ -39,7 +39,14 @@ DEFAULT_CONTEXTS = (8192, 32768, 150_000)
 DEFAULT_PREFILL = (4096, 32768)
 L2_TARGET_BYTES = 150e6  # three times the H200's 50 MB L2
 MAX_LAYERS = 57  # M3's sparse layers
-SWEEP_CHUNKS = (8, 16, 32, 64, 128)  # --sweep: blocks per program at the goal shape
+# --sweep: fixed launches at the goal shape (name, kernels.index_score launch options)
+SWEEP = (
+    ("chunk=16", {"chunk_blocks": 16}), ("chunk=32", {"chunk_blocks": 32}), ("chunk=128", {"chunk_blocks": 128}),
+    ("prefetch w4", {"prefetch": True, "num_warps": 4}), ("prefetch w8", {"prefetch": True, "num_warps": 8}),
+    ("pipelined s3", {"prefetch": False, "num_stages": 3}), ("pipelined s5", {"prefetch": False, "num_stages": 5}),
+    ("pipelined s5 w8", {"prefetch": False, "num_stages": 5, "num_warps": 8}),
+    ("portable fp8", {"native_fp8": False}),
+)
 
 
 class _Decode:
@@ -180,8 +187,10 @@ def run_index_bench(batches=DEFAULT_BATCHES, contexts=DEFAULT_CONTEXTS, prefill=
                                            cuda_graph=on_cuda))
                     cases.append(BenchCase(f"triton score+topk {label}", step.topk(), step.bytes_topk, group, note,
                                            cuda_graph=on_cuda))
-                    for ch in SWEEP_CHUNKS if sweep and (batch, context) == (64, 150_000) else ():
-                        cases.append(BenchCase(f"triton score+topk {label} chunk={ch}", step.topk(chunk_blocks=ch),
+                    for vname, options in SWEEP if sweep and (batch, context) == (64, 150_000) else ():
+                        if "native_fp8" in options and step.fmt.scale_element != "e4m3" and step.fmt.family != "fp8":
+                            continue
+                        cases.append(BenchCase(f"triton score+topk {label} {vname}", step.topk(**options),
                                                step.bytes_topk, group, note, cuda_graph=on_cuda))
                 if peers:
                     cases.append(BenchCase(f"torch eager {label}", step.eager(), step.bytes_topk // layers, group,
