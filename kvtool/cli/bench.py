@@ -190,8 +190,8 @@ def bench_index(
     formats: Annotated[str, typer.Option("--formats", help="Comma-separated index cache formats / labels.")]
     = "bf16,fp8,nvfp4,mxfp4",
     peers: Annotated[bool, typer.Option("--peers/--no-peers", help="Also time the torch eager scorer.")] = True,
-    sweep: Annotated[bool, typer.Option("--sweep", help="Also time fixed launch variants (chunk, prefetch / pipelining, warps, portable fp8) at 64 x 150K.")]
-    = False,
+    sweep: Annotated[bool, typer.Option("--sweep", help="Also time fixed launch variants (chunk, prefetch / "
+                                                        "pipelining, warps, portable fp8) at 64 x 150K.")] = False,
     device: DeviceOpt = "cuda",
     as_json: JsonOpt = False,
 ) -> None:
