@@ -321,16 +321,18 @@ def _finish_block(i, blk0, bmax, state, col, valid, out_ptr, out_row, row_ok, IN
 
 
 @triton.jit
-def _tile_step(j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, t_full, col, pos, valid, bt_row, data_ptr,
+def _tile_step(j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, pos, valid, bt_row, data_ptr,
                qa, qb, qc, qd, colscale, out_ptr, out_row, row_ok, n_out, num_pages, page_bytes,
                D: tl.constexpr, PAGE: tl.constexpr, PB: tl.constexpr, SB: tl.constexpr,
                PAYLOAD_BITS: tl.constexpr, SCALE_KIND: tl.constexpr, SCALE_BLOCK: tl.constexpr, BS: tl.constexpr,
                TILE_T: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, MODE: tl.constexpr,
                NATIVE_FP8: tl.constexpr, PREFETCH: tl.constexpr, DOT_F32: tl.constexpr):
-    """Tile j of the program (tokens blk0 BS + j TILE_T ..), already fetched into (payload, scales) from page pg:
-    first issue the loads of tile j + 1 (page pg_next) and the page lookup of tile j + 2, so that memory works while
-    this tile decodes and multiplies (a register double buffer); then score it, fold it into the block maximum
-    bmax, and finish the block at its last tile. Returns the carried (payload, scales, pg, pg_next, bmax, state)."""
+    """Tile j of the program (tokens blk0 BS + j TILE_T ..). PREFETCH: it was fetched into (payload, scales) from
+    page pg by the previous step; first issue the loads of tile j + 1 (page pg_next) and the page lookup of tile
+    j + 2, so that memory works while this tile decodes and multiplies (a register double buffer). Otherwise fetch
+    it here and let the compiler's software pipeline (num_stages) run the loads ahead. Then score it, fold it into
+    the block maximum bmax, and finish the block at its last tile. Returns (payload, scales, pg, pg_next, bmax,
+    state) for the next step (passed through unchanged without PREFETCH)."""
     TPB: tl.constexpr = BS // TILE_T
     t0 = blk0 * BS + j * TILE_T
     t = t0 + tl.arange(0, TILE_T)
@@ -410,7 +412,6 @@ def _index_score_kernel(
     t_end = tl.minimum(tile_pos + 1, tl.load(ctx_ptr + b))  # no row sees a token at or past t_end
     blk0 = split * CH
     n_iter = tl.minimum((tile_pos + BS) // BS - blk0, CH)  # (tile_pos // BS + 1), also right for tile_pos = -1
-    t_full = tl.minimum(tl.min(tl.where(row_ok, pos, 2147483647), axis=0) + 1, t_end)  # every row sees [0, t_full)
     q_off = b.to(tl.int64) * stride_qb + qi.to(tl.int64) * stride_qq + h * stride_qh
     qa, qb, qc, qd, colscale = _load_query(q_ptr, q_off, row_ok, gscale, D, PAYLOAD_BITS, NATIVE_FP8, DOT_F32)
     out_row = ((b * Q + qi) * HI + h).to(tl.int64) * n_out
@@ -430,14 +431,14 @@ def _index_score_kernel(
         for j in range(0, CH * TPB):
             if j < n_tiles:
                 payload, scales, pg, pg_next, bmax, state = _tile_step(
-                    j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, t_full, col, pos, valid, bt_row,
+                    j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, pos, valid, bt_row,
                     data_ptr, qa, qb, qc, qd, colscale, out_ptr, out_row, row_ok, n_out, num_pages, page_bytes, D,
                     PAGE, PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, BS, TILE_T, INIT, LOCAL, MODE, NATIVE_FP8,
                     PREFETCH, DOT_F32)
     else:
         for j in range(0, n_tiles):
             payload, scales, pg, pg_next, bmax, state = _tile_step(
-                j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, t_full, col, pos, valid, bt_row,
+                j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, pos, valid, bt_row,
                 data_ptr, qa, qb, qc, qd, colscale, out_ptr, out_row, row_ok, n_out, num_pages, page_bytes, D,
                 PAGE, PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, BS, TILE_T, INIT, LOCAL, MODE, NATIVE_FP8,
                 PREFETCH, DOT_F32)
