@@ -11,7 +11,8 @@ bf16 index by default) runs beside them in lockstep:
 2. Free-running: from the end of the prompt (each cache rewound there: later writes overwrite the teacher-forced
    tokens), each configuration generates `gen_tokens` greedily on its own; the first divergence from the baseline's
    generation and the token agreement are reported (texts side by side for smollm2). These steps are timed: tokens/s
-   per configuration, beside a plain bf16 dense decode of the same model.
+   per configuration (batch / median step time), beside a plain bf16 dense decode of the same model stepped in turn
+   with them (so a load spike on a shared machine hits every configuration alike).
 With the default corpus the prompt fills all `tokens` positions; a user prompt (without --tokens) is teacher-forced
 together with the baseline's continuation of `gen_tokens` tokens.
 
@@ -27,6 +28,7 @@ run; a test compares the two).
 from __future__ import annotations
 
 import math
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -185,7 +187,7 @@ class Decoder:
         self.model, self.cache, self.indexer, self.record = model, cache, indexer, record
         self.kernels = kernels or {}  # 'index' / 'attention' -> True where the Triton path runs
         self.pos, self.length, self.trace = 0, 0, StepTrace()
-        self.timed_s, self.timed_tokens = 0.0, 0
+        self.step_s: list[float] = []  # wall time of each decode_one (tokens/s = batch / median)
         self.at_prompt_end: torch.Tensor | None = None  # logits [B, V] at the prompt's last position
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -265,8 +267,7 @@ class Decoder:
         logits = self.forward(token[:, None])[:, 0]                              # [B, V]
         if logits.is_cuda:
             torch.cuda.synchronize()
-        self.timed_s += time.perf_counter() - t0
-        self.timed_tokens += token.shape[0]
+        self.step_s.append(time.perf_counter() - t0)
         return logits
 
     def decode_n(self, token: torch.Tensor, n: int, on_step: Callable | None = None) -> torch.Tensor:
@@ -286,7 +287,9 @@ class Decoder:
 
     @property
     def tokens_per_s(self) -> float | None:
-        return self.timed_tokens / self.timed_s if self.timed_s > 0 else None
+        """Batch tokens per second of the decode_one steps: batch / the median step time (robust to load spikes
+        from other processes on a shared machine)."""
+        return self.cache.batch / statistics.median(self.step_s) if self.step_s else None
 
 
 # ----------------------------------------------------------------------------------------------------- the workflow
@@ -403,11 +406,11 @@ def run_decode(opts: DecodeOptions, progress: Callable[[ProgressEvent], None] | 
         stream_m = [StreamMetrics() for _ in cands]
         layer_m = [LayerAccumulator(c.n_layers, indexer is not None) for _ in cands]
         _teacher_forced(base, cands, prompt.to(device), n_tok, opts.chunk, stream_m, layer_m, progress)
-        gens = _free_run(base, cands, n_gen, progress, stream_m)
-        ref_tps = _bf16_reference(model, prompt.to(device), n_gen, opts, progress) \
-            if opts.speed_reference and n_gen > 1 else None
+        ref = [_bf16_reference(model, prompt.to(device), n_gen, opts.chunk)] if opts.speed_reference else []
+        gens = _free_run([base] + cands + ref, n_gen, progress, lambda: _running(cands, stream_m))
+        ref_tps = ref[0].tokens_per_s if ref else None
     return _report(opts, model, device, indexer, paths, prompt_tail, prompt.shape[1], n_tok, n_gen, base_spec,
-                   cand_specs, base, cands, stream_m, layer_m, gens, ref_tps, warnings)
+                   cand_specs, base, cands, stream_m, layer_m, gens[:len(cands) + 1], ref_tps, warnings)
 
 
 def _teacher_forced(base: Decoder, cands: list[Decoder], prompt: torch.Tensor, n_tok: int, chunk: int,
@@ -463,29 +466,26 @@ def _running(cands: list[Decoder], stream_m: list[StreamMetrics]) -> dict:
     return {d.cache.spec.label: sm.running() for d, sm in zip(cands, stream_m)}
 
 
-def _free_run(base: Decoder, cands: list[Decoder], n_gen: int, progress: Callable | None,
-              stream_m: list[StreamMetrics]) -> list[torch.Tensor]:
-    """Each decoder generates n_gen greedy tokens after the prompt on its own: [B, n_gen] each (baseline first)."""
-    gens, decs = [], [base] + cands
-    for i, dec in enumerate(decs):
-        first = dec.at_prompt_end.argmax(-1)                                      # first: [B]
-        step = (lambda j, i=i: progress(ProgressEvent(f"generate {i + 1}/{len(decs)}", j + 1, n_gen,
-                                                      _running(cands, stream_m)))) if progress else None
-        rest = dec.decode_n(first, max(n_gen - 1, 0), step)                       # rest: [B, n_gen - 1]
-        gens.append(torch.cat([first[:, None], rest], dim=1)[:, :n_gen])
-    return gens
+def _free_run(decs: list[Decoder], n_gen: int, progress: Callable | None, running: Callable) -> list[torch.Tensor]:
+    """Each decoder generates n_gen greedy tokens after the prompt on its own: [B, n_gen] each. The steps interleave
+    (step j of every decoder, then step j + 1), so a load spike on a shared machine hits every one alike."""
+    tokens = [[dec.at_prompt_end.argmax(-1)] for dec in decs]                     # per decoder: [B] per step
+    for j in range(1, n_gen):
+        for dec, toks in zip(decs, tokens):
+            toks.append(dec.decode_one(toks[-1]).argmax(-1))
+        if progress:
+            progress(ProgressEvent("generate", j + 1, n_gen, running()))
+    return [torch.stack(t, dim=1)[:, :n_gen] for t in tokens]
 
 
-def _bf16_reference(model: CausalLM, prompt: torch.Tensor, n_gen: int, opts: DecodeOptions,
-                    progress: Callable | None) -> float | None:
-    """tokens/s of a plain bf16 dense decode (PlainCache, torch SDPA) continuing the same prompt."""
+def _bf16_reference(model: CausalLM, prompt: torch.Tensor, n_gen: int, chunk: int) -> Decoder:
+    """A plain bf16 dense decoder (PlainCache: contiguous bf16 K/V, no index) prefilled with the prompt: the speed
+    reference, stepped beside the configurations in the free run."""
     c = model.config
-    dec = Decoder(model, PlainCache(c.n_layers, c.n_kv_heads, c.head_dim, opts.batch, prompt.shape[1] + n_gen,
+    dec = Decoder(model, PlainCache(c.n_layers, c.n_kv_heads, c.head_dim, prompt.shape[0], prompt.shape[1] + n_gen,
                                     model.device), None)
-    first = dec.prefill(prompt, opts.chunk)[:, -1].argmax(-1)
-    step = (lambda j: progress(ProgressEvent("bf16 reference", j, n_gen - 1, {}))) if progress else None
-    dec.decode_n(first, n_gen - 1, step)
-    return dec.tokens_per_s
+    dec.at_prompt_end = dec.prefill(prompt, chunk)[:, -1]
+    return dec
 
 
 def _report(opts, model, device, indexer, paths, prompt_tail, n_prompt, n_tok, n_gen, base_spec, cand_specs, base,
