@@ -42,6 +42,12 @@ DS_AMAX_FLOOR = 1e-4
 CPU_CHUNK_ELEMENTS = 1 << 18
 
 
+def div_by_const(a: torch.Tensor, c: float) -> torch.Tensor:
+    """IEEE fp32 `a / c` on every device. PyTorch's CUDA division by a Python scalar multiplies by the rounded
+    reciprocal instead (one ulp off on some inputs; seen on the H200), so the divisor is a tensor on `a`'s device."""
+    return a / torch.full_like(a, c)
+
+
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
@@ -95,11 +101,11 @@ def fp8_row_scale(amax: torch.Tensor, ds_floor: bool, pow2: bool) -> torch.Tenso
     optionally rounded up to a power of two (`2**ceil(log2 s)` by exponent bits: the ue8m0 variant)."""
     amax = amax.float()
     if ds_floor:
-        s = torch.clamp(amax, min=DS_AMAX_FLOOR) / E4M3_MAX
+        s = div_by_const(torch.clamp(amax, min=DS_AMAX_FLOOR), E4M3_MAX)
     else:
         # 1 where the QUOTIENT is 0: amax = 0, and also 0 < amax < 448 * 2**-150 (fp32 subnormal), whose quotient
         # underflows to 0 and would turn x / s into inf / NaN codes (SPEC: finite input never gives NaN).
-        s = amax / E4M3_MAX
+        s = div_by_const(amax, E4M3_MAX)
         s = torch.where(s > 0, s, torch.ones_like(s))
     if pow2:
         e = f32_unbiased_exponent(s) + f32_mantissa_nonzero(s).to(torch.int32)
@@ -147,7 +153,7 @@ def nvfp4_quantize(fmt: "Format", x: torch.Tensor, tensor_amax: torch.Tensor | N
 
     def chunk(xb):  # [r, D/16, 16]
         amax = _block_amax(xb)  # [r, D/16, 1]
-        scale_bytes = e4m3_encode(amax / E2M1_MAX * g_enc_t)
+        scale_bytes = e4m3_encode(div_by_const(amax, E2M1_MAX) * g_enc_t)
         s = e4m3_decode(scale_bytes)
         # A stored scale of 0 (all-zero block, or amax / 6 * g_enc <= 2**-10) decodes every code to 0: write codes 0.
         # Done on the per-block factors (cheap) instead of the payload: such a block is scaled to +-0 (multiplier 0
@@ -158,7 +164,7 @@ def nvfp4_quantize(fmt: "Format", x: torch.Tensor, tensor_amax: torch.Tensor | N
         elif fmt.recipe == NvRecipe.DIV:
             y = xb / (s * g_dec_t).masked_fill_(zero, float("inf"))
         else:  # UNROUNDED: codes from the fp32 scale before E4M3 rounding
-            y = xb / (amax / E2M1_MAX).masked_fill_(zero, float("inf"))
+            y = xb / div_by_const(amax, E2M1_MAX).masked_fill_(zero, float("inf"))
         y += torch.where(zero, 0.0, -0.0)
         return pack_nibbles(e2m1_encode(y)), scale_bytes.squeeze(-1)  # [r, D/16, 8], [r, D/16]
 
@@ -185,7 +191,7 @@ def mx_exponent(amax: torch.Tensor, rule: ScaleRule) -> torch.Tensor:
     elif rule == ScaleRule.CEIL:
         e = f32_unbiased_exponent(amax) + f32_mantissa_nonzero(amax).to(torch.int32) - 2
     else:  # RCEIL: ceil(log2(amax / 6)) exactly, from the bits of the fp32 quotient
-        t = amax / E2M1_MAX
+        t = div_by_const(amax, E2M1_MAX)
         bits = f32_bits(t)
         normal_e = f32_unbiased_exponent(t) + f32_mantissa_nonzero(t).to(torch.int32)
         # A subnormal t = m * 2**-149 has ceil(log2 t) = -149 + ceil(log2 m): -126 when m > 2**22, else <= -127.
