@@ -326,7 +326,7 @@ def _tile_step(j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, p
                D: tl.constexpr, PAGE: tl.constexpr, PB: tl.constexpr, SB: tl.constexpr,
                PAYLOAD_BITS: tl.constexpr, SCALE_KIND: tl.constexpr, SCALE_BLOCK: tl.constexpr, BS: tl.constexpr,
                TILE_T: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, MODE: tl.constexpr,
-               NATIVE_FP8: tl.constexpr, PREFETCH: tl.constexpr, DOT_F32: tl.constexpr):
+               NATIVE_FP8: tl.constexpr, PREFETCH: tl.constexpr, ONE_POS: tl.constexpr, DOT_F32: tl.constexpr):
     """Tile j of the program (tokens blk0 BS + j TILE_T ..). PREFETCH: it was fetched into (payload, scales) from
     page pg by the previous step; first issue the loads of tile j + 1 (page pg_next) and the page lookup of tile
     j + 2, so that memory works while this tile decodes and multiplies (a register double buffer). Otherwise fetch
@@ -348,7 +348,10 @@ def _tile_step(j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, p
                                  SCALE_KIND, SCALE_BLOCK)
     acc = _tile_dot(cur_pay, cur_sc, qa, qb, qc, qd, D, TILE_T, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, NATIVE_FP8,
                     DOT_F32)
-    keep = ((t < t_lim) & (cur_pg >= 0))[:, None] & (t[:, None] <= pos[None, :])
+    if ONE_POS:  # decode: every row sits at ctx - 1, so "t <= pos" is "t < t_lim"
+        keep = ((t < t_lim) & (cur_pg >= 0))[:, None]
+    else:
+        keep = ((t < t_lim) & (cur_pg >= 0))[:, None] & (t[:, None] <= pos[None, :])
     s = tl.where(keep, acc * colscale[None, :], float("-inf"))
     if MODE == MODE_TOKENS:
         tl.store(out_ptr + out_row[None, :] + t[:, None], s, mask=row_ok[None, :] & (t < n_out)[:, None])
@@ -434,14 +437,14 @@ def _index_score_kernel(
                     j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, pos, valid, bt_row,
                     data_ptr, qa, qb, qc, qd, colscale, out_ptr, out_row, row_ok, n_out, num_pages, page_bytes, D,
                     PAGE, PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, BS, TILE_T, INIT, LOCAL, MODE, NATIVE_FP8,
-                    PREFETCH, DOT_F32)
+                    PREFETCH, QT == 1, DOT_F32)
     else:
         for j in range(0, n_tiles):
             payload, scales, pg, pg_next, bmax, state = _tile_step(
                 j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, pos, valid, bt_row,
                 data_ptr, qa, qb, qc, qd, colscale, out_ptr, out_row, row_ok, n_out, num_pages, page_bytes, D,
                 PAGE, PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, BS, TILE_T, INIT, LOCAL, MODE, NATIVE_FP8,
-                PREFETCH, DOT_F32)
+                PREFETCH, QT == 1, DOT_F32)
     if MODE == MODE_TOPK:
         ids = tl.broadcast_to((blk0 + col)[None, :], [MP, CH])
         avail = (col[None, :] < n_iter) & (ids < valid[:, None])
