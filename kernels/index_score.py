@@ -457,13 +457,13 @@ def _index_score_kernel(
 
 # -------------------------------------------------------------------------------------------------------- launchers
 def _configs():
-    """Launch variants the autotuner times on the GPU: the compiler's cp.async pipeline (3 or 5 stages: with the page
-    lookup in front, 5 stages keep one key tile in flight during the previous tile's math) or the register double
-    buffer (PREFETCH), at 4 or 8 warps."""
+    """Launch variants the autotuner times on the GPU: the compiler's cp.async pipeline (5 stages: with the page
+    lookup in front, fewer stages leave no key tile in flight during the previous tile's math, per the SASS) or the
+    register double buffer (PREFETCH), at 4 or 8 warps."""
     if INTERPRET:
         return [triton.Config({"PREFETCH": False}, num_warps=4, num_stages=1)]
     return [triton.Config({"PREFETCH": p}, num_warps=w, num_stages=s)
-            for w in (4, 8) for p, s in ((False, 3), (False, 5), (True, 1))]
+            for w in (4, 8) for p, s in ((False, 5), (True, 1))]
 
 
 _tuned_kernel = triton.autotune(
