@@ -348,11 +348,12 @@ from kvtool.workflows import verify_topk as vt  # noqa: E402
 
 CAPTURE = Path(__file__).resolve().parent.parent / "fixtures" / "smollm2_capture.safetensors"
 SMALL = IndexerConfig(block_size=32, topk=4)
+FIXED = {"prefetch": False}  # one launch, no autotuning (the GPU compiles each variant once per constexpr set)
 
 
 def test_verify_topk_synthetic_runs_the_kernel_and_passes():
     r = vt.verify_topk_synthetic(["bf16", "fp8", "nvfp4", "mxfp4-floor"], batch=2, context_lens="300,1000", cfg=SMALL,
-                                 page_size=16, device=DEVICE)
+                                 page_size=16, device=DEVICE, launch=FIXED)
     assert r.backend in ("triton", "triton-interpreter") and r.passed
     assert [row.format for row in r.layers] == ["bf16", "fp8-unit", "nvfp4-rcp", "mxfp4-floor"]
     for row in r.layers:
@@ -370,13 +371,14 @@ def test_verify_topk_fails_on_a_wrong_selection(monkeypatch):
         return torch.where(ids > 0, ids - 1, ids)  # shifts every selection: never a tie
 
     monkeypatch.setattr(K, "decode_topk", off_by_one)
-    r = vt.verify_topk_synthetic(["nvfp4"], batch=2, context_lens="700", cfg=SMALL, page_size=32, device=DEVICE)
+    r = vt.verify_topk_synthetic(["nvfp4"], batch=2, context_lens="700", cfg=SMALL, page_size=32, device=DEVICE,
+                                 launch=FIXED)
     assert not r.passed and r.layers[0].vs_dequant.tie_aware_pct < 100.0
 
 
 def test_verify_topk_capture_fixture():
     r = vt.verify_topk_capture(CAPTURE, ["bf16", "nvfp4"], layers=[1], max_queries=24, block_size=16, topk=4,
-                               device=DEVICE)
+                               device=DEVICE, launch=FIXED)
     assert r.passed and r.config["block_size"] == 16 and len(r.layers) == 2
     bf16, nv = r.layers
     assert bf16.rows == 24 * 3 and bf16.vs_original.recall == 1.0
@@ -394,10 +396,10 @@ def test_verify_topk_files_plain_and_prequantized(tmp_path):
                                    "--to", "mxfp4"])
     assert res.exit_code == 0, res.output
     plain = vt.verify_topk_files(tmp_path / "k.safetensors", tmp_path / "q.safetensors", ["fp8", "mxfp4"],
-                                 max_queries=12, block_size=32, topk=4, device=DEVICE)
+                                 max_queries=12, block_size=32, topk=4, device=DEVICE, launch=FIXED)
     assert plain.passed and [row.layer for row in plain.layers] == ["l", "l"]
     pre = vt.verify_topk_files(tmp_path / "kq.safetensors", tmp_path / "q.safetensors", ["nvfp4"], max_queries=12,
-                               block_size=32, topk=4, device=DEVICE)
+                               block_size=32, topk=4, device=DEVICE, launch=FIXED)
     assert pre.passed and pre.formats == ["mxfp4-rceil"] and pre.layers[0].vs_original is None
     # the pre-quantized cache holds exactly the bytes the in-memory quantization wrote: same selections
     assert pre.layers[0].vs_dequant.rows == plain.layers[1].vs_dequant.rows

@@ -175,19 +175,22 @@ def _row(layer, label, rows, deq: TopkMetrics, err, tol, orig: TopkMetrics | Non
 
 
 def _check_layer(layer: str, caches: list[tuple[str, tuple]], iq4: torch.Tensor, q_pos: torch.Tensor | None,
-                 cfg: IndexerConfig, original, backend: str, report: VerifyTopkReport, overall: _Overall) -> None:
+                 cfg: IndexerConfig, original, backend: str, report: VerifyTopkReport, overall: _Overall,
+                 launch: dict | None = None) -> None:
     """One layer / synthetic step: for each (label, (cache, table, ctx)) run the candidate and compare.
-    iq4 bf16 [B, Q, Hi, D]; q_pos [B, Q] or None (the last Q positions); original = (ids, scores) or None."""
+    iq4 bf16 [B, Q, Hi, D]; q_pos [B, Q] or None (the last Q positions); original = (ids, scores) or None;
+    launch: kernel launch options (kvtool.kernels.index_score.LAUNCH_OPTIONS; None = the autotuned launch)."""
+    launch = launch or {}
     from kvtool.kernels import index_score as K
 
     for label, (cache, table, ctx) in caches:
         ref_ids, ref_scores = paged_reference(iq4, cache, table, ctx, cfg, q_pos)
         if backend == "triton" and iq4.shape[1] == 1 and q_pos is None:
-            ids = K.decode_topk(iq4[:, 0], cache, table, ctx, cfg)[:, None]
-            scores = K.decode_block_scores(iq4[:, 0], cache, table, ctx, cfg)[:, None]
+            ids = K.decode_topk(iq4[:, 0], cache, table, ctx, cfg, **launch)[:, None]
+            scores = K.decode_block_scores(iq4[:, 0], cache, table, ctx, cfg, **launch)[:, None]
         elif backend == "triton":
-            ids = K.prefill_topk(iq4, cache, table, ctx, cfg, q_pos=q_pos)
-            scores = K.prefill_block_scores(iq4, cache, table, ctx, cfg, q_pos=q_pos)
+            ids = K.prefill_topk(iq4, cache, table, ctx, cfg, q_pos=q_pos, **launch)
+            scores = K.prefill_block_scores(iq4, cache, table, ctx, cfg, q_pos=q_pos, **launch)
         else:
             ids, scores = ref_ids, ref_scores
         keys = [paged_keys(cache, table, int(n), b) for b, n in enumerate(ctx.tolist()) if n]
@@ -226,8 +229,10 @@ def _cfg_dict(cfg: IndexerConfig, **extra) -> dict:
 def verify_topk_synthetic(formats: list[str], *, batch: int = 4, context_lens: str | None = None, seed: int = 0,
                           cfg: IndexerConfig | None = None, page_size: int = 128, device: str = "cpu",
                           backend: str = "auto", min_recall: float | None = None,
-                          progress: Callable[[str], None] | None = None) -> VerifyTopkReport:
-    """One M3 decode step for `batch` requests (see the module docstring)."""
+                          progress: Callable[[str], None] | None = None, launch: dict | None = None
+                          ) -> VerifyTopkReport:
+    """One M3 decode step for `batch` requests (see the module docstring). launch: kernel launch options (tests pin
+    one launch to skip autotuning; None = the autotuned launch)."""
     from kvtool.workflows.verify_attn import parse_context_lens
 
     cfg = cfg or IndexerConfig()
@@ -250,7 +255,7 @@ def verify_topk_synthetic(formats: list[str], *, batch: int = 4, context_lens: s
     caches = [(f.label, build_index_cache(f, keys, page_size, dev, gen)) for f in fmts]
     overall = _Overall()
     _check_layer("synthetic", caches, iq4.to(dev), None, cfg, tuple(t.to(dev) for t in original), backend, report,
-                 overall)
+                 overall, launch)
     return _finish(report, overall)
 
 
@@ -269,8 +274,8 @@ def _file_cfg(meta: dict, block_size, topk, tie_rule) -> IndexerConfig:
 def verify_topk_capture(path: Path, formats: list[str], *, layers: list[int] | None = None, max_queries: int = 256,
                         page_size: int | None = None, block_size: int | None = None, topk: int | None = None,
                         tie_rule: str = "higher-id", device: str = "cpu", backend: str = "auto",
-                        min_recall: float | None = None,
-                        progress: Callable[[str], None] | None = None) -> VerifyTopkReport:
+                        min_recall: float | None = None, progress: Callable[[str], None] | None = None,
+                        launch: dict | None = None) -> VerifyTopkReport:
     """Every captured layer (or `layers`) of a `kvtool capture` file; see the module docstring."""
     from kvtool.workflows.capture import read_capture
 
@@ -291,13 +296,13 @@ def verify_topk_capture(path: Path, formats: list[str], *, layers: list[int] | N
     for i in chosen:
         ik, iq = tensors[f"layers.{i}.index_k"], tensors[f"layers.{i}.index_q"]
         rows = _query_rows(ik.shape[0], max_queries)
-        _check_keys(str(i), fmts, ik, iq[rows], rows, cfg, page, dev, backend, report, overall, progress)
+        _check_keys(str(i), fmts, ik, iq[rows], rows, cfg, page, dev, backend, report, overall, progress, launch)
     if max_queries > 0:
         report.notes.append(f"at most {max_queries} query positions per layer (evenly spaced, with the last)")
     return _finish(report, overall)
 
 
-def _check_keys(layer, fmts, ik, iq, rows, cfg, page, dev, backend, report, overall, progress) -> None:
+def _check_keys(layer, fmts, ik, iq, rows, cfg, page, dev, backend, report, overall, progress, launch=None) -> None:
     """Float keys ik [S, D] and queries iq [N, Hi, D] at positions rows [N]: every format, one request."""
     if ik.dim() != 2 or iq.dim() != 3 or iq.shape[-1] != ik.shape[-1]:
         raise InputError(f"layer {layer}: index keys must be [S, D] and queries [N, Hi, D], got "
@@ -309,14 +314,14 @@ def _check_keys(layer, fmts, ik, iq, rows, cfg, page, dev, backend, report, over
         progress(f"layer {layer}: {rows.numel()} queries x {iq.shape[1]} heads over {ik.shape[0]} keys")
     caches = [(f.label, build_index_cache(f, [ik], page, dev)) for f in fmts]
     _check_layer(layer, caches, iq4.to(dev), q_pos.to(dev), cfg, tuple(t.to(dev) for t in original), backend,
-                 report, overall)
+                 report, overall, launch)
 
 
 def verify_topk_files(cache_path: Path, query_path: Path, formats: list[str], *, max_queries: int = 256,
                       page_size: int | None = None, block_size: int | None = None, topk: int | None = None,
                       tie_rule: str = "higher-id", device: str = "cpu", backend: str = "auto",
-                      min_recall: float | None = None,
-                      progress: Callable[[str], None] | None = None) -> VerifyTopkReport:
+                      min_recall: float | None = None, progress: Callable[[str], None] | None = None,
+                      launch: dict | None = None) -> VerifyTopkReport:
     """An index cache file (float keys, or a kvtool cache file) plus a query file; see the module docstring."""
     from kvtool.readers import open_input
 
@@ -348,13 +353,13 @@ def verify_topk_files(cache_path: Path, query_path: Path, formats: list[str], *,
                     progress(f"{kname}: pre-quantized {kentry.fmt.label}, {pick.numel()} queries")
                 q_pos = rows[pick][None].to(torch.int32).to(dev)
                 _check_layer(layer, [(kentry.fmt.label, cache)], iq4.to(dev), q_pos, cfg, None, backend, report,
-                             overall)
+                             overall, launch)
                 report.notes.append(f"{kname} is already quantized ({kentry.fmt.label}): (b) needs the original keys")
             else:
                 labels = [f.label for f in fmts]
                 ik = kentry.read(0, kentry.rows).reshape(n, kentry.dim)
                 _check_keys(layer, fmts, ik, iq[pick], rows[pick], cfg, page, dev, backend, report, overall,
-                            progress)
+                            progress, launch)
             report.formats += [x for x in labels if x not in report.formats]
     return _finish(report, overall)
 
