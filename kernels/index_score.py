@@ -459,11 +459,12 @@ def _index_score_kernel(
 def _configs():
     """Launch variants the autotuner times on the GPU: the compiler's cp.async pipeline (5 stages: with the page
     lookup in front, fewer stages leave no key tile in flight during the previous tile's math, per the SASS) or the
-    register double buffer (PREFETCH), at 4 or 8 warps."""
+    register double buffer (PREFETCH). 4 warps: one warpgroup per 128-token tile (8 warps: `--sweep`). Two
+    variants keep first-call compile time low (each key compiles both once)."""
     if INTERPRET:
         return [triton.Config({"PREFETCH": False}, num_warps=4, num_stages=1)]
-    return [triton.Config({"PREFETCH": p}, num_warps=w, num_stages=s)
-            for w in (4, 8) for p, s in ((False, 5), (True, 1))]
+    return [triton.Config({"PREFETCH": False}, num_warps=4, num_stages=5),
+            triton.Config({"PREFETCH": True}, num_warps=4, num_stages=1)]
 
 
 _tuned_kernel = triton.autotune(
@@ -548,8 +549,11 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
     tile_pos = tile_pos.amax(-1).contiguous() if bsz * nq else tile_pos.new_empty(0)
     ch = options.get("chunk_blocks")
     if ch is None:
+        # about four programs per SM; powers of 4 so that few distinct kernels (and autotune keys) arise
         want = triton.cdiv(nb * bsz * n_qtiles, 4 * _num_sms(iq4.device))
-        ch = min(64, max(2, triton.next_power_of_2(want)))
+        ch = 4
+        while ch < min(want, 64):
+            ch *= 4
     ch = triton.next_power_of_2(ch)
     splits = triton.cdiv(nb, ch)
     kc_ = min(cfg.topk, ch)
