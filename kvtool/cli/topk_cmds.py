@@ -94,19 +94,19 @@ def _render(r: vt.VerifyTopkReport) -> None:
     table = Table(title=f"verify-topk: {r.source} ({r.backend}, {r.device})", caption=cfg, box=box.SIMPLE_HEAD,
                   pad_edge=False, collapse_padding=True)
     for col in ("layer", "format", "rows", "a\nexact%", "a\ntie%", "a\nmax err", "b\nexact%", "b\nrecall",
-                "b\nrel err", "ok"):
-        text = col in ("layer", "format")  # long names fold; numbers never shrink
+                "b\nrel err"):
+        text = col in ("layer", "format")  # long names fold (80-column pipes); numbers never shrink
         table.add_column(col, justify="left" if text else "right", no_wrap=not text, overflow="fold",
-                         min_width=None if text else max(len(p) for p in col.split("\n")))
+                         min_width=(9 if col == "layer" else 11) if text else max(len(p) for p in col.split("\n")))
     several = len({row.layer for row in r.layers}) > 1
     for i, row in enumerate(r.layers + (r.overall if several else [])):
         if i == len(r.layers):
             table.add_section()  # the overall rows, over every layer
         a, b = row.vs_dequant, row.vs_original
-        table.add_row(row.layer, row.format, str(row.rows), f"{a.exact_pct:.2f}", f"{a.tie_aware_pct:.2f}",
-                      f"{row.max_score_err:.1e}", "-" if b is None else f"{b.exact_pct:.2f}",
-                      "-" if b is None else f"{b.recall:.4f}", "-" if b is None else f"{b.rel_score_err:.1e}",
-                      "[green]ok[/green]" if row.passed else "[red]NO[/red]")
+        table.add_row(row.layer, row.format, str(row.rows), f"{a.exact_pct:.1f}", f"{a.tie_aware_pct:.1f}",
+                      f"{row.max_score_err:.1e}", "-" if b is None else f"{b.exact_pct:.1f}",
+                      "-" if b is None else f"{b.recall:.3f}", "-" if b is None else f"{b.rel_score_err:.1e}",
+                      style=None if row.passed else "bold red")  # failing rows in red
     stdout.print(table)
     if "context_lens" in r.config:
         stdout.print(f"context lengths: {r.config['context_lens']}")
@@ -116,4 +116,5 @@ def _render(r: vt.VerifyTopkReport) -> None:
                  "unforced blocks)" + (f"; min recall {r.min_recall:g}" if r.min_recall is not None else ""))
     for note in r.notes:
         stderr.print(f"note: {note}")
-    stdout.print("[green]PASS[/green]" if r.passed else "[red]FAIL[/red]")
+    failed = [f"{row.layer}/{row.format}" for row in r.layers + r.overall if not row.passed]
+    stdout.print("[green]PASS[/green]" if r.passed else f"[red]FAIL[/red]: {', '.join(failed)}")
