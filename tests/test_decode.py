@@ -318,10 +318,10 @@ def test_cli_smoke_on_smollm2():
 
 # ---------------------------------------------------------------------------------------------- Triton path
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy on masked-out lanes
-def test_triton_path_matches_the_torch_path():
-    """The kernels (interpreter on CPU) read the paged bytes; the torch path reads the dequantized shadow. Same
-    numbers up to the kernels' bf16 queries and accumulation order."""
-    kw = dict(tokens=24, gen_tokens=2, topk=1)  # 24 tokens: 2 blocks > top-1, so the scorer chooses
+def test_triton_path_matches_the_torch_path(device):
+    """The kernels (interpreter on CPU, compiled on the GPU) read the paged bytes; the torch path reads the
+    dequantized cache. Same numbers up to the kernels' bf16 queries and accumulation order."""
+    kw = dict(tokens=24, gen_tokens=2, topk=1, device=device)  # 24 tokens: 2 blocks > top-1, so the scorer chooses
     t = _run(["nvfp4"], ["fp4"], backend="torch", **kw)
     k = _run(["nvfp4"], ["fp4"], backend="triton", **kw)
     assert k.paths == {"store": "triton", "index": "triton", "attention": "triton"}
