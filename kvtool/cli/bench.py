@@ -13,6 +13,33 @@ app.add_typer(bench_app, name="bench")
 # Benchmark subcommands register on bench_app from their modules (imported at the end of kvtool/cli/__init__.py).
 
 
+# ------------------------------------------------------------------------------------------------ bench codecs
+from typing import Annotated  # noqa: E402
+
+from kvtool.cli.common import DeviceOpt, JsonOpt, emit, handle_errors, stderr, stdout  # noqa: E402
+
+
+@bench_app.command("codecs", epilog="Examples:\n\n  kvtool bench codecs\n\n  kvtool bench codecs --size 32 --json\n\n"
+                                    "  kvtool bench codecs --device cuda --size 256")
+@handle_errors
+def bench_codecs(
+    size: Annotated[float, typer.Option("--size", help="MB of bf16 input ([rows, 128]).")] = 8.0,
+    device: DeviceOpt = "cpu",
+    as_json: JsonOpt = False,
+) -> None:
+    """Quantize throughput of every torch codec beside torchao / torch peers, with the speed-up over each peer."""
+    from kvtool.bench.codecs import render_speedups, run_codec_bench
+    from kvtool.bench.common import render_report
+
+    report = run_codec_bench(size_mb=size, device=device, progress=lambda name: stderr.print(f"[dim]{name}[/dim]"))
+
+    def render(r):
+        render_report(r, stdout)
+        render_speedups(r, stdout)
+
+    emit(report, as_json, render)
+
+
 # -------------------------------------------------------------------------------------------------- bench attn
 from typing import Annotated  # noqa: E402,F811  (each section imports what it uses)
 
@@ -99,33 +126,6 @@ def bench_quant(
     def render(r):
         render_report(r, stdout)
         render_goals(r, stdout)
-
-    emit(report, as_json, render)
-
-
-# ------------------------------------------------------------------------------------------------ bench codecs
-from typing import Annotated  # noqa: E402
-
-from kvtool.cli.common import DeviceOpt, JsonOpt, emit, handle_errors, stderr, stdout  # noqa: E402
-
-
-@bench_app.command("codecs", epilog="Examples:\n\n  kvtool bench codecs\n\n  kvtool bench codecs --size 32 --json\n\n"
-                                    "  kvtool bench codecs --device cuda --size 256")
-@handle_errors
-def bench_codecs(
-    size: Annotated[float, typer.Option("--size", help="MB of bf16 input ([rows, 128]).")] = 8.0,
-    device: DeviceOpt = "cpu",
-    as_json: JsonOpt = False,
-) -> None:
-    """Quantize throughput of every torch codec beside torchao / torch peers, with the speed-up over each peer."""
-    from kvtool.bench.codecs import render_speedups, run_codec_bench
-    from kvtool.bench.common import render_report
-
-    report = run_codec_bench(size_mb=size, device=device, progress=lambda name: stderr.print(f"[dim]{name}[/dim]"))
-
-    def render(r):
-        render_report(r, stdout)
-        render_speedups(r, stdout)
 
     emit(report, as_json, render)
 
