@@ -8,7 +8,9 @@ Inputs:
   `tensor`) or a (nested) dict / list of tensors (names joined with dots);
 - `.npy`: one array named `tensor` (`allow_pickle` is never used);
 - engine dumps with `--layout NAME --geometry K=V,...`: routed to `kvtool.layouts.read_layout(path, layout,
-  geometry) -> dict[str, QTensor]`, each QTensor a quantized entry.
+  geometry) -> dict[str, QTensor]`, each QTensor a quantized entry; `kvtool.layouts.check_plausible` looks at what was
+  read, and its warnings (a wrong geometry or layout reads payload bytes as scales) are kept per entry in
+  `InputFile.warnings`. A kvtool cache file with `--layout planes` is opened as the kvtool file it is.
 
 An entry is viewed as [rows, D] (D = last dimension). `read(a, b)` returns rows [a, b) as values ([b - a, D]; the
 stored dtype for plain entries, decoded fp32 for quantized ones); `read_q(a, b)` returns a quantized entry's rows as a
@@ -117,6 +119,7 @@ class InputFile:
     writer_version: str | None = None
     notes: list[str] = field(default_factory=list)
     handle: BinaryIO | None = None
+    warnings: dict[str, list[str]] = field(default_factory=dict)  # entry name -> plausibility warnings (layouts)
 
     def close(self) -> None:
         if self.handle is not None:
@@ -304,17 +307,24 @@ def _memory_entry(name: str, t: torch.Tensor) -> Entry:
 def _open_layout(path: Path, layout: str, geometry: str | None) -> InputFile:
     """Route an engine dump to kvtool.layouts (imported only here); `geometry` is passed on as "KEY=VAL,..." text."""
     try:
-        from kvtool.layouts import read_layout
+        from kvtool.layouts import check_plausible, read_layout
     except ImportError:
         raise LayoutError(f"--layout {layout}: engine layouts are not available in this kvtool build "
                           "(kvtool.layouts is missing)") from None
+    if str(layout).strip().lower() == "planes" and path.suffix.lower() in SAFETENSORS_SUFFIXES:
+        header = read_header(path)
+        if parse_kvtool(header) is not None:  # kvtool's own planes: its metadata says format, shape and scales
+            if geometry:
+                raise LayoutError(f"{path}: a kvtool cache file describes itself: drop --geometry")
+            return _open_safetensors(path)
     tensors = read_layout(path, layout, geometry)
     entries = {}
     for name, q in tensors.items():
         entries[name] = qtensor_entry(name, q)
     if not entries:
         raise LayoutError(f"{path}: layout {layout} produced no tensors")
-    return InputFile(path, f"layout:{layout}", entries)
+    warnings = {name: found for name, q in tensors.items() if (found := check_plausible({name: q}))}
+    return InputFile(path, f"layout:{layout}", entries, warnings=warnings)
 
 
 def qtensor_entry(name: str, q: QTensor) -> Entry:

@@ -47,8 +47,10 @@ ChunkOpt = Annotated[float, typer.Option("--chunk-mb", help="Row-block size in M
                                                             "follows it, not the file size.")]
 LayoutOpt = Annotated[Optional[str], typer.Option("--layout", help="Engine dump layout of the input "
                                                                    "(kvtool.layouts), e.g. a paged preset.")]
-GeometryOpt = Annotated[Optional[str], typer.Option("--geometry", help="Layout geometry KEY=VAL[,KEY=VAL...], e.g. "
-                                                                       "page_size=128,heads=4,head_dim=128.")]
+GeometryOpt = Annotated[Optional[str], typer.Option("--geometry", help="Layout geometry KEY=VAL[,KEY=VAL...] (keys "
+                                                    "format, page, heads, dim, tokens, tensor_scale, outer), e.g. "
+                                                    "format=mxfp4,page=128,heads=2,dim=128,tokens=256.")]
+LAYOUT_GEO = "--layout vllm-mxfp4-page --geometry format=mxfp4,page=128,heads=2,dim=128,tokens=256"
 
 
 def _epilog(*lines: str) -> str:
@@ -90,6 +92,11 @@ def _sigterm_cleans() -> Iterator[None]:
 
 def _hint(text: str) -> None:
     print(f"hint: {text}", file=sys.stderr)
+
+
+def _warn(warnings: list[str]) -> None:
+    for text in warnings:
+        print(f"warning: {text}", file=sys.stderr)
 
 
 def _out() -> Console:
@@ -161,7 +168,8 @@ def _render_ops(r) -> None:
 @app.command("inspect", epilog=_epilog(
     f"kvtool inspect {FIX}",
     "kvtool inspect /tmp/k_mxfp4.safetensors --verify",
-    "kvtool inspect /tmp/k_nvfp4.safetensors --include 'layers.0.*' --json"))
+    "kvtool inspect /tmp/k_nvfp4.safetensors --include 'layers.0.*' --json",
+    f"kvtool inspect fixtures/vllm_mxfp4_k.bin {LAYOUT_GEO}"))
 @handle_errors
 def inspect(path: Annotated[Path, typer.Argument(help="A kvtool cache, safetensors, .pt or .npy file.",
                                                  show_default=False)],
@@ -170,13 +178,15 @@ def inspect(path: Annotated[Path, typer.Argument(help="A kvtool cache, safetenso
             include: IncludeOpt = None, exclude: ExcludeOpt = None, chunk_mb: ChunkOpt = 64.0,
             layout: LayoutOpt = None, geometry: GeometryOpt = None, as_json: JsonOpt = False) -> None:
     """Per tensor: format, recipe, shape, bytes per token per head, compression vs bf16, scale statistics (range,
-    exponent histogram, saturated and all-zero blocks) and checksum status."""
+    exponent histogram, saturated and all-zero blocks) and checksum status. Engine dumps (--layout) are checked for
+    a plausible geometry: warnings on stderr and in the JSON `warnings` (the exit code stays 0)."""
     from kvtool.workflows.inspect import inspect_file
 
     with _progress() as progress:
         report = inspect_file(path, verify=verify, include=include, exclude=exclude, chunk_mb=chunk_mb,
                               layout=layout, geometry=geometry, progress=progress)
     emit(report, as_json, _render_inspect)
+    _warn(report.warnings)
     if not report.ok:
         raise typer.Exit(1)
 
@@ -214,7 +224,8 @@ def _render_inspect(r) -> None:
     f"kvtool diff /tmp/k_mxfp4.safetensors {FIX}",
     f"kvtool diff /tmp/k_mxfp4.safetensors {FIX} --max-rel-l2 0.2 --min-sqnr 15",
     "kvtool diff /tmp/k_floor.safetensors /tmp/k_mxfp4.safetensors --max-scale-mismatch 0 --json",
-    f"kvtool diff /tmp/k_nvfp4.safetensors {FIX} --plot /tmp/errors.png"))
+    f"kvtool diff /tmp/k_nvfp4.safetensors {FIX} --plot /tmp/errors.png",
+    f"kvtool diff fixtures/vllm_mxfp4_k.bin /tmp/k_mxfp4.safetensors {LAYOUT_GEO} --pair x=layers.0.k"))
 @handle_errors
 def diff(a: Annotated[Path, typer.Argument(help="Candidate A (any input kvtool reads).", show_default=False)],
          b: Annotated[Path, typer.Argument(help="Reference B (e.g. the bf16 original).", show_default=False)],
@@ -232,6 +243,9 @@ def diff(a: Annotated[Path, typer.Argument(help="Candidate A (any input kvtool r
          geometry_b: Annotated[Optional[str], typer.Option("--geometry-b", help="Layout geometry of B.")] = None,
          plot: Annotated[Optional[Path], typer.Option("--plot", help="Write error histograms to this PNG "
                                                       "(needs matplotlib).")] = None,
+         pair: Annotated[Optional[list[str]], typer.Option("--pair", help="Compare tensor A_NAME of A with B_NAME of "
+                                                           "B, e.g. x=layers.0.k (repeatable; only these pairs are "
+                                                           "compared).")] = None,
          as_json: JsonOpt = False) -> None:
     """Compare A with reference B tensor by tensor, across formats: value metrics, decoded-value disagreement, and
     (when bytes are comparable) scale- and payload-byte disagreement with a scale-rule diagnosis."""
@@ -241,8 +255,9 @@ def diff(a: Annotated[Path, typer.Argument(help="Candidate A (any input kvtool r
         report = diff_files(a, b, max_rel_l2=max_rel_l2, max_abs=max_abs, min_sqnr=min_sqnr,
                             max_scale_mismatch=max_scale_mismatch, include=include, exclude=exclude,
                             chunk_mb=chunk_mb, layout=layout, geometry=geometry, layout_b=layout_b,
-                            geometry_b=geometry_b, plot=plot, progress=progress)
+                            geometry_b=geometry_b, plot=plot, pair=pair, progress=progress)
     emit(report, as_json, _render_diff)
+    _warn(report.warnings)
     if not report.passed:
         raise typer.Exit(1)
 

@@ -22,10 +22,16 @@ GeometryOpt = Annotated[Optional[str], typer.Option(
 
 CONVERT_EXAMPLES = """Examples:
 
-  kvtool convert vllm_dump.bin -o ref.safetensors --from-layout vllm-mxfp4-page --to-layout planes
-  --geometry format=mxfp4,page=128,heads=1,dim=128,tokens=1000
+  kvtool convert fixtures/vllm_mxfp4_k.bin -o /tmp/k.planes.safetensors --from-layout vllm-mxfp4-page
+  --to-layout planes --geometry format=mxfp4,page=128,heads=2,dim=128,tokens=256
 
-  kvtool convert kv.safetensors -o trt.bin --from-layout vllm-nvfp4-kv --to-layout trtllm-nvfp4-kv --json
+  kvtool convert /tmp/k_mxfp4.safetensors -o /tmp/k.vllm.bin --from-layout planes --to-layout vllm-mxfp4-page
+  --include 'layers.0.k'
+
+  kvtool convert /tmp/k_mxfp4.safetensors -o /tmp/all.vllm.safetensors --from-layout planes
+  --to-layout vllm-mxfp4-page --json
+
+  kvtool convert kv.safetensors -o trt.bin --from-layout vllm-nvfp4-kv --to-layout trtllm-nvfp4-kv
 """
 
 
@@ -39,10 +45,21 @@ def convert(
     geometry: GeometryOpt = None,
     to_geometry: Annotated[Optional[str], typer.Option(
         "--to-geometry", help="Output page size, page=N (default: the target preset's).")] = None,
+    include: Annotated[Optional[list[str]], typer.Option(
+        "--include", help="Only tensors whose name matches this glob (fnmatch; repeatable). A raw .bin output "
+                          "holds one cache: pick it here.")] = None,
+    exclude: Annotated[Optional[list[str]], typer.Option(
+        "--exclude", help="Leave out tensors whose name matches this glob (repeatable).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Move a quantized cache's bytes from one engine layout to another (the format is unchanged)."""
-    report = convert_layout(input, output, from_layout, to_layout, geometry, to_geometry)
+    """Move a quantized cache's bytes from one engine layout to another (the format is unchanged).
+
+    A kvtool cache file read as `planes` brings every tensor's own format, shape and scales (plain passthrough
+    tensors are skipped with a note). A raw .bin output holds one cache; a .safetensors output holds each tensor's
+    engine buffers as NAME.BUFFER (read back with --layout), and `planes` as .safetensors is a kvtool cache file."""
+    report = convert_layout(input, output, from_layout, to_layout, geometry, to_geometry, include, exclude)
+    for note in report.notes:
+        print(f"note: {note}", file=sys.stderr)
     for warning in report.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     emit(report, as_json, _render_convert)
@@ -57,9 +74,10 @@ def _render_convert(report: ConvertReport) -> None:
             ("out", report.output, report.to_layout, report.geometry_out, report.output_bytes)):
         table.add_row(side, Text(path), layout, f"{geo['pages']} x {geo['page']}", f"{nbytes:,}")
     stdout.print(table)
-    geo = report.geometry_in
-    stdout.print(Text(f"tensors: {', '.join(report.tensors)}; tokens={geo['tokens']}, heads={geo['heads']}, "
-                      f"dim={geo['dim']}"))
+    for item in report.items:
+        gi, go = item.geometry_in, item.geometry_out
+        stdout.print(Text(f"{item.name}: {item.format} {item.shape}, tokens={gi['tokens']}, heads={gi['heads']}, "
+                          f"dim={gi['dim']}: {gi['pages']} x {gi['page']} -> {go['pages']} x {go['page']}"))
 
 
 LAYOUTS_EXAMPLES = """Examples:

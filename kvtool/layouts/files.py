@@ -1,17 +1,24 @@
 """Engine dumps on disk: `read_layout` / `write_layout` for raw `.bin`, `.pt` and `.safetensors` files.
 
 - `.bin`: the preset's regions concatenated in preset order, nothing else. kvtool writes a sidecar `<file>.json`
-  ({"layout", "geometry", "scalars"}) next to it so that kvtool can read its own output without `--geometry`.
+  ({"layout", "geometry", "scalars", "prefix"}) next to it so that kvtool can read its own output without `--geometry`
+  (and under the tensor's name); an engine's dump has none, and `--geometry` says what the bytes cannot.
 - `.safetensors` / `.pt`: one tensor per region, named `<region>` or `<prefix>.<region>` (any dtype and shape: only
-  the bytes count; several prefixes = several caches, e.g. one per layer). For single-region presets a tensor whose
-  name does not end in the region name is that region, its whole name being the prefix. A `.pt` may also hold one
-  bare tensor (read like a `.bin`). kvtool writes its metadata into the safetensors header / a `kvtool.meta` entry.
+  the bytes count; several prefixes = several caches, e.g. one per layer, each with its own geometry). For
+  single-region presets a tensor whose name does not end in the region name is that region, its whole name being the
+  prefix. A `.pt` may also hold one bare tensor (read like a `.bin`). kvtool writes its metadata into the safetensors
+  header / a `kvtool.meta` entry ({"layout", "geometry", "geometries": {prefix: geometry}, "scalars"}).
+- `planes` is kvtool's own layout: a `.safetensors` in `planes` is a kvtool cache file (schema 1, see
+  kvtool.container). Reading one takes every tensor's format, shape and scales from the file's own metadata (its
+  passthrough plain tensors are not caches: they are listed as skipped); writing one writes a kvtool cache file that
+  every kvtool command reads without `--layout`.
 Returned keys: `k` / `v` (paired presets) or `x`, prefixed as `<prefix>.k` or just `<prefix>` (single-tensor presets).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from dataclasses import dataclass, field, replace
@@ -20,6 +27,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvtool.container import (
+    META_SCHEMA,
+    CacheEntry,
+    SafetensorsWriter,
+    dtype_name,
+    kvtool_metadata,
+    parse_dtype,
+    parse_kvtool,
+    placeholder_checksum,
+    plane_specs,
+    read_header,
+    read_rows,
+)
 from kvtool.errors import FileFormatError, KvtoolError, LayoutError, OutputError
 from kvtool.formats import QTensor, get_format
 from kvtool.layouts.engine import (
@@ -47,6 +67,7 @@ class Dump:
     raw: "torch.Tensor | None" = None
     named: dict = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
+    kvtool: bool = False  # a kvtool cache file (schema 1): read through kvtool.container, not as buffers
 
     @property
     def nbytes(self) -> int:
@@ -86,7 +107,9 @@ def load_dump(path: "str | Path") -> Dump:
 
             with safe_open(str(path), framework="pt") as f:
                 header = f.metadata() or {}
-                dump.named = {name: _as_bytes(f.get_tensor(name)) for name in f.keys()}
+                dump.kvtool = META_SCHEMA in header
+                if not dump.kvtool:
+                    dump.named = {name: _as_bytes(f.get_tensor(name)) for name in f.keys()}
             if META_KEY in header:
                 dump.meta = json.loads(header[META_KEY])
         elif suffix == ".pt":
@@ -137,7 +160,8 @@ def _split_key(preset: LayoutPreset, key: str) -> tuple[str, str]:
         if key.endswith("." + logical):
             return key[: -len(logical) - 1], logical
     raise LayoutError(f"{preset.name} pairs {'/'.join(preset.tensors)}: name tensors "
-                      f"{' and '.join(preset.tensors)} or PREFIX.{preset.tensors[0]}, got {key!r}")
+                      f"{' and '.join(preset.tensors)} or PREFIX.{preset.tensors[0]} and PREFIX.{preset.tensors[1]}, "
+                      f"got {key!r} (leave it out: --exclude '{key}')")
 
 
 # ------------------------------------------------------------------------------------------------ geometry + sizes
@@ -215,27 +239,131 @@ def _scalars(meta: dict, given: dict, key: str, logical: str) -> dict:
     return out
 
 
+# ------------------------------------------------------------------------------------------------ kvtool cache files
+def _shape_geometry(preset: LayoutPreset, fmt, shape: tuple) -> Geometry:
+    """The geometry a logical shape [..., H, D] means in `preset` (page: the preset's); leading axes count as tokens."""
+    shape = tuple(int(s) for s in shape)
+    tokens = math.prod(shape[:-2]) if len(shape) > 2 else (shape[0] if len(shape) == 2 else 1)
+    heads = shape[-2] if len(shape) > 2 else 1
+    return Geometry(fmt, preset.page_size, heads, shape[-1] if shape else 1, tokens)
+
+
+def _read_kvtool(dump: Dump, given: dict, keep) -> "LayoutRead":
+    """A kvtool cache file as planes: each entry's format, shape, scales and outer / tensor scale from its metadata.
+    `given` (the --geometry keys) must agree with what the file says about every entry that `keep(name)` keeps."""
+    planes = get_preset("planes")
+    header = read_header(dump.path)
+    entries = parse_kvtool(header) or {}
+    used = {n for ce in entries.values() for n in (ce.payload, ce.scales) if n}
+    read = LayoutRead({}, {}, sum(t.nbytes for t in header.tensors.values()), planes.name, kvtool=True,
+                      skipped=[n for n in header.tensors if n not in used and keep(n)])
+    with open(dump.path, "rb") as f:
+        for name, ce in entries.items():
+            if not keep(name):
+                continue
+            tensors = {"payload": header.tensors[ce.payload]}
+            if ce.scales is not None:
+                tensors["scales"] = header.tensors[ce.scales]
+            planes_of = {role: read_rows(f, t, 0, t.rows).reshape(t.shape) for role, t in tensors.items()}
+            q = QTensor(ce.fmt, planes_of["payload"], planes_of.get("scales"), ce.outer_scale, tuple(ce.shape),
+                        {"dtype": parse_dtype(ce.dtype)})
+            geo = _shape_geometry(planes, ce.fmt, ce.shape)
+            wrong = _disagree(geo, given)
+            if wrong:
+                raise LayoutError(f"{dump.path.name}: kvtool entry {name!r} is {ce.fmt.label} {list(ce.shape)}, "
+                                  f"--geometry says {wrong} (a kvtool cache file's own metadata says it all: "
+                                  "drop --geometry)")
+            read.tensors[name], read.geometries[name] = q, geo
+    return read
+
+
+def _disagree(geo: Geometry, given: dict) -> str:
+    """The --geometry keys (format, heads, dim, tokens) that contradict `geo`, as "key=value, ..." ('' when none)."""
+    have = {"format": geo.fmt, "heads": geo.heads, "dim": geo.dim, "tokens": geo.tokens}
+    said = {k: get_format(given[k]) if k == "format" else given[k] for k in have if k in given}
+    return ", ".join(f"{k}={given[k]}" for k in said if said[k] != have[k])
+
+
+def _write_kvtool(tensors: dict, path: Path) -> dict:
+    """{name: QTensor} as a kvtool cache file (schema 1, layout planes) at `path`, atomically; returns geometries."""
+    planes = get_preset("planes")
+    jobs, plan = [], []
+    for name, q in tensors.items():
+        shape = tuple(int(s) for s in q.shape)
+        (p_dtype, p_shape), scales = plane_specs(q.fmt, shape)
+        scalar = scales is not None and scales[1] == ()
+        ce = CacheEntry(name, q.fmt, shape, dtype_name(q.extra.get("dtype", torch.bfloat16)), f"{name}.payload",
+                        f"{name}.scales" if scales else None, float(q.outer_scale),
+                        float(q.scales.reshape(-1)[0]) if scalar else None,
+                        checksum=placeholder_checksum(scales is not None))
+        plan += [(ce.payload, p_dtype, p_shape)] + ([(ce.scales, scales[0], scales[1])] if scales else [])
+        jobs.append((ce, q, p_dtype, scales))
+    if not path.parent.is_dir():
+        raise OutputError(f"output directory {path.parent} does not exist")
+    entries = [job[0] for job in jobs]
+    with SafetensorsWriter(path, plan, kvtool_metadata(entries)) as writer:
+        for ce, q, p_dtype, scales in jobs:
+            rows = math.prod(ce.shape[:-1])
+            writer.write_rows(ce.payload, 0, q.payload.detach().cpu().contiguous().view(p_dtype).reshape(rows, -1))
+            if scales is not None:
+                s = q.scales.detach().cpu().contiguous().view(scales[0])
+                writer.write_rows(ce.scales, 0, s.reshape(1, 1) if scales[1] == () else s.reshape(rows, -1))
+
+        def final() -> dict:
+            for ce in entries:
+                ce.checksum = {"algorithm": "blake2b-256", "payload": writer.digest(ce.payload),
+                               "scales": writer.digest(ce.scales) if ce.scales else None}
+            return kvtool_metadata(entries)
+
+        writer.commit(final)
+    return {name: _shape_geometry(planes, q.fmt, q.shape) for name, q in tensors.items()}
+
+
+
 # ------------------------------------------------------------------------------------------------------ public API
-def read_layout_info(path: "str | Path", layout: "str | LayoutPreset",
-                     geometry: "str | dict | None" = None) -> tuple[dict, Geometry, int]:
-    """read_layout plus the resolved Geometry and the file's byte count (for reports)."""
+@dataclass
+class LayoutRead:
+    """What read_layout_all found: `tensors` {name: QTensor}, each one's `geometries` [name], `nbytes` (tensor data
+    bytes in the file), the `layout` read, `kvtool` (a kvtool cache file, read from its own metadata) and `skipped`
+    (its passthrough plain tensors: not caches)."""
+
+    tensors: dict
+    geometries: dict
+    nbytes: int
+    layout: str
+    kvtool: bool = False
+    skipped: list = field(default_factory=list)
+
+
+def read_layout_all(path: "str | Path", layout: "str | LayoutPreset", geometry: "str | dict | None" = None,
+                    keep=None) -> LayoutRead:
+    """read_layout plus each tensor's resolved Geometry, the file's tensor bytes and what was skipped. `keep(name) ->
+    bool` (default: all) selects the tensors returned (and, in a kvtool cache file, the ones read and checked)."""
+    keep = keep or (lambda name: True)
     preset = get_preset(layout)
     dump = load_dump(path)
+    user = parse_geometry(geometry)
+    if dump.kvtool:
+        if preset.name != "planes":
+            raise LayoutError(f"{dump.path.name} is a kvtool cache file (layout planes; its metadata names every "
+                              f"tensor's format and shape), not a {preset.name} dump: read it as planes (convert "
+                              "--from-layout planes) or without --layout")
+        return _read_kvtool(dump, user, keep)
     if dump.meta.get("layout") not in (None, preset.name):
         raise LayoutError(f"{dump.path.name}: kvtool wrote it as layout {dump.meta['layout']}, not {preset.name}")
-    given = {**parse_geometry(dump.meta.get("geometry")), **parse_geometry(geometry)}
+    per_prefix = dump.meta.get("geometries") or {}
     if dump.raw is not None:
-        groups = {"": None}
-        sizes_of = {"": [int(dump.raw.numel())]}
+        groups: dict = {str(dump.meta.get("prefix") or ""): None}  # kvtool's sidecar keeps the tensor's name
     else:
-        groups: dict = {}
+        groups = {}
         for name, data in dump.named.items():
             region, prefix = _match_region(preset, name)
             groups.setdefault(prefix, {})[region] = data
         if not groups:
             raise LayoutError(f"{dump.path.name}: no tensors in the file")
-    out = {}
+    read = LayoutRead({}, {}, dump.nbytes, preset.name)
     for prefix, regions in groups.items():
+        given = {**parse_geometry(per_prefix.get(prefix, dump.meta.get("geometry"))), **user}
         geo0 = _geometry(preset, given, given.get("tokens", 0))
         live = [r.name for r in preset.regions if geo0.region_page_bytes(r)]
         if regions is not None:
@@ -250,7 +378,7 @@ def read_layout_info(path: "str | Path", layout: "str | LayoutPreset",
                                   f"of {geo0.fmt.label} in {preset.name} (wrong format?)")
             sizes = [int(regions[r].numel()) for r in live]
         else:
-            sizes = sizes_of[prefix]
+            sizes = [int(dump.raw.numel())]
         geo = _fit(preset, given, sizes)
         if geo is None:
             raise _size_error(dump, preset, given, sizes, "the file has" if regions is None else "its buffers hold")
@@ -259,8 +387,21 @@ def read_layout_info(path: "str | Path", layout: "str | LayoutPreset",
             regions = {n: dump.raw[int(a):int(b)] for n, a, b in zip(live, bounds[:-1], bounds[1:])}
         scalars = {lg: _scalars(dump.meta, given, _key(preset, prefix, lg), lg) for lg in preset.tensors}
         decoded = decode(preset, regions, replace(geo, scalars=scalars))
-        out.update({_key(preset, prefix, lg): q for lg, q in decoded.items()})
-    return out, geo, dump.nbytes
+        for lg, q in decoded.items():
+            if not keep(_key(preset, prefix, lg)):
+                continue
+            read.tensors[_key(preset, prefix, lg)] = q
+            read.geometries[_key(preset, prefix, lg)] = geo
+    return read
+
+
+def read_layout_info(path: "str | Path", layout: "str | LayoutPreset",
+                     geometry: "str | dict | None" = None) -> tuple[dict, Geometry, int]:
+    """read_layout plus the resolved Geometry (of the last tensor read) and the file's tensor bytes (for reports)."""
+    read = read_layout_all(path, layout, geometry)
+    if not read.tensors:
+        raise LayoutError(f"{Path(path).name}: holds no quantized tensor (plain: {', '.join(read.skipped[:5])})")
+    return read.tensors, list(read.geometries.values())[-1], read.nbytes
 
 
 def read_layout(path: "str | Path", layout: "str | LayoutPreset", geometry: "str | dict | None" = None) -> dict:
@@ -273,8 +414,9 @@ def read_layout(path: "str | Path", layout: "str | LayoutPreset", geometry: "str
     metadata, then the preset (format, page), then heads=1, dim=128, tokens = every slot of every page.
     Names: `k` / `v` for paired presets, `x` otherwise, prefixed by the dump's tensor-name prefixes. Payloads are uint8
     (bf16 for bf16); scales uint8 [N, H, D/block], fp32 [N, H, 1] (fp8 token) or an fp32 scalar (fp8 tensor).
-    Raises LayoutError when the byte count does not match the geometry, naming expected and actual bytes and the
-    geometries one key away that would fit."""
+    A kvtool cache file read as `planes` gives its quantized entries under their names and logical shapes (its plain
+    passthrough tensors are left out). Raises LayoutError when the byte count does not match the geometry, naming
+    expected and actual bytes and the geometries one key away that would fit."""
     return read_layout_info(path, layout, geometry)[0]
 
 
@@ -287,9 +429,33 @@ def _logical_shape(name: str, q: QTensor) -> tuple[int, int, int]:
     return shape
 
 
-def encode_for_write(tensors: dict, layout: "str | LayoutPreset",
-                     geometry: "str | dict | None" = None) -> tuple[dict, Geometry, dict]:
-    """The bytes write_layout would write: ({tensor name: uint8 [pages, region_page_bytes]}, geometry, metadata)."""
+def _group_geometry(preset: LayoutPreset, prefix: str, members: dict, given: dict) -> Geometry:
+    """The geometry of one cache (one prefix: `x`, or its `k` and `v`): its tensors must share format and shape."""
+    where = _key(preset, prefix, "x") if not preset.paired else (prefix or "k/v")
+    fmts = {q.fmt for q in members.values()}
+    if len(fmts) != 1:
+        raise LayoutError(f"{where}: one cache holds one format, got {', '.join(sorted(f.label for f in fmts))}")
+    fmt = fmts.pop()
+    if "format" in given and get_format(given["format"]) != fmt:
+        raise LayoutError(f"{where}: the tensors are {fmt.label}, the geometry says format={given['format']} "
+                          "(layouts move bytes; use quantize to change the format)")
+    resolve_format(preset, fmt.label)
+    shapes = {_logical_shape(_key(preset, prefix, lg), q) for lg, q in members.items()}
+    if len(shapes) != 1:
+        raise LayoutError(f"{where}: {' and '.join(preset.tensors)} of one cache share one geometry, got shapes "
+                          f"{sorted(shapes)}")
+    n, h, d = shapes.pop()
+    for key, value in (("tokens", n), ("heads", h), ("dim", d)):
+        if key in given and given[key] != value:
+            raise LayoutError(f"{where}: the tensors have {key}={value}, the geometry says {key}={given[key]}")
+    return make_geometry(preset, fmt, given.get("page"), h, d, n)
+
+
+def plan_write(tensors: dict, layout: "str | LayoutPreset",
+               geometry: "str | dict | None" = None) -> tuple[dict, dict, dict]:
+    """The bytes write_layout would write to a container: ({buffer name: uint8 [pages, region_page_bytes]},
+    {prefix: Geometry}, metadata). Each prefix (one cache) has its own geometry; `geometry` may set page and must
+    agree with every cache on format, tokens, heads and dim."""
     preset = get_preset(layout)
     given = parse_geometry(geometry)
     if not tensors:
@@ -300,34 +466,30 @@ def encode_for_write(tensors: dict, layout: "str | LayoutPreset",
         if logical in groups.setdefault(prefix, {}):
             raise LayoutError(f"two tensors map to {_key(preset, prefix, logical)!r}")
         groups[prefix][logical] = q
-    fmts = {q.fmt for q in tensors.values()}
-    if len(fmts) != 1:
-        raise LayoutError(f"one file holds one format, got {', '.join(sorted(f.label for f in fmts))}")
-    fmt = fmts.pop()
-    if "format" in given and get_format(given["format"]) != fmt:
-        raise LayoutError(f"the tensors are {fmt.label}, the geometry says format={given['format']} "
-                          "(layouts move bytes; use quantize to change the format)")
-    resolve_format(preset, fmt.label)
-    shapes = {_logical_shape(k, q) for k, q in tensors.items()}
-    if len(shapes) != 1:
-        raise LayoutError(f"one file holds one geometry, got shapes {sorted(shapes)}")
-    n, h, d = shapes.pop()
-    for key, value in (("tokens", n), ("heads", h), ("dim", d)):
-        if key in given and given[key] != value:
-            raise LayoutError(f"the tensors have {key}={value}, the geometry says {key}={given[key]}")
-    geo = make_geometry(preset, fmt, given.get("page"), h, d, n)
-    out, scalars = {}, {}
+    out, scalars, geos = {}, {}, {}
     for prefix, members in groups.items():
         missing = [lg for lg in preset.tensors if lg not in members]
         if missing:
             raise LayoutError(f"{preset.name} needs {'/'.join(preset.tensors)}; missing "
                               f"{', '.join(_key(preset, prefix, m) for m in missing)}")
+        geo = geos[prefix] = _group_geometry(preset, prefix, members, given)
         for region, data in encode(preset, members, geo).items():
             out[f"{prefix}.{region}" if prefix else region] = data.reshape(max(geo.pages, 1), -1)
         for lg, q in members.items():
             if qtensor_scalars(q):
                 scalars[_key(preset, prefix, lg)] = qtensor_scalars(q)
-    return out, geo, {"layout": preset.name, "geometry": geo.text(), "scalars": scalars}
+    meta = {"layout": preset.name, "geometry": next(iter(geos.values())).text(), "scalars": scalars}
+    if len(geos) > 1:
+        meta["geometries"] = {prefix: geo.text() for prefix, geo in geos.items()}
+    return out, geos, meta
+
+
+def encode_for_write(tensors: dict, layout: "str | LayoutPreset",
+                     geometry: "str | dict | None" = None) -> tuple[dict, Geometry, dict]:
+    """The bytes write_layout would write: ({tensor name: uint8 [pages, region_page_bytes]}, geometry of the first
+    cache, metadata); see plan_write."""
+    out, geos, meta = plan_write(tensors, layout, geometry)
+    return out, next(iter(geos.values())), meta
 
 
 def _atomic(path: Path, write) -> None:
@@ -352,15 +514,33 @@ def _atomic(path: Path, write) -> None:
 
 
 def write_layout(tensors: dict, path: "str | Path", layout: "str | LayoutPreset",
-                 geometry: "str | dict | None" = None) -> None:
+                 geometry: "str | dict | None" = None) -> dict:
     """Write {name: QTensor [tokens, heads, D]} in layout `layout` (names as read_layout returns them: k/v or
     PREFIX.k/PREFIX.v for paired presets). The format is the tensors' own; `geometry` may set page (default: the
     preset's) and must agree with the tensors on format, tokens, heads and dim. `.safetensors` / `.pt`: one uint8
-    [pages, page_bytes] tensor per engine buffer plus kvtool metadata; anything else: the raw bytes (one cache only)
-    plus a `<path>.json` sidecar. Atomic: a temporary file in the target directory, then os.replace."""
+    [pages, page_bytes] tensor per engine buffer, named PREFIX.BUFFER (several caches, each with its own geometry),
+    plus kvtool metadata; `planes` as `.safetensors` is a kvtool cache file (schema 1); anything else: the raw bytes
+    of ONE cache plus a `<path>.json` sidecar. Atomic: a temporary file in the target directory, then os.replace.
+    Returns {tensor name: Geometry written}."""
     path = Path(path)
-    buffers, geo, meta = encode_for_write(tensors, layout, geometry)
+    preset = get_preset(layout)
     suffix = path.suffix.lower()
+    if preset.name == "planes" and suffix == ".safetensors":
+        if not tensors:
+            raise LayoutError("nothing to write: no tensors")
+        given = parse_geometry(geometry)
+        for key, q in tensors.items():
+            wrong = _disagree(_shape_geometry(preset, q.fmt, q.shape), given)
+            if wrong:
+                raise LayoutError(f"{key}: the tensor is {q.fmt.label} {list(q.shape)}, the geometry says {wrong}")
+        return _write_kvtool(tensors, path)
+    if suffix not in (".safetensors", ".pt"):
+        caches = sorted({_split_key(preset, key)[0] for key in tensors})
+        if len(caches) > 1:
+            raise LayoutError(f"{path.name}: a raw dump holds one cache, got {len(caches)} "
+                              f"({', '.join(c or '(unnamed)' for c in caches[:6])}): pick one (convert --include "
+                              "NAME) or write .safetensors (each cache's engine buffers named PREFIX.BUFFER)")
+    buffers, geos, meta = plan_write(tensors, layout, geometry)
     if suffix == ".safetensors":
         from safetensors.torch import save_file
 
@@ -369,10 +549,11 @@ def write_layout(tensors: dict, path: "str | Path", layout: "str | LayoutPreset"
     elif suffix == ".pt":
         _atomic(path, lambda tmp: torch.save({**buffers, META_KEY: json.dumps(meta)}, tmp))
     else:
-        preset = get_preset(layout)
-        if len({_split_key(preset, key)[0] for key in tensors}) > 1:
-            raise LayoutError(f"{path.name}: a raw dump holds one cache; write .safetensors for several")
+        prefix = next(iter(geos))
+        if prefix:
+            meta["prefix"] = prefix  # read back under the tensor's own name
         raw = torch.cat([b.reshape(-1) for b in buffers.values()]) if buffers else torch.zeros(0, dtype=torch.uint8)
         _atomic(path, lambda tmp: raw.numpy().tofile(tmp))
         sidecar = Path(str(path) + ".json")
         _atomic(sidecar, lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=1) + "\n"))
+    return {key: geos[_split_key(preset, key)[0]] for key in tensors}

@@ -5,12 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtool.errors import OutputError
+from kvtool.errors import InputError, KvtoolError, OutputError
 from kvtool.formats import Format, get_format
 from kvtool.layouts.engine import make_geometry, parse_geometry
-from kvtool.layouts.files import read_layout_info, write_layout
+from kvtool.layouts.files import read_layout_all, write_layout
 from kvtool.layouts.plausible import check_plausible
 from kvtool.layouts.presets import PRESETS, RULES, LayoutPreset, Region, get_preset
+from kvtool.readers import select
 
 _SYMBOL = {"head": "H", "token": "P"}
 
@@ -81,37 +82,70 @@ def list_layouts(dim: int = 128, heads: int = 1, fmt_label: "str | None" = None)
 
 
 @dataclass
+class ConvertItem:
+    """One logical tensor converted: its name, logical shape, format and geometry on each side."""
+
+    name: str
+    shape: list[int]
+    format: str
+    geometry_in: dict
+    geometry_out: dict
+
+
+@dataclass
 class ConvertReport:
     input: str
     output: str
     from_layout: str
     to_layout: str
-    format: str
-    geometry_in: dict
+    format: str  # the tensors' format label (labels joined with ',' when they differ)
+    geometry_in: dict  # of the first tensor (every tensor's: items)
     geometry_out: dict
     tensors: list[str]
-    input_bytes: int
+    input_bytes: int  # tensor data bytes in the input file
     output_bytes: int
     warnings: list[str]
+    items: list[ConvertItem] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # plain (passthrough) tensors of a kvtool file: not caches
+    notes: list[str] = field(default_factory=list)
 
 
 def convert_layout(src: Path, dst: Path, from_layout: str, to_layout: str, geometry: "str | None" = None,
-                   to_geometry: "str | None" = None) -> ConvertReport:
-    """Read `src` in `from_layout` (geometry from `geometry`, the file, or the preset) and write the same quantized
-    bytes to `dst` in `to_layout` (page size from `to_geometry`, else the target preset's default). The format is
-    unchanged; plausibility warnings on what was read are part of the report."""
+                   to_geometry: "str | None" = None, include: "list[str] | None" = None,
+                   exclude: "list[str] | None" = None) -> ConvertReport:
+    """Read `src` in `from_layout` (geometry from `geometry`, the file, or the preset; a kvtool cache file read as
+    `planes` brings each tensor's own format, shape and scales) and write the same quantized bytes of every selected
+    tensor (`include` / `exclude`: fnmatch globs on the names read) to `dst` in `to_layout` (page size from
+    `to_geometry`, else the target preset's default). The format is unchanged. A raw output holds one cache (select
+    one with `include`); a `.safetensors` / `.pt` output holds each cache's engine buffers as PREFIX.BUFFER, each with
+    its own geometry. Plain passthrough tensors are skipped with a note. Plausibility warnings on what was read are
+    part of the report."""
     src, dst = Path(src), Path(dst)
     if dst.resolve() == src.resolve():
         raise OutputError(f"output {dst} is the input file")
     target = get_preset(to_layout)
-    tensors, geo_in, in_bytes = read_layout_info(src, from_layout, geometry)
     out_geo = parse_geometry(to_geometry)
     page = out_geo.pop("page", None)
     if out_geo:
         raise OutputError(f"--to-geometry sets only page= (format, heads, dim and tokens come from the input), "
                           f"got {', '.join(out_geo)}")
-    write_layout(tensors, dst, target, None if page is None else f"page={page}")
-    out = make_geometry(target, geo_in.fmt, page, geo_in.heads, geo_in.dim, geo_in.tokens)
+    read = read_layout_all(src, from_layout, geometry, keep=lambda name: bool(select([name], include, exclude)))
+    plain, names = list(read.skipped), list(read.tensors)
+    if not names:
+        if plain:
+            raise InputError(f"{src.name}: {', '.join(plain)}: plain tensor(s) (passthrough, not quantized): nothing "
+                             "to convert (kvtool quantize them first)")
+        try:
+            every = ", ".join(list(read_layout_all(src, from_layout, geometry).tensors)[:8])
+        except KvtoolError as err:
+            every = f"unreadable as a whole: {err}"
+        raise InputError(f"{src.name}: no tensor matches --include/--exclude (it holds: {every})")
+    tensors = {n: read.tensors[n] for n in names}
+    written = write_layout(tensors, dst, target, None if page is None else f"page={page}")
+    items = [ConvertItem(n, [int(s) for s in q.shape], q.fmt.label, read.geometries[n].as_dict(),
+                         written[n].as_dict()) for n, q in tensors.items()]
+    labels = sorted({q.fmt.label for q in tensors.values()})
     return ConvertReport(
-        str(src), str(dst), get_preset(from_layout).name, target.name, geo_in.fmt.label, geo_in.as_dict(),
-        out.as_dict(), sorted(tensors), in_bytes, dst.stat().st_size, check_plausible(tensors))
+        str(src), str(dst), read.layout, target.name, ",".join(labels), items[0].geometry_in, items[0].geometry_out,
+        sorted(tensors), read.nbytes, dst.stat().st_size, check_plausible(tensors), items, plain,
+        [f"{n}: a plain tensor (passthrough, not a quantized cache): skipped" for n in plain])

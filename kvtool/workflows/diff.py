@@ -22,8 +22,10 @@ Scale-rule diagnosis:
   exactly from the plain values. A best fit other than the declared format means the writer used another rule than it
   declared: the silent rule mismatch that SPEC section 2 warns about.
 
-Tensors pair by name; two files that hold one (selected) tensor each pair whatever their names; shapes pair when
-they agree as [rows, D] ([T, 1, D] vs [T, D]).
+Tensors pair by name; two files that hold one (selected) tensor each pair whatever their names; `pair` ("A=B", e.g.
+`x=layers.0.k` for an engine dump's tensor against a kvtool file's) names the pairs explicitly, and then only those
+are compared (names outside them are not "only in A/B"). Shapes pair when they agree as [rows, D] ([T, 1, D] vs
+[T, D]). Engine dumps (`layout`) are checked for a plausible geometry: `warnings`.
 
 Exit status (CLI): 1 when a threshold is exceeded (`max_rel_l2`, `max_abs`, `min_sqnr`, `max_scale_mismatch` in %;
 a scale threshold on a tensor without comparable scale bytes also fails) or when the files' tensor names or shapes
@@ -40,7 +42,7 @@ from pathlib import Path
 import torch
 
 from kvtool.container import check_output, dtype_name, plane_specs
-from kvtool.errors import KvtoolError
+from kvtool.errors import InputError, KvtoolError
 from kvtool.formats import Format, QTensor, all_formats
 from kvtool.metrics import ValueAccumulator, ValueMetrics
 from kvtool.readers import Entry, check_finite_rows, open_input, row_chunks, select
@@ -87,13 +89,14 @@ class DiffReport:
     failures: list[str]
     passed: bool
     plot: str | None = None
+    warnings: list[str] = field(default_factory=list)  # engine dumps: the layout or geometry looks wrong
 
 
 def diff_files(a: Path, b: Path, *, max_rel_l2: float | None = None, max_abs: float | None = None,
                min_sqnr: float | None = None, max_scale_mismatch: float | None = None,
                include: list[str] | None = None, exclude: list[str] | None = None, chunk_mb: float = 64.0,
                layout: str | None = None, geometry: str | None = None, layout_b: str | None = None,
-               geometry_b: str | None = None, plot: Path | None = None,
+               geometry_b: str | None = None, plot: Path | None = None, pair: list[str] | None = None,
                progress: Progress | None = None) -> DiffReport:
     """Compare A (candidate) with B (reference), tensor by tensor; see the module docstring for every field."""
     thresholds = {"max_rel_l2": max_rel_l2, "max_abs": max_abs, "min_sqnr": min_sqnr,
@@ -106,15 +109,20 @@ def diff_files(a: Path, b: Path, *, max_rel_l2: float | None = None, max_abs: fl
     with open_input(a, layout, geometry) as fa, open_input(b, layout_b, geometry_b) as fb:
         names_a = select(list(fa.entries), include, exclude)
         names_b = select(list(fb.entries), include, exclude)
-        pairs = [(n, n) for n in names_a if n in names_b]
-        if not pairs and len(names_a) == 1 and len(names_b) == 1:
-            pairs = [(names_a[0], names_b[0])]  # two single-tensor files (e.g. .npy vs an engine dump's `x`)
-        only_a = [n for n in names_a if n not in {p[0] for p in pairs}]
-        only_b = [n for n in names_b if n not in {p[1] for p in pairs}]
+        if pair:
+            pairs = _explicit_pairs(pair, list(fa.entries), list(fb.entries))
+            only_a, only_b = [], []
+        else:
+            pairs = [(n, n) for n in names_a if n in names_b]
+            if not pairs and len(names_a) == 1 and len(names_b) == 1:
+                pairs = [(names_a[0], names_b[0])]  # two single-tensor files (e.g. .npy vs an engine dump's `x`)
+            only_a = [n for n in names_a if n not in {p[0] for p in pairs}]
+            only_b = [n for n in names_b if n not in {p[1] for p in pairs}]
         if not pairs:
-            raise KvtoolError(f"{a} and {b} share no tensor names (A: {', '.join(names_a[:5]) or 'none selected'}; "
-                              f"B: {', '.join(names_b[:5]) or 'none selected'})")
+            raise InputError(f"{a} and {b} share no tensor names (A: {', '.join(names_a[:5]) or 'none selected'}; "
+                             f"B: {', '.join(names_b[:5]) or 'none selected'}); pair them with --pair A_NAME=B_NAME")
         report = DiffReport(str(a), str(b), [], only_a, only_b, [], None, thresholds, [], True)
+        report.warnings = [w for na, nb in pairs for w in fa.warnings.get(na, []) + fb.warnings.get(nb, [])]
         overall = ValueAccumulator()
         samples: dict[str, torch.Tensor] = {}
         total = sum(fa.entries[n].rows for n, _ in pairs)
@@ -140,6 +148,20 @@ def diff_files(a: Path, b: Path, *, max_rel_l2: float | None = None, max_abs: fl
         _plot(samples, plot, f"{Path(a).name} vs {Path(b).name} (reference)")
         report.plot = str(plot)
     return report
+
+
+def _explicit_pairs(pair: list[str], names_a: list[str], names_b: list[str]) -> list[tuple[str, str]]:
+    """--pair "A=B" items as (name in A, name in B); InputError naming the tensors of each side on a bad one."""
+    out = []
+    for item in pair:
+        na, sep, nb = (part.strip() for part in item.partition("="))
+        if not sep or not na or not nb:
+            raise InputError(f"--pair {item!r} is not A_NAME=B_NAME")
+        for name, names, side in ((na, names_a, "A"), (nb, names_b, "B")):
+            if name not in names:
+                raise InputError(f"--pair {item}: {side} has no tensor {name!r} (it holds: {', '.join(names[:8])})")
+        out.append((na, nb))
+    return out
 
 
 def _label(e: Entry) -> str:

@@ -13,6 +13,10 @@ Reading the saturation share: formats whose scale maps each block's amax onto th
 fp8 `token`) saturate almost every block by design; for mxfp4 (power-of-two scales) it is the share of blocks that
 use the top code, for fp8 `tensor` the rows that hold the tensor's max, and for fp8 `unit` the rows clipped at 448.
 
+Engine dumps (`--layout`): `warnings` lists what kvtool.layouts.check_plausible found in the tensors read (E8M0
+scale bytes 0xFF or spread over an implausible exponent range, E4M3 scales with the sign bit set, ...): a wrong
+page size, head count or layout reads payload bytes as scales and gives exactly that, with no size error.
+
 Checksums: `unverified` unless `verify=True`, which recomputes every plane's blake2b-256 and reports `ok` or
 `mismatch: payload|scales`; plain tensors have `none`. The CLI exits 1 when a verified checksum mismatches (the file
 parses but its bytes changed) and 2 when the file cannot be read at all.
@@ -77,6 +81,7 @@ class InspectReport:
     tensors: list[TensorInfo] = field(default_factory=list)
     verified: bool = False
     ok: bool = True  # False when a verified checksum mismatched
+    warnings: list[str] = field(default_factory=list)  # engine dumps: the layout or geometry looks wrong
 
 
 def inspect_file(path: Path, *, verify: bool = False, include: list[str] | None = None,
@@ -90,6 +95,7 @@ def inspect_file(path: Path, *, verify: bool = False, include: list[str] | None 
         names = select(list(inp.entries), include, exclude)
         total, done = sum(inp.entries[n].rows for n in names), 0
         for name in names:
+            report.warnings += inp.warnings.get(name, [])
             e = inp.entries[name]
             info = _plain_info(e) if not e.quantized else _quant_info(e, chunk)
             if e.checksum:
