@@ -473,6 +473,13 @@ _tuned_kernel = triton.autotune(
 LAUNCH_OPTIONS = ("chunk_blocks", "q_tile", "prefetch", "native_fp8", "num_warps", "num_stages")
 
 
+def max_warps(tile_t: int, rows: int) -> int:
+    """Warps for a [tile_t, rows] score tile (at most 4): mma spreads the tile over warps 16 tokens x 8 rows at a
+    time; with more warps than those 16 x 8 pieces, warps hold copies of others' data, and sparse attention's E2M1
+    join / reshape chain compiled to wrong results in that case on the H200 (Triton 3.6), so never launch more."""
+    return max(1, min(4, (tile_t // 16) * (rows // 8)))
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -573,10 +580,11 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
                       HIGHER_ID=cfg.tie_rule != "lower-id", MODE=mode,
                       NATIVE_FP8=native_fp8(iq4.device) if native is None else bool(native), DOT_F32=INTERPRET)
         grid = (bsz * n_qtiles, splits)
+        warps = max_warps(consts["TILE_T"], mp)
         fixed = [k for k in ("prefetch", "num_warps", "num_stages") if options.get(k) is not None]
-        if fixed or INTERPRET:
+        if fixed or INTERPRET or warps < 4:
             _index_score_kernel[grid](*args, **consts, PREFETCH=bool(options.get("prefetch", False)),
-                                      num_warps=options.get("num_warps") or 4,
+                                      num_warps=options.get("num_warps") or warps,
                                       num_stages=1 if INTERPRET else options.get("num_stages") or 1)
         else:
             _tuned_kernel[grid](*args, **consts)
