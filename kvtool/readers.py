@@ -315,7 +315,7 @@ def _open_layout(path: Path, layout: str, geometry: str | None) -> InputFile:
         header = read_header(path)
         if parse_kvtool(header) is not None:  # kvtool's own planes: its metadata says format, shape and scales
             if geometry:
-                raise LayoutError(f"{path}: a kvtool cache file describes itself: drop --geometry")
+                read_layout(path, layout, geometry)  # only checks that --geometry agrees with the file
             return _open_safetensors(path)
     tensors = read_layout(path, layout, geometry)
     entries = {}
