@@ -48,8 +48,9 @@ def e2m1_encode(y, SATURATE: tl.constexpr = True):
     t = tl.minimum(t, m * 0.5 + 8388612.0)  # 2**23 + 4
     if SATURATE:
         t = tl.minimum(t, 8388615.0)  # code 7 (6.0)
-    sign = (y.to(tl.int32, bitcast=True) >> 28) & 8
-    return (t.to(tl.int32, bitcast=True) & 7) | sign
+    # sign: bits 28..31 of y moved to 0..3 (a logical shift: the high bits come in as 0), bit 3 kept
+    sign = y.to(tl.uint32, bitcast=True) >> 28
+    return (t.to(tl.int32, bitcast=True) & 7) | (sign & 8).to(tl.int32)
 
 
 @triton.jit
@@ -74,6 +75,22 @@ def pack_nibbles(codes, ROWS: tl.constexpr, COLS: tl.constexpr):
     pairs = tl.reshape(codes.to(tl.int32), [ROWS, COLS // 2, 2])
     lo, hi = tl.split(pairs)
     return ((lo & 0xF) | ((hi & 0xF) << 4)).to(tl.uint8)
+
+
+@triton.jit
+def pack_nibble_words(codes, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """[ROWS, COLS] int32 codes 0..15 -> [ROWS, COLS // 8] int32 words holding the pack_nibbles bytes little-endian
+    (element 8i + k in nibble k of word i: the e2m1_words_f16 order). Codes are whole nibbles, so the fields are
+    disjoint and each join is one shift-add (LEA / IMAD): 7 integer ops per 8 codes, then one 4-byte store instead of
+    byte narrowing and byte permutes. The three splits halve the innermost axis, which a thread holds whole when it
+    holds 8 consecutive codes (a 16-byte vector of bf16 input), so no data moves between threads."""
+    c = tl.reshape(codes, [ROWS, COLS // 8, 2, 2, 2])  # k = 4 k2 + 2 k1 + k0, k0 innermost
+    even, odd = tl.split(c)
+    b = even + (odd << 4)  # bytes [ROWS, COLS // 8, 2, 2] (k2, k1)
+    lo, hi = tl.split(b)
+    h = lo + (hi << 8)  # 16-bit halves [ROWS, COLS // 8, 2] (k2)
+    lo, hi = tl.split(h)
+    return lo + (hi << 16)
 
 
 @triton.jit
@@ -192,15 +209,24 @@ def mx_exponent(amax, RULE: tl.constexpr):
 
 # ------------------------------------------------------------------------------------------------ block quantizers
 @triton.jit
+def zero_add(zero):
+    """+0.0 where `zero`, else -0.0 (the torch codecs' zero-block add), built from bits: a -0.0 literal may lose its
+    sign on the way to the kernel."""
+    return ((zero == 0).to(tl.int32) << 31).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def mxfp4_quantize_block(x, RULE: tl.constexpr):
     """x: fp32 [R, NB, 32] -> (codes int32 [R, NB, 32], scale bytes uint8 [R, NB]). Mirrors formats.codecs."""
     amax = tl.max(tl.abs(x), axis=2)
     e = mx_exponent(amax, RULE)
-    y = x * exp2_int(-e)[:, :, None]
     zero = amax == 0.0
+    # As the torch codec: an all-zero block adds +0.0 (every -0 becomes +0: codes 0), the others -0.0 (no change).
+    # The scaling by 2**-e and the add are one fma per element (x * 2**-e + -0.0 rounds like x * 2**-e).
+    y = x * exp2_int(-e)[:, :, None] + zero_add(zero)[:, :, None]
     # |y| <= amax * 2**-e < 7 under every rule but floor (ceil: <= 4; even: < 1.75 * 4 without the round-up, <= 4
     # with it; rceil: <= 6 (1 + 2**-23)), so only floor needs the encoder's clamp at 6.
-    codes = tl.where(zero[:, :, None], 0, e2m1_encode(y, RULE == RULE_FLOOR))
+    codes = e2m1_encode(y, RULE == RULE_FLOOR)
     scale = tl.where(zero, 0, e + 127).to(tl.uint8)
     return codes, scale
 
@@ -208,22 +234,25 @@ def mxfp4_quantize_block(x, RULE: tl.constexpr):
 @triton.jit
 def nvfp4_quantize_block(x, g_dec, g_enc, RECIPE: tl.constexpr, NATIVE: tl.constexpr = False):
     """x: fp32 [R, NB, 16]; g_dec / g_enc: fp32 outer scales (decode, encode = fp32(1 / g_dec)) ->
-    (codes int32 [R, NB, 16], scale bytes uint8 [R, NB]). Mirrors formats.codecs.nvfp4_quantize op by op.
-    NATIVE: the scale byte through the hardware e4m3 conversion (see e4m3_encode)."""
+    (codes int32 [R, NB, 16], scale bytes uint8 [R, NB]). Mirrors formats.codecs.nvfp4_quantize op by op, the
+    zero-scale rule included (per-block factors 0 / inf, then + 0.0 or - 0.0; the rcp product and that add are one
+    fma per element). NATIVE: the scale byte through the hardware e4m3 conversion (see e4m3_encode)."""
     amax = tl.max(tl.abs(x), axis=2)
     amax_6 = tl.math.div_rn(amax, tl.full(amax.shape, E2M1_MAX, tl.float32))
     scale = e4m3_encode(amax_6 * g_enc, NATIVE)
     s = e4m3_decode(scale)
+    zero = scale == 0
+    add = zero_add(zero)[:, :, None]
     if RECIPE == RECIPE_RCP:
-        denom = s * g_dec
-        y = x * tl.math.div_rn(tl.full(denom.shape, 1.0, tl.float32), denom)[:, :, None]
+        rcp = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), s * g_dec)
+        y = x * tl.where(zero, 0.0, rcp)[:, :, None] + add
     elif RECIPE == RECIPE_DIV:
-        denom = s * g_dec
-        y = tl.math.div_rn(x, tl.broadcast_to(denom[:, :, None], x.shape))
+        denom = tl.where(zero, float("inf"), s * g_dec)
+        y = tl.math.div_rn(x, tl.broadcast_to(denom[:, :, None], x.shape)) + add
     else:
-        y = tl.math.div_rn(x, tl.broadcast_to(amax_6[:, :, None], x.shape))
-    codes = tl.where((scale == 0)[:, :, None], 0, e2m1_encode(y))
-    return codes, scale
+        denom = tl.where(zero, float("inf"), amax_6)
+        y = tl.math.div_rn(x, tl.broadcast_to(denom[:, :, None], x.shape)) + add
+    return e2m1_encode(y), scale
 
 
 @triton.jit

@@ -11,6 +11,7 @@ through fp16 bits, no table) and one or two multiplies; to fp32 (4.56 B per elem
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -30,6 +31,7 @@ from kvtool.kernels.store import (
     require_tensor_scale,
     row_addresses,
     row_mask,
+    word_aligned,
 )
 
 OUTPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -58,6 +60,8 @@ def _dequant_kernel(
     BLOCK: tl.constexpr,  # elements per block scale (4-bit formats)
     OUT_BF16: tl.constexpr,  # output is bf16 (rounded by kc.bf16_encode)
     NATIVE_FP8: tl.constexpr,  # hardware e4m3 -> fp32 conversion (CUDA sm_89+, see kc.e4m3_decode_any)
+    WORDS: tl.constexpr,  # 4-bit formats: payload rows read as int32 words (every row offset a multiple of 4)
+    G_FOLD: tl.constexpr,  # nvfp4: 2**14 * g_dec is finite in fp32 (fold it into one multiply)
     BLOCK_R: tl.constexpr,  # tokens per program
 ):
     # grid: (token tiles, heads), as in the store
@@ -66,7 +70,28 @@ def _dequant_kernel(
     live, pay, sc = row_addresses(tok, head, n_tok, num_heads, slot_ptr, page_stride, head_stride,
                                   PAGED, PAGE, PB, SB)
     cols = tl.arange(0, DP)
-    if BITS == 4:
+    if BITS == 4 and WORDS:
+        # int32 words of 8 codes each, expanded in registers to fp16 `code * 2**-14` (three integer ops per value,
+        # exact, see kc.e2m1_words_f16); the block scale then applies in fp16 where that is exact (E4M3: products of
+        # <= 6 significant bits, >= 2**-24) or in fp32 (E8M0: 2**-127 .. 2**127); one rounding to the output dtype
+        wcols = tl.arange(0, DP // 8)
+        wrow = (payload_ptr + pay).to(tl.pointer_type(tl.int32))
+        words = tl.load(wrow[:, None] + wcols[None, :], mask=row_mask(live, wcols, PB // 4, DP // 8), other=0)
+        v16 = tl.reshape(kc.e2m1_words_f16(words, BLOCK_R, DP // 8), [BLOCK_R, DP // BLOCK, BLOCK])
+        scols = tl.arange(0, DP // BLOCK)
+        sbytes = tl.load(scale_ptr + sc[:, None] + scols[None, :], mask=row_mask(live, scols, SB, DP // BLOCK),
+                         other=0)
+        if SCALE == SCALE_E8M0:
+            vb = (v16 * 16384.0).to(tl.float32) * kc.e8m0_decode_any(sbytes)[:, :, None]  # code exact in fp16
+        else:
+            s16 = kc.e4m3_decode_any(sbytes, NATIVE_FP8).to(tl.float16)  # exact
+            # (code * 2**-14 * S) * (2**14 * g_dec): the torch path's (code * S) * g_dec, the same single rounding
+            if G_FOLD:
+                vb = (v16 * s16[:, :, None]).to(tl.float32) * (g_dec * 16384.0)
+            else:  # 2**14 * g_dec would overflow fp32
+                vb = (v16 * s16[:, :, None]).to(tl.float32) * 16384.0 * g_dec
+        v = tl.reshape(vb, [BLOCK_R, DP])
+    elif BITS == 4:
         pcols = tl.arange(0, DP // 2)
         packed = tl.load(payload_ptr + pay[:, None] + pcols[None, :], mask=row_mask(live, pcols, PB, DP // 2),
                          other=0)
@@ -105,7 +130,8 @@ def _dequant_kernel(
 
 def launch_dequant(payload: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor | None, out: torch.Tensor,
                    fmt, *, page_size: int = 1, page_stride: int = 0, head_stride: int = 0,
-                   tensor_scale: float = 1.0, g_dec: float = 1.0, config: tuple[int, int] | None = None) -> None:
+                   tensor_scale: float = 1.0, g_dec: float = 1.0, config: tuple[int, int] | None = None,
+                   variant: dict | None = None) -> None:
     """Launch `_dequant_kernel` into `out` [T, H, D] (contiguous). With `slots` [T] it gathers the tokens' rows from
     the pages of `payload` (the uint8 cache buffer), without it it reads the planes `payload` [T * H, PB] and
     `scales` [T * H, SB]."""
@@ -116,13 +142,19 @@ def launch_dequant(payload: torch.Tensor, scales: torch.Tensor | None, slots: to
     block_r, num_warps = launch_config(dp, 8, config)  # 2-D tiles for every format
     paged = slots is not None
     kf = KernelFormat.of(fmt)
+    pb = fmt.payload_bytes(D)
+    g32 = np.float32(g_dec)
+    with np.errstate(over="ignore"):
+        g_fold = bool(np.isfinite(g32 * np.float32(16384.0)))
+    opts = dict(WORDS=word_aligned(payload, pb, page_stride, head_stride), G_FOLD=g_fold)
+    opts.update(variant or {})
     grid = (triton.cdiv(T, block_r), H)
     _dequant_kernel[grid](
         payload, scales if scales is not None else payload, slots if paged else payload, out, T, H,
-        page_stride, head_stride, float(tensor_scale), float(g_dec),
-        PAGED=paged, PAGE=page_size, D=D, DP=dp, PB=fmt.payload_bytes(D), SB=fmt.scale_bytes(D), BITS=kf.BITS,
+        page_stride, head_stride, float(tensor_scale), float(g32),
+        PAGED=paged, PAGE=page_size, D=D, DP=dp, PB=pb, SB=fmt.scale_bytes(D), BITS=kf.BITS,
         SCALE=kf.SCALE, BLOCK=kf.BLOCK, OUT_BF16=out.dtype == torch.bfloat16, NATIVE_FP8=native_fp8(out.device),
-        BLOCK_R=block_r, num_warps=num_warps)
+        BLOCK_R=block_r, num_warps=num_warps, **opts)
 
 
 def check_output_dtype(dtype: torch.dtype) -> None:

@@ -134,7 +134,7 @@ def load_blocks(x_ptr, x_off, live, D: tl.constexpr, BLOCK: tl.constexpr, NBP: t
 
 
 # ----------------------------------------------------------------------------------------------------------- kernel
-@triton.jit
+@triton.jit(do_not_specialize=["n_words"])
 def _store_kernel(
     x_ptr,  # [T, H, D] bf16 / fp16 / fp32 rows, last dim contiguous
     slot_ptr,  # [T] int32 / int64 slot per token, -1 skips it (PAGED only)
@@ -142,6 +142,7 @@ def _store_kernel(
     scale_ptr,  # uint8: the cache buffer (PAGED) or the scale plane [T * H, SB] (unused when SB == 0)
     n_tok,  # T
     num_heads,  # H
+    n_words,  # PB // 4 (WORDS)
     stride_xt,  # x stride (elements) between tokens
     stride_xh,  # x stride (elements) between heads
     page_stride,  # cache bytes between pages (PAGED)
@@ -164,6 +165,8 @@ def _store_kernel(
     POW2: tl.constexpr,  # fp8 token: power-of-two scale
     NATIVE_FP8: tl.constexpr,  # hardware fp32 -> e4m3 conversion (CUDA sm_89+, see kc.e4m3_encode)
     VEC: tl.constexpr,  # x elements per 16 bytes (8 for bf16 / fp16, 4 for fp32)
+    ROWS_LAYOUT: tl.constexpr,  # 4-bit formats: coalesced row tiles (else whole blocks per thread, `load_blocks`)
+    WORDS: tl.constexpr,  # 4-bit formats: payload as int32 words (every row offset a multiple of 4 bytes)
     BLOCK_R: tl.constexpr,  # tokens per program
 ):
     # grid: (token tiles, heads); one program = BLOCK_R tokens of one head, no integer division per row
@@ -174,14 +177,29 @@ def _store_kernel(
     x_off = tok.to(tl.int64) * stride_xt + head * stride_xh
     # dead rows (slot -1, tail) are not read: skipped tokens cost no bandwidth
     if BITS == 4:
-        xb = load_blocks(x_ptr, x_off, live, D, BLOCK, DP // BLOCK, VEC)  # [BLOCK_R, DP / BLOCK, BLOCK] fp32
+        if ROWS_LAYOUT:
+            # coalesced 2-D tile: 16-byte vectors of a row side by side across lanes (whole 128-byte lines per
+            # warp instruction); a block spans BLOCK // VEC lanes, its amax is a short shuffle reduction
+            cols = tl.arange(0, DP)
+            x = load_f32(x_ptr + x_off[:, None] + cols[None, :], row_mask(live, cols, D, DP))
+            xb = tl.reshape(x, [BLOCK_R, DP // BLOCK, BLOCK])
+        else:
+            xb = load_blocks(x_ptr, x_off, live, D, BLOCK, DP // BLOCK, VEC)  # [BLOCK_R, DP / BLOCK, BLOCK] fp32
         if SCALE == SCALE_E8M0:
             codes, sbytes = kc.mxfp4_quantize_block(xb, RULE)
         else:
             codes, sbytes = kc.nvfp4_quantize_block(xb, g_dec, g_enc, RECIPE, NATIVE_FP8)
-        packed = kc.pack_nibbles(tl.reshape(codes, [BLOCK_R, DP]), BLOCK_R, DP)
-        pcols = tl.arange(0, DP // 2)
-        tl.store(payload_ptr + pay[:, None] + pcols[None, :], packed, mask=row_mask(live, pcols, PB, DP // 2))
+        if WORDS:
+            # 8 codes -> one int32 word per lane, 4-byte stores of whole payload rows (PB and every row offset are
+            # multiples of 4: checked by the launcher)
+            words = kc.pack_nibble_words(tl.reshape(codes, [BLOCK_R, DP]), BLOCK_R, DP)
+            wcols = tl.arange(0, DP // 8)
+            wrow = (payload_ptr + pay).to(tl.pointer_type(tl.int32))
+            tl.store(wrow[:, None] + wcols[None, :], words, mask=row_mask(live, wcols, PB // 4, DP // 8))
+        else:
+            packed = kc.pack_nibbles(tl.reshape(codes, [BLOCK_R, DP]), BLOCK_R, DP)
+            pcols = tl.arange(0, DP // 2)
+            tl.store(payload_ptr + pay[:, None] + pcols[None, :], packed, mask=row_mask(live, pcols, PB, DP // 2))
         scols = tl.arange(0, DP // BLOCK)
         tl.store(scale_ptr + sc[:, None] + scols[None, :], sbytes, mask=row_mask(live, scols, SB, DP // BLOCK))
     else:
@@ -296,7 +314,8 @@ def outer_scales(g_dec: float) -> tuple[float, float]:
 
 def launch_store(x3: torch.Tensor, slots: torch.Tensor | None, payload: torch.Tensor, scales: torch.Tensor | None,
                  fmt: Format, *, page_size: int = 1, page_stride: int = 0, head_stride: int = 0,
-                 tensor_scale: float = 1.0, g_dec: float = 1.0, config: tuple[int, int] | None = None) -> None:
+                 tensor_scale: float = 1.0, g_dec: float = 1.0, config: tuple[int, int] | None = None,
+                 variant: dict | None = None) -> None:
     """Launch `_store_kernel` on x3 [T, H, D] (last dim contiguous). With `slots` it writes pages of `payload` (the
     uint8 cache buffer; `scales` is ignored), without it the planes `payload` [T * H, PB] and `scales` [T * H, SB]."""
     T, H, D = x3.shape
@@ -306,13 +325,22 @@ def launch_store(x3: torch.Tensor, slots: torch.Tensor | None, payload: torch.Te
     block_r, num_warps = launch_config(dp, fmt.spec.payload_bits, config)
     g_dec, g_enc = outer_scales(g_dec)
     paged = slots is not None
+    pb = fmt.payload_bytes(D)
+    opts = dict(ROWS_LAYOUT=False, WORDS=word_aligned(payload, pb, page_stride, head_stride))
+    opts.update(variant or {})
     grid = (triton.cdiv(T, block_r), H)
     _store_kernel[grid](
-        x3, slots if paged else payload, payload, scales if scales is not None else payload, T, H,
+        x3, slots if paged else payload, payload, scales if scales is not None else payload, T, H, pb // 4,
         x3.stride(0), x3.stride(1), page_stride, head_stride, tensor_scale, g_dec, g_enc,
-        PAGED=paged, PAGE=page_size, D=D, DP=dp, PB=fmt.payload_bytes(D), SB=fmt.scale_bytes(D),
+        PAGED=paged, PAGE=page_size, D=D, DP=dp, PB=pb, SB=fmt.scale_bytes(D),
         **KernelFormat.of(fmt).constexprs(), NATIVE_FP8=native_fp8(x3.device), VEC=16 // x3.element_size(),
-        BLOCK_R=block_r, num_warps=num_warps)
+        BLOCK_R=block_r, num_warps=num_warps, **opts)
+
+
+def word_aligned(buf: torch.Tensor, pb: int, *strides: int) -> bool:
+    """Whether every payload row of `pb` bytes starts on a 4-byte boundary (int32 word access): the buffer, the row
+    size and the page / head strides are multiples of 4."""
+    return buf.data_ptr() % 4 == 0 and pb % 4 == 0 and all(s % 4 == 0 for s in strides)
 
 
 # ----------------------------------------------------------------------------------------------------- the store
