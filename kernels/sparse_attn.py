@@ -16,7 +16,7 @@ quantized format (bf16 for bf16), in element order:
   output needs no permutation. NVFP4 block scales multiply in fp16 exactly (code * scale has <= 5 significant bits).
   MXFP4 scales 2**e leave fp16's range, so each token is normalized by its largest block (2**e_tok, applied in fp32
   to the score column for K and to the probability column for V); the remaining 2**(e - e_tok) is exact in fp16
-  while a token's blocks lie within 2**9 of each other (see `_tile`).
+  while a token's blocks lie within 2**9 of each other (see `_decode`).
 - E4M3 (fp8): `e4m3_decode` by bits (portable, tested), or the hardware fp8 conversion behind `native_fp8`
   (CUDA capability >= 8.9 only); E4M3 values are exact in fp16. Per-token fp32 scales multiply score columns (K)
   and probability columns (V, over the tile's largest so that P stays within fp16's range).
@@ -59,6 +59,7 @@ _ELEMENT_CODE = {"bf16": 0, "e4m3": 1, "e2m1": 2}
 _SCALE_CODE = {"none": 0, "fp32-tensor": 0, "fp32-row": 1, "e4m3": 2, "e8m0": 3}
 LOG2E = 1.4426950408889634
 E2M1_UNIT = 2.0**14  # e2m1_words_f16 returns value * 2**-14
+DEFAULT_TILE = 64  # tokens per tile on the GPU (launch_plan)
 
 
 # ------------------------------------------------------------------------------------------------- tile decoding
@@ -90,6 +91,54 @@ def _decode_e4m3(b, NATIVE_FP8: tl.constexpr, F16: tl.constexpr):
 
 
 @triton.jit
+def _e2m1_pair(words, K: tl.constexpr):
+    """Nibbles K and K + 4 of int32 words (16 bits apart, like the two halves of an fp16 pair) -> int32 holding both
+    fp16 values * 2**-14 (nibble K in the low half): each magnitude shifted to bits 9..11 (25..27), each sign to
+    bit 15 (31), the bits of kc.e2m1_decode_f16 before its multiply by 2**14. Four integer ops per two elements."""
+    MAG: tl.constexpr = 9 - 4 * K  # magnitude bits 4K..4K+2 -> 9..11 (and 16 up)
+    SGN: tl.constexpr = 12 - 4 * K  # sign bit 4K + 3 -> 15 (and 16 up)
+    if MAG >= 0:
+        m = words << MAG
+    else:
+        m = words >> (-MAG)  # the bits an arithmetic shift smears in are masked off
+    return (m & 0x0E000E00) | ((words << SGN) & -0x7FFF8000)  # 0x80008000 as an int32
+
+
+@triton.jit
+def _e2m1_words_paired(words, ROWS: tl.constexpr, WORDS: tl.constexpr):
+    """Packed E2M1 int32 words [ROWS, WORDS] (element 8i + k in nibble k of word i) -> fp16 [ROWS, 8 WORDS] holding
+    value * 2**-14 like kc.e2m1_words_f16, but in PAIRED order: column 8i + r holds element 8i + bitrev3(r) (r =
+    4 b2 + 2 b1 + b0 -> 4 b0 + 2 b1 + b2; an involution, see `paired_order`). Why: the pair (column 2m, 2m + 1) is
+    then (nibble K, nibble K + 4) of one word, built by `_e2m1_pair` in one 32-bit register, which is exactly an
+    fp16x2 dot operand register: no repacking, half the integer ops of the natural order (which builds each element
+    alone and packs pairs with a byte permute). The caller permutes the other dot operand (q) and the output alike;
+    block scales are unaffected (a column stays in its word, so in its 16- or 32-element block)."""
+    lo0 = _e2m1_pair(words, 0)
+    lo1 = _e2m1_pair(words, 1)
+    lo2 = _e2m1_pair(words, 2)
+    lo3 = _e2m1_pair(words, 3)
+    # join appends the new axis last: [.., K & 1, K >> 1] then the half (nibble K or K + 4) innermost
+    lo = tl.join(tl.join(lo0.to(tl.int16), lo1.to(tl.int16)), tl.join(lo2.to(tl.int16), lo3.to(tl.int16)))
+    hi = tl.join(tl.join((lo0 >> 16).to(tl.int16), (lo1 >> 16).to(tl.int16)),
+                 tl.join((lo2 >> 16).to(tl.int16), (lo3 >> 16).to(tl.int16)))
+    return tl.reshape(tl.join(lo, hi), [ROWS, WORDS * 8]).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _paired_cols(c):
+    """Column c of a PAIRED-order tile <-> element 8 (c // 8) + bitrev3(c % 8) (its own inverse)."""
+    r = c % 8
+    return c - r + ((r & 1) << 2) + (r & 2) + (r >> 2)
+
+
+def paired_order(d: int) -> torch.Tensor:
+    """The PAIRED column order of `_e2m1_words_paired` as an index tensor [d] (column -> element), for tests."""
+    c = torch.arange(d)
+    r = c % 8
+    return c - r + ((r & 1) << 2) + (r & 2) + (r >> 2)
+
+
+@triton.jit
 def _pow2_f16(d):
     """fp16 2**d for int32 d <= 0 (exact down to the subnormal 2**-24, 0 below): a relative block scale."""
     bits = tl.where(d >= -14, (d + 15) << 10, tl.where(d >= -24, 1 << tl.maximum(d + 24, 0), 0))
@@ -97,13 +146,52 @@ def _pow2_f16(d):
 
 
 @triton.jit
-def _tile(ptr, base, off, valid, P: tl.constexpr, D: tl.constexpr, T: tl.constexpr, PB: tl.constexpr,
-          ELEM: tl.constexpr, SCALE: tl.constexpr, QBLOCK: tl.constexpr, NATIVE_FP8: tl.constexpr,
-          F16: tl.constexpr):
-    """One K or V tile -> (x [T, D] in element order, masked tokens 0; rs [T] fp32 per-token factor). x is fp16 with
-    F16, else fp32; the dequantized value of token t is x[t] * rs[t] (times the launcher's folded scalars). `ptr` is
-    the cache's uint8 data (a bf16 view for bf16), `base` the byte offset of the (page, head) slab, `off` [T] token
-    offsets in it.
+def _meta(ids_row, table_row, i, i_end, pos, TPB: tl.constexpr, BS: tl.constexpr, T: tl.constexpr, P: tl.constexpr):
+    """Tile i of a row's selection (tiles at or past i_end are dead) -> (s0 its first token, live, page). A dead
+    tile (past the end, a -1 slot, wholly after the query, or a -1 page) has live False and page -1."""
+    bid = tl.load(ids_row + i // TPB, mask=i < i_end, other=-1)
+    s0 = bid * BS + (i % TPB) * T  # all T tokens share one page: T divides P
+    live = (bid >= 0) & (s0 <= pos)
+    page = tl.load(table_row + s0 // P, mask=live, other=-1)
+    return s0, live & (page >= 0), page
+
+
+@triton.jit
+def _load_raw(ptr, page, s0, live, pos, h, stride_p, stride_h, P: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
+              PB: tl.constexpr, ELEM: tl.constexpr, SCALE: tl.constexpr, QBLOCK: tl.constexpr):
+    """Issue the loads of one K or V tile, as stored: (payload, scales, valid [T]). payload: int32 words [T, D/8]
+    (E2M1, 4 packed bytes each), uint8 [T, D] (E4M3) or bf16 [T, D]; scales: uint8 [T, D/QBLOCK] (block scales),
+    fp32 [T] (fp8 `token`) or an unused fp32 [T]. Tokens after the query or of a dead tile are masked: they read
+    as 0 and touch no memory. `ptr` is the cache's uint8 data (a bf16 view for bf16)."""
+    tile = tl.arange(0, T)
+    valid = live & (s0 + tile <= pos)
+    off = s0 % P + tile
+    base = tl.maximum(page, 0).to(tl.int64) * stride_p + h * stride_h  # bytes
+    scales = tl.zeros([T], tl.float32)
+    if ELEM == ELEM_E2M1:
+        W: tl.constexpr = D // 8  # int32 words per token
+        NB: tl.constexpr = D // QBLOCK
+        wp = ptr.to(tl.pointer_type(tl.int32)) + base // 4  # slabs and payload rows are 4-byte aligned
+        payload = tl.load(wp + off[:, None] * W + tl.arange(0, W)[None, :], mask=valid[:, None], other=0)
+        scales = tl.load(ptr + base + P * (D // 2) + off[:, None] * NB + tl.arange(0, NB)[None, :],
+                         mask=valid[:, None], other=0)
+    elif ELEM == ELEM_E4M3:
+        payload = tl.load(ptr + base + off[:, None] * D + tl.arange(0, D)[None, :], mask=valid[:, None], other=0)
+        if SCALE == SCALE_ROW:
+            sp = ptr.to(tl.pointer_type(tl.float32)) + (base + P * PB) // 4
+            scales = tl.load(sp + off, mask=valid, other=0.0)
+    else:
+        payload = tl.load(ptr + base // 2 + off[:, None] * D + tl.arange(0, D)[None, :], mask=valid[:, None],
+                          other=0.0)
+    return payload, scales, valid
+
+
+@triton.jit
+def _decode(payload, scales, D: tl.constexpr, T: tl.constexpr, ELEM: tl.constexpr, SCALE: tl.constexpr,
+            QBLOCK: tl.constexpr, NATIVE_FP8: tl.constexpr, F16: tl.constexpr, PAIRED: tl.constexpr):
+    """A tile as loaded by `_load_raw` -> (x [T, D] in element order, masked tokens 0; rs [T] fp32 per-token factor).
+    x is fp16 with F16, else fp32 (bf16 as loaded for bf16); the dequantized value of token t is x[t] * rs[t] (times
+    the launcher's folded scalars). PAIRED (E2M1): x's columns in `_e2m1_words_paired` order.
     - E2M1 values carry 2**-14 (e2m1_words_f16; the launcher folds 2**14 into the scalars). With E4M3 block scales
       the fp16 product code * 2**-14 * scale is exact (<= 5 significant bits, on the fp16 grid down to 2**-24).
     - With E8M0 block scales 2**e, each token is normalized by its largest block, 2**e_tok (rs): blocks multiply by
@@ -112,30 +200,64 @@ def _tile(ptr, base, off, valid, P: tl.constexpr, D: tl.constexpr, T: tl.constex
     - fp8 `token` scales come back as rs; E4M3 values are exact in fp16."""
     rs = tl.full([T], 1.0, tl.float32)  # unused unless a per-token factor applies
     if ELEM == ELEM_E2M1:
-        W: tl.constexpr = D // 8  # int32 words per token
         NB: tl.constexpr = D // QBLOCK
-        wp = (ptr + base).to(tl.pointer_type(tl.int32))
-        words = tl.load(wp + off[:, None] * W + tl.arange(0, W)[None, :], mask=valid[:, None], other=0)
-        sb = tl.load(ptr + base + P * (D // 2) + off[:, None] * NB + tl.arange(0, NB)[None, :], mask=valid[:, None],
-                     other=0)
         if SCALE == SCALE_E4M3:
-            s = _decode_e4m3(sb, NATIVE_FP8, True)  # fp16, exact
+            s = _decode_e4m3(scales, NATIVE_FP8, True)  # fp16, exact
         else:
-            e = sb.to(tl.int32) - 127  # E8M0 exponents
+            e = scales.to(tl.int32) - 127  # E8M0 exponents
             e_tok = tl.max(e, axis=1)
             s = _pow2_f16(e - e_tok[:, None])
             rs = kc.exp2_int(e_tok)
-        x = kc.e2m1_words_f16(words, T, W)
+        if PAIRED:
+            x = _e2m1_words_paired(payload, T, D // 8)
+        else:
+            x = kc.e2m1_words_f16(payload, T, D // 8)
         x = tl.reshape(tl.reshape(x, [T, NB, QBLOCK]) * s[:, :, None], [T, D])
     elif ELEM == ELEM_E4M3:
-        b = tl.load(ptr + base + off[:, None] * D + tl.arange(0, D)[None, :], mask=valid[:, None], other=0)
-        x = _decode_e4m3(b, NATIVE_FP8, F16)
+        x = _decode_e4m3(payload, NATIVE_FP8, F16)
         if SCALE == SCALE_ROW:
-            sp = (ptr + base + P * PB).to(tl.pointer_type(tl.float32))
-            rs = tl.load(sp + off, mask=valid, other=0.0)
+            rs = scales
     else:
-        x = tl.load(ptr + base // 2 + off[:, None] * D + tl.arange(0, D)[None, :], mask=valid[:, None], other=0.0)
+        x = payload
     return x, rs
+
+
+@triton.jit
+def _attend(q, acc, m_i, l_i, kp, ks, vp, vs, valid, qk_scale, D: tl.constexpr, T: tl.constexpr,
+            ELEM: tl.constexpr, SCALE: tl.constexpr, QBLOCK: tl.constexpr, NATIVE_FP8: tl.constexpr,
+            FP32_DOT: tl.constexpr, F16: tl.constexpr, P_SPLIT: tl.constexpr, PAIRED: tl.constexpr):
+    """One tile of the online softmax: decode K, scores [BLOCK_G, T] in the log2 domain, update (m, l), decode V,
+    accumulate P . V. Returns (acc, m_i, l_i)."""
+    ROWSCALE: tl.constexpr = (SCALE == SCALE_ROW) or (SCALE == SCALE_E8M0)  # a per-token factor (see _decode)
+    k, k_rs = _decode(kp, ks, D, T, ELEM, SCALE, QBLOCK, NATIVE_FP8, F16, PAIRED)
+    qk = tl.dot(q, tl.trans(_dot_operand(k, F16, FP32_DOT)))
+    if ROWSCALE:
+        qk = qk * k_rs[None, :]
+    s = tl.where(valid[None, :], qk * qk_scale, -float("inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # nothing visible yet: keep exp2 away from -inf - -inf
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v, v_rs = _decode(vp, vs, D, T, ELEM, SCALE, QBLOCK, NATIVE_FP8, F16, PAIRED)
+    v = _dot_operand(v, F16, FP32_DOT)
+    if ROWSCALE:
+        # per-token V factors go into P, over the tile's largest so that P stays in [0, 1] (fp16 range)
+        rv_max = tl.max(v_rs, axis=0)
+        rv_max = tl.where(rv_max > 0, rv_max, 1.0)
+        p = p * (v_rs / rv_max)[None, :]
+    p_hi = _dot_operand(p, F16, FP32_DOT)
+    if ROWSCALE:
+        pv = tl.dot(p_hi, v)
+        if P_SPLIT:
+            pv = tl.dot(_dot_operand(p - p_hi.to(tl.float32), F16, FP32_DOT), v, pv)
+        acc = acc * alpha[:, None] + pv * rv_max
+    else:
+        acc = tl.dot(p_hi, v, acc * alpha[:, None])
+        if P_SPLIT:
+            acc = tl.dot(_dot_operand(p - p_hi.to(tl.float32), F16, FP32_DOT), v, acc)
+    return acc, m_new, l_i
 
 
 # ---------------------------------------------------------------------------------------------------- main kernel
@@ -159,6 +281,9 @@ def _sparse_attn_kernel(
     NATIVE_FP8: tl.constexpr, FP32_DOT: tl.constexpr,  # hardware fp8 conversion; fp32 dots (the interpreter)
     F16: tl.constexpr,  # fp16 dots (formats whose values are exact in fp16) instead of bf16
     P_SPLIT: tl.constexpr,  # P as hi + lo parts (two P.V dots) instead of one rounding
+    PREFETCH: tl.constexpr,  # hand pipelining: 2 loads of tile i + 1 and lookups of tile i + 2 overlap tile i; 1
+                             # lookups of tile i + 1 only; 0 none
+    PAIRED: tl.constexpr,  # E2M1 tiles in PAIRED column order (q loaded and the output stored in that order too)
 ):
     row = tl.program_id(0)
     h = tl.program_id(1)
@@ -171,11 +296,12 @@ def _sparse_attn_kernel(
         req = tl.load(req_ptr + row)
         pos = tl.load(pos_ptr + row)
     TPB: tl.constexpr = BS // T
-    ROWSCALE: tl.constexpr = (SCALE == SCALE_ROW) or (SCALE == SCALE_E8M0)  # a per-token factor (see _tile)
 
     g = tl.arange(0, BLOCK_G)
     gmask = g < G
     cols = tl.arange(0, D)
+    if PAIRED:
+        cols = _paired_cols(cols)  # q, the accumulator and the output in the tiles' column order
     q_rows = q_ptr + row.to(tl.int64) * stride_qr + (h * G + g)[:, None] * stride_qh
     q = _dot_operand(tl.load(q_rows + cols[None, :], mask=gmask[:, None], other=0.0), F16, FP32_DOT)
     acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
@@ -183,51 +309,50 @@ def _sparse_attn_kernel(
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
 
     t_begin = split * TILES
+    t_end = tl.minimum(t_begin + TILES, topk * TPB)  # this split's tiles: [t_begin, t_end)
     ids_row = ids_ptr + row.to(tl.int64) * stride_ir + h * stride_ih
-    tile = tl.arange(0, T)
-    for it in range(TILES):  # the last split may run past the end: masked
-        i = t_begin + it
-        bid = tl.load(ids_row + i // TPB, mask=i < topk * TPB, other=-1)
-        s0 = bid * BS + (i % TPB) * T  # first token of the tile (all T tokens share one page: T divides P)
-        live = (bid >= 0) & (s0 <= pos)
-        page = tl.load(table_ptr + req.to(tl.int64) * stride_tb + s0 // P, mask=live, other=-1)
-        live = live & (page >= 0)
-        valid = live & (s0 + tile <= pos)
-        off = s0 % P + tile
-        page64 = tl.maximum(page, 0).to(tl.int64)
-        k_base = page64 * stride_kp + h * stride_kh
-        v_base = page64 * stride_vp + h * stride_vh
-
-        # scores [BLOCK_G, T] in the log2 domain
-        k, k_rs = _tile(k_ptr, k_base, off, valid, P, D, T, PB, ELEM, SCALE, QBLOCK, NATIVE_FP8, F16)
-        qk = tl.dot(q, tl.trans(_dot_operand(k, F16, FP32_DOT)))
-        if ROWSCALE:
-            qk = qk * k_rs[None, :]
-        s = tl.where(valid[None, :], qk * qk_scale, -float("inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # nothing visible yet: keep exp2 away from -inf - -inf
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
-        v, v_rs = _tile(v_ptr, v_base, off, valid, P, D, T, PB, ELEM, SCALE, QBLOCK, NATIVE_FP8, F16)
-        v = _dot_operand(v, F16, FP32_DOT)
-        if ROWSCALE:
-            # per-token V factors go into P, over the tile's largest so that P stays in [0, 1] (fp16 range)
-            rv_max = tl.max(v_rs, axis=0)
-            rv_max = tl.where(rv_max > 0, rv_max, 1.0)
-            p = p * (v_rs / rv_max)[None, :]
-        p_hi = _dot_operand(p, F16, FP32_DOT)
-        if ROWSCALE:
-            pv = tl.dot(p_hi, v)
-            if P_SPLIT:
-                pv = tl.dot(_dot_operand(p - p_hi.to(tl.float32), F16, FP32_DOT), v, pv)
-            acc = acc * alpha[:, None] + pv * rv_max
-        else:
-            acc = tl.dot(p_hi, v, acc * alpha[:, None])
-            if P_SPLIT:
-                acc = tl.dot(_dot_operand(p - p_hi.to(tl.float32), F16, FP32_DOT), v, acc)
+    table_row = table_ptr + req.to(tl.int64) * stride_tb
+    if PREFETCH == 2:
+        # software pipeline by hand: while tile i is computed, the K/V loads of tile i + 1 are in flight and the
+        # (block id -> page) lookups of tile i + 2 too, so no load latency sits on the loop's critical path
+        s0, live, page = _meta(ids_row, table_row, t_begin, t_end, pos, TPB, BS, T, P)
+        s0_n, live_n, page_n = _meta(ids_row, table_row, t_begin + 1, t_end, pos, TPB, BS, T, P)
+        kp, ks, valid = _load_raw(k_ptr, page, s0, live, pos, h, stride_kp, stride_kh, P, D, T, PB, ELEM, SCALE,
+                                  QBLOCK)
+        vp, vs, valid = _load_raw(v_ptr, page, s0, live, pos, h, stride_vp, stride_vh, P, D, T, PB, ELEM, SCALE,
+                                  QBLOCK)
+        for it in range(TILES):
+            kp_n, ks_n, valid_n = _load_raw(k_ptr, page_n, s0_n, live_n, pos, h, stride_kp, stride_kh, P, D, T, PB,
+                                            ELEM, SCALE, QBLOCK)
+            vp_n, vs_n, valid_n = _load_raw(v_ptr, page_n, s0_n, live_n, pos, h, stride_vp, stride_vh, P, D, T, PB,
+                                            ELEM, SCALE, QBLOCK)
+            s0_n2, live_n2, page_n2 = _meta(ids_row, table_row, t_begin + it + 2, t_end, pos, TPB, BS, T, P)
+            acc, m_i, l_i = _attend(q, acc, m_i, l_i, kp, ks, vp, vs, valid, qk_scale, D, T, ELEM, SCALE, QBLOCK,
+                                    NATIVE_FP8, FP32_DOT, F16, P_SPLIT, PAIRED)
+            kp, ks, vp, vs, valid = kp_n, ks_n, vp_n, vs_n, valid_n
+            s0_n, live_n, page_n = s0_n2, live_n2, page_n2
+    elif PREFETCH == 1:
+        # lookups only: tile i + 1's (block id -> page) loads are in flight during tile i; its K/V loads are issued
+        # in its own iteration (where Triton's pipeliner, num_stages >= 2, may move them earlier)
+        s0_n, live_n, page_n = _meta(ids_row, table_row, t_begin, t_end, pos, TPB, BS, T, P)
+        for it in range(TILES):
+            s0, live, page = s0_n, live_n, page_n
+            s0_n, live_n, page_n = _meta(ids_row, table_row, t_begin + it + 1, t_end, pos, TPB, BS, T, P)
+            kp, ks, valid = _load_raw(k_ptr, page, s0, live, pos, h, stride_kp, stride_kh, P, D, T, PB, ELEM,
+                                      SCALE, QBLOCK)
+            vp, vs, valid = _load_raw(v_ptr, page, s0, live, pos, h, stride_vp, stride_vh, P, D, T, PB, ELEM,
+                                      SCALE, QBLOCK)
+            acc, m_i, l_i = _attend(q, acc, m_i, l_i, kp, ks, vp, vs, valid, qk_scale, D, T, ELEM, SCALE, QBLOCK,
+                                    NATIVE_FP8, FP32_DOT, F16, P_SPLIT, PAIRED)
+    else:
+        for it in range(TILES):  # the last split may run past the end: masked
+            s0, live, page = _meta(ids_row, table_row, t_begin + it, t_end, pos, TPB, BS, T, P)
+            kp, ks, valid = _load_raw(k_ptr, page, s0, live, pos, h, stride_kp, stride_kh, P, D, T, PB, ELEM,
+                                      SCALE, QBLOCK)
+            vp, vs, valid = _load_raw(v_ptr, page, s0, live, pos, h, stride_vp, stride_vh, P, D, T, PB, ELEM,
+                                      SCALE, QBLOCK)
+            acc, m_i, l_i = _attend(q, acc, m_i, l_i, kp, ks, vp, vs, valid, qk_scale, D, T, ELEM, SCALE, QBLOCK,
+                                    NATIVE_FP8, FP32_DOT, F16, P_SPLIT, PAIRED)
 
     heads = row.to(tl.int64) * G * (tl.num_programs(1)) + h * G + g  # flat (row, query head) index
     if SPLIT:
@@ -300,12 +425,17 @@ def _check_int(name: str, t: torch.Tensor, shape: tuple, device) -> None:
 
 
 def launch_plan(rows: int, num_kv_heads: int, topk: int, block_size: int, page_size: int, device: torch.device,
-                num_splits: int | None = None, tile_tokens: int | None = None) -> tuple[int, int, int]:
-    """(tokens per tile, splits, tiles per split) the launchers use. Default splits: about two programs per SM
-    (rows x KV heads x splits), never more than the tiles; 1 off the GPU. Default tile: 64 tokens
-    on the GPU, whole pages (up to 128) in the interpreter, which pays per operation rather than per element."""
+                num_splits: int | None = None, tile_tokens: int | None = None,
+                num_warps: int | None = None) -> tuple[int, int, int, int]:
+    """(tokens per tile, splits, tiles per split, warps) the launchers use. Default splits: about two programs per
+    SM (rows x KV heads x splits), never more than the tiles; 1 off the GPU. Default tile: on the GPU 64 tokens
+    (`DEFAULT_TILE`), in the interpreter whole pages (up to 128), since it pays per operation rather than per
+    element. Warps (default 4) are capped at tile / 8: the score dot [16, T] spreads its T columns over the warps
+    8 at a time, and with fewer columns than that some warps hold copies of others' columns; the E2M1 decode chain
+    (join / reshape into the dot operand) then compiled to wrong results on the H200 (Triton 3.6: 16-token tiles
+    with 4 warps gave garbage, 32 and 64 were right)."""
     interp = os.environ.get("TRITON_INTERPRET") == "1"
-    t = min(tile_tokens or (128 if interp else 64), page_size)
+    t = min(tile_tokens or (128 if interp else DEFAULT_TILE), page_size)
     if page_size % t or (t < 16 and not interp):
         raise KernelArgumentError(f"a tile of {t} tokens must divide the page size {page_size} and be >= 16")
     n_tiles = topk * (block_size // t)
@@ -318,18 +448,22 @@ def launch_plan(rows: int, num_kv_heads: int, topk: int, block_size: int, page_s
         splits = int(num_splits)
     if splits < 1:
         raise KernelArgumentError(f"num_splits must be >= 1, got {splits}")
+    warps = int(num_warps or 4)
+    if warps < 1 or warps & (warps - 1):
+        raise KernelArgumentError(f"num_warps must be a power of two, got {warps}")
+    warps = max(1, min(warps, t // 8))
     per = max(1, math.ceil(n_tiles / splits))
-    return t, max(1, math.ceil(n_tiles / per)), per  # no empty trailing splits
+    return t, max(1, math.ceil(n_tiles / per)), per, warps  # no empty trailing splits
 
 
 def uses_fp16_dots(fmt) -> bool:
     """The kernel runs fp16 dots for every quantized format (their tiles are exact in fp16 once whole-tensor and
-    per-token factors are taken out, see `_tile`), and bf16 dots for bf16 (whose range fp16 lacks)."""
+    per-token factors are taken out, see `_decode`), and bf16 dots for bf16 (whose range fp16 lacks)."""
     return fmt.element is not None
 
 
 def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_splits, decode, ctx, req, pos,
-            tile_tokens, num_warps, num_stages, native_fp8, out_dtype, precise_p):
+            tile_tokens, num_warps, num_stages, native_fp8, out_dtype, precise_p, prefetch, paired, maxnreg):
     rows, hq, d = q.shape
     hkv, topk = k_cache.num_heads, block_ids.shape[-1]
     fmt = k_cache.fmt
@@ -337,8 +471,25 @@ def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_
     if native_fp8 is None:
         native_fp8 = q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) >= (8, 9)
     f16 = uses_fp16_dots(fmt)
-    t, splits, tiles_per_split = launch_plan(rows, hkv, topk, block_size, k_cache.page_size, q.device, num_splits,
-                                             tile_tokens)
+    t, splits, tiles_per_split, warps = launch_plan(rows, hkv, topk, block_size, k_cache.page_size, q.device,
+                                                    num_splits, tile_tokens, num_warps)
+    # bf16 tiles feed the dots as loaded, which Triton's pipeliner handles (copies straight to shared memory)
+    if prefetch is None:
+        prefetch = 1 if f16 else 0
+    prefetch = 2 if prefetch is True else 0 if prefetch is False else int(prefetch)
+    if prefetch not in (0, 1, 2):
+        raise KernelArgumentError(f"prefetch must be 0, 1, 2 (or a bool), got {prefetch}")
+    e2m1 = fmt.element is not None and fmt.element.name == "e2m1"
+    paired = e2m1 and (True if paired is None else bool(paired))
+    if num_stages is None:
+        num_stages = {2: 1, 1: 3, 0: 2}[prefetch]  # 1: the lookups ahead let Triton's copies run a tile ahead
+    if maxnreg is None:  # 4 programs of 4 warps per SM (65536 registers); ptxas may spill a few bytes
+        maxnreg = 128 if f16 and warps == 4 else 0
+    launch_opts = {"maxnreg": int(maxnreg)} if maxnreg and q.device.type == "cuda" and torch.version.cuda else {}
+    if fmt.element is not None and fmt.element.name == "e2m1" and any(
+            c.data.stride(i) % 4 for c in (k_cache, v_cache) for i in (0, 1)):
+        raise KernelArgumentError("E2M1 caches are read as 4-byte words: page and head slabs must be 4-byte aligned "
+                                  f"(page size {k_cache.page_size} x {fmt.bytes_per_token(d)} bytes per token)")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     unit = E2M1_UNIT if fmt.element is not None and fmt.element.name == "e2m1" else 1.0  # e2m1_words_f16's 2**-14
     qk_scale = scale * LOG2E * _scalar_of(k_cache, "k_cache") * unit
@@ -370,8 +521,8 @@ def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_
         ELEM=_ELEMENT_CODE[fmt.element.name if fmt.element else "bf16"], SCALE=_SCALE_CODE[fmt.scale_element],
         QBLOCK=max(fmt.block, 1), PB=fmt.payload_bytes(d), TILES=tiles_per_split,
         DECODE=decode, SPLIT=splits > 1, NATIVE_FP8=bool(native_fp8), FP32_DOT=interp, F16=f16,
-        P_SPLIT=(not f16) if precise_p is None else bool(precise_p),
-        num_warps=num_warps, num_stages=num_stages,
+        P_SPLIT=(not f16) if precise_p is None else bool(precise_p), PREFETCH=prefetch, PAIRED=paired,
+        num_warps=warps, num_stages=num_stages, **launch_opts,
     )
     if splits > 1:
         _combine_kernel[(rows * hq,)](part, ml, out, v_scalar, splits,
@@ -389,9 +540,11 @@ def _check_q(q: torch.Tensor, name: str = "q") -> None:
 
 def sparse_decode(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, block_table: torch.Tensor,
                   context_lens: torch.Tensor, block_ids: torch.Tensor, block_size: int, scale: float | None = None,
-                  num_splits: int | None = None, *, tile_tokens: int | None = None, num_warps: int = 4,
-                  num_stages: int = 2, native_fp8: bool | None = None,
-                  out_dtype: torch.dtype = torch.bfloat16, precise_p: bool | None = None) -> torch.Tensor:
+                  num_splits: int | None = None, *, tile_tokens: int | None = None, num_warps: int | None = None,
+                  num_stages: int | None = None, native_fp8: bool | None = None,
+                  out_dtype: torch.dtype = torch.bfloat16, precise_p: bool | None = None,
+                  prefetch: int | bool | None = None, paired: bool | None = None,
+                  maxnreg: int | None = None) -> torch.Tensor:
     """One decode step of sparse attention for B requests.
 
     q bf16 [B, Hq, D] (the token at position context_lens[b] - 1, already stored in the caches); k_cache / v_cache:
@@ -402,8 +555,12 @@ def sparse_decode(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, blo
     the selected tokens (default: enough to fill the GPU; > 1 adds the combine kernel). out_dtype torch.float32 skips
     the final bf16 rounding (verification). Keyword options tune the launch (tokens per tile, warps, pipeline stages,
     hardware fp8 conversion; precise_p: P as hi + lo parts (two P.V dots) or one rounding; default: split for bf16
-    dots, where one rounding costs ~2^-9 per probability, single for fp16 dots, ~2^-12). No host synchronization,
-    so it can be captured in a CUDA graph."""
+    dots, where one rounding costs ~2^-9 per probability, single for fp16 dots, ~2^-12; prefetch: 2 (True) the hand-pipelined
+    loop (num_stages default 1), 1 page lookups one tile ahead (default for quantized formats; num_stages default 3:
+    Triton's pipeliner keeps one tile's K/V copies in flight), 0 (False) none (default for bf16; num_stages 2);
+    maxnreg: register cap per thread on CUDA (default 128 for quantized formats with 4 warps, 0 = none); warps
+    are capped at tile / 8, see `launch_plan`; paired: E2M1 decoded in PAIRED order, default on, see
+    `_e2m1_words_paired`). No host synchronization, so it can be captured in a CUDA graph."""
     _check_q(q)
     b, hq, d = q.shape
     _check_caches(k_cache, v_cache, q, hq, d, block_size)
@@ -412,14 +569,16 @@ def sparse_decode(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, blo
     _check_int("block_ids", block_ids, (b, k_cache.num_heads, block_ids.shape[-1]), q.device)
     return _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_splits, True, context_lens,
                    context_lens, context_lens, tile_tokens, num_warps, num_stages, native_fp8, out_dtype,
-                   precise_p)
+                   precise_p, prefetch, paired, maxnreg)
 
 
 def sparse_prefill(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, block_table: torch.Tensor,
                    q_req: torch.Tensor, q_pos: torch.Tensor, block_ids: torch.Tensor, block_size: int,
                    scale: float | None = None, num_splits: int | None = None, *, tile_tokens: int | None = None,
-                   num_warps: int = 4, num_stages: int = 2, native_fp8: bool | None = None,
-                   out_dtype: torch.dtype = torch.bfloat16, precise_p: bool | None = None) -> torch.Tensor:
+                   num_warps: int | None = None, num_stages: int | None = None, native_fp8: bool | None = None,
+                   out_dtype: torch.dtype = torch.bfloat16, precise_p: bool | None = None,
+                   prefetch: int | bool | None = None, paired: bool | None = None,
+                  maxnreg: int | None = None) -> torch.Tensor:
     """Sparse attention for N query rows of any requests (prefill, chunked prefill, speculative verify).
 
     q bf16 [N, Hq, D]; q_req int32 [N] (each row's request: its row of block_table [B, max_pages]); q_pos int32 [N]
@@ -436,4 +595,5 @@ def sparse_prefill(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, bl
     _check_int("q_pos", q_pos, (n,), q.device)
     _check_int("block_ids", block_ids, (n, k_cache.num_heads, block_ids.shape[-1]), q.device)
     return _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_splits, False, q_pos, q_req,
-                   q_pos, tile_tokens, num_warps, num_stages, native_fp8, out_dtype, precise_p)
+                   q_pos, tile_tokens, num_warps, num_stages, native_fp8, out_dtype, precise_p, prefetch, paired,
+                   maxnreg)

@@ -36,10 +36,12 @@ L2_TARGET_BYTES = 150e6  # three times the H200's 50 MB L2
 MAX_LAYERS = 57  # M3's sparse layers
 # Launch variants tried with --sweep (name, sparse_decode keyword options).
 SWEEP = (
-    ("splits=1", {"num_splits": 1}), ("splits=2", {"num_splits": 2}), ("splits=4", {"num_splits": 4}),
-    ("splits=8", {"num_splits": 8}), ("splits=16", {"num_splits": 16}), ("tile=128 warps=8", {"tile_tokens": 128, "num_warps": 8}),
-    ("tile=32", {"tile_tokens": 32}), ("stages=3", {"num_stages": 3}), ("warps=8", {"num_warps": 8}),
-    ("two-dot P", {"precise_p": True}), ("portable fp8", {"native_fp8": False}),
+    ("prefetch=2", {"prefetch": 2}), ("prefetch=1 stages=3", {"prefetch": 1, "num_stages": 3}),
+    ("prefetch=0 stages=3", {"prefetch": 0, "num_stages": 3}),
+    ("previous (prefetch=0 stages=2, natural order, no reg cap)",
+     {"prefetch": 0, "num_stages": 2, "paired": False, "maxnreg": 0}),
+    ("natural order", {"paired": False}), ("no reg cap", {"maxnreg": 0}), ("warps=8", {"num_warps": 8}),
+    ("tile=128 warps=8", {"tile_tokens": 128, "num_warps": 8}), ("splits=4", {"num_splits": 4}),
 )
 
 
@@ -170,12 +172,12 @@ def run_attn_bench(batches=DEFAULT_BATCHES, formats=DEFAULT_FORMATS, context: in
             step = steps[(batch, name)] = _Step(name, batch, context, layers, device, gen)
             label = step.fmt.label
             if run_kernel:
-                t, splits, _ = launch_plan(batch, GEOMETRY["num_kv_heads"], GEOMETRY["topk"], GEOMETRY["block_size"],
+                t, splits, _, _ = launch_plan(batch, GEOMETRY["num_kv_heads"], GEOMETRY["topk"], GEOMETRY["block_size"],
                                            GEOMETRY["page_size"], torch.device(device))
                 cases.append(BenchCase(f"triton {label}", step.kernel(), step.bytes, group,
                                        f"{how} x {layers} layers; tile {t}, splits {splits}",
                                        cuda_graph=device.startswith("cuda")))
-                for vname, options in SWEEP if sweep and step.fmt.family != "bf16" else ():
+                for vname, options in SWEEP if sweep else ():
                     if "native_fp8" in options and step.fmt.scale_element == "e8m0":  # no E4M3 to convert
                         continue
                     cases.append(BenchCase(f"triton {label} {vname}", step.kernel(**options), step.bytes, group,
