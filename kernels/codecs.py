@@ -126,6 +126,26 @@ def e2m1_words_f16(words, ROWS: tl.constexpr, WORDS: tl.constexpr):
     return tl.reshape(tl.join(even, odd), [ROWS, WORDS * 8])
 
 
+@triton.jit
+def _e2m1_nibble_bf16(words, K: tl.constexpr):
+    """Nibble K of int32 words -> bf16 value * 2**-126 (see e2m1_words_bf16)."""
+    bits = ((words << (28 - 4 * K)) >> 22) & 0x81C0
+    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def e2m1_words_bf16(words, ROWS: tl.constexpr, WORDS: tl.constexpr):
+    """e2m1_words_f16 for bf16: packed E2M1 words [ROWS, WORDS] -> bf16 [ROWS, 8 * WORDS] in element order holding
+    value * 2**-126 (the magnitude bits at the bottom of the bf16 exponent / top of the mantissa, bits 6..8; the
+    0.5 code as a bf16 subnormal; sign at bit 15; exact). Multiply by 2**126 (exact in bf16) and a power-of-two or
+    E4M3 scale with packed bf16 math: every product is exact, so no conversion to fp32 and back is needed."""
+    even = tl.join(tl.join(_e2m1_nibble_bf16(words, 0), _e2m1_nibble_bf16(words, 4)),
+                   tl.join(_e2m1_nibble_bf16(words, 2), _e2m1_nibble_bf16(words, 6)))
+    odd = tl.join(tl.join(_e2m1_nibble_bf16(words, 1), _e2m1_nibble_bf16(words, 5)),
+                  tl.join(_e2m1_nibble_bf16(words, 3), _e2m1_nibble_bf16(words, 7)))
+    return tl.reshape(tl.join(even, odd), [ROWS, WORDS * 8])
+
+
 # ------------------------------------------------------------------------------------------------------------ E4M3
 @triton.jit
 def e4m3_encode(x, NATIVE: tl.constexpr = False):

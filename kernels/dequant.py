@@ -19,10 +19,13 @@ import triton.language as tl
 from kvtool.errors import KernelArgumentError
 from kvtool.kernels import codecs as kc
 from kvtool.kernels.store import (
+    INTERPRET,
     SCALE_E8M0,
+    SCALE_KINDS,
     SCALE_ROW,
     SCALE_TENSOR,
     KernelFormat,
+    cache_scales,
     check_cache,
     check_slot_ids,
     launch_config,
@@ -62,6 +65,7 @@ def _dequant_kernel(
     NATIVE_FP8: tl.constexpr,  # hardware e4m3 -> fp32 conversion (CUDA sm_89+, see kc.e4m3_decode_any)
     WORDS: tl.constexpr,  # 4-bit formats: payload rows read as int32 words (every row offset a multiple of 4)
     G_FOLD: tl.constexpr,  # nvfp4: 2**14 * g_dec is finite in fp32 (fold it into one multiply)
+    BF16_MATH: tl.constexpr,  # 4-bit words to bf16 with exact packed bf16 multiplies (E8M0, or E4M3 with g_dec = 1)
     BLOCK_R: tl.constexpr,  # tokens per program
 ):
     # grid: (token tiles, heads), as in the store
@@ -77,19 +81,29 @@ def _dequant_kernel(
         wcols = tl.arange(0, DP // 8)
         wrow = (payload_ptr + pay).to(tl.pointer_type(tl.int32))
         words = tl.load(wrow[:, None] + wcols[None, :], mask=row_mask(live, wcols, PB // 4, DP // 8), other=0)
-        v16 = tl.reshape(kc.e2m1_words_f16(words, BLOCK_R, DP // 8), [BLOCK_R, DP // BLOCK, BLOCK])
         scols = tl.arange(0, DP // BLOCK)
         sbytes = tl.load(scale_ptr + sc[:, None] + scols[None, :], mask=row_mask(live, scols, SB, DP // BLOCK),
                          other=0)
-        if SCALE == SCALE_E8M0:
-            vb = (v16 * 16384.0).to(tl.float32) * kc.e8m0_decode_any(sbytes)[:, :, None]  # code exact in fp16
+        if BF16_MATH:
+            # bf16 out, every product exact (E8M0: 2**-127 .. 2**127; E4M3 with g_dec = 1: <= 6 significant bits):
+            # packed bf16 multiplies, no fp32 round trip (compiled only: the interpreter's bf16 math is not exact)
+            vb = tl.reshape(kc.e2m1_words_bf16(words, BLOCK_R, DP // 8), [BLOCK_R, DP // BLOCK, BLOCK])
+            if SCALE == SCALE_E8M0:
+                sv = kc.e8m0_decode_any(sbytes).to(tl.bfloat16)
+            else:
+                sv = kc.e4m3_decode_any(sbytes, NATIVE_FP8).to(tl.bfloat16)
+            vb = vb * 8.507059173023462e37 * sv[:, :, None]  # (code * 2**-126) * 2**126 = code, then * S
         else:
-            s16 = kc.e4m3_decode_any(sbytes, NATIVE_FP8).to(tl.float16)  # exact
-            # (code * 2**-14 * S) * (2**14 * g_dec): the torch path's (code * S) * g_dec, the same single rounding
-            if G_FOLD:
-                vb = (v16 * s16[:, :, None]).to(tl.float32) * (g_dec * 16384.0)
-            else:  # 2**14 * g_dec would overflow fp32
-                vb = (v16 * s16[:, :, None]).to(tl.float32) * 16384.0 * g_dec
+            v16 = tl.reshape(kc.e2m1_words_f16(words, BLOCK_R, DP // 8), [BLOCK_R, DP // BLOCK, BLOCK])
+            if SCALE == SCALE_E8M0:
+                vb = (v16 * 16384.0).to(tl.float32) * kc.e8m0_decode_any(sbytes)[:, :, None]  # code exact in fp16
+            else:
+                s16 = kc.e4m3_decode_any(sbytes, NATIVE_FP8).to(tl.float16)  # exact
+                # (code * 2**-14 * S) * (2**14 * g_dec): the torch path's (code * S) * g_dec, one rounding alike
+                if G_FOLD:
+                    vb = (v16 * s16[:, :, None]).to(tl.float32) * (g_dec * 16384.0)
+                else:  # 2**14 * g_dec would overflow fp32
+                    vb = (v16 * s16[:, :, None]).to(tl.float32) * 16384.0 * g_dec
         v = tl.reshape(vb, [BLOCK_R, DP])
     elif BITS == 4:
         pcols = tl.arange(0, DP // 2)
@@ -120,7 +134,9 @@ def _dequant_kernel(
         bf = payload_ptr.to(tl.pointer_type(tl.bfloat16))
         v = kc.bf16_decode(tl.load(bf + (pay // 2)[:, None] + cols[None, :], mask=row_mask(live, cols, D, DP),
                                    other=0.0))
-    if OUT_BF16:
+    if BF16_MATH and BITS == 4 and WORDS:
+        out = v
+    elif OUT_BF16:
         out = kc.bf16_encode(v)
     else:
         out = v.to(out_ptr.dtype.element_ty)
@@ -146,7 +162,11 @@ def launch_dequant(payload: torch.Tensor, scales: torch.Tensor | None, slots: to
     g32 = np.float32(g_dec)
     with np.errstate(over="ignore"):
         g_fold = bool(np.isfinite(g32 * np.float32(16384.0)))
-    opts = dict(WORDS=word_aligned(payload, pb, page_stride, head_stride), G_FOLD=g_fold)
+    words = word_aligned(payload, pb, page_stride, head_stride)
+    # packed bf16 products are exact only where no outer scale rounds; compiled only (interpreter bf16 math)
+    bf16_math = (out.dtype == torch.bfloat16 and kf.BITS == 4 and words and not INTERPRET
+                 and (kf.SCALE == SCALE_KINDS["e8m0"] or float(g32) == 1.0))
+    opts = dict(WORDS=words, G_FOLD=g_fold, BF16_MATH=bf16_math)
     opts.update(variant or {})
     grid = (triton.cdiv(T, block_r), H)
     _dequant_kernel[grid](
@@ -163,10 +183,11 @@ def check_output_dtype(dtype: torch.dtype) -> None:
 
 
 def gather_dequantize(cache, slots: torch.Tensor, dtype: torch.dtype = torch.float32, *, validate: bool = True,
-                      config: tuple[int, int] | None = None) -> torch.Tensor:
+                      config: tuple[int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton twin of `PagedCache.dequantize`: the decoded values [N, H, D] (`dtype`: fp32, bf16 or fp16) of the
     tokens at `slots` (int32 / int64 [N], all valid, on the cache's device). `validate` checks the slot range (a host
-    sync), as the torch path does."""
+    sync), as the torch path does. `out` (contiguous [N, H, D] of `dtype` on the cache's device) receives the values
+    instead of a new tensor (engines reuse one buffer; also what CUDA-graph capture wants)."""
     check_cache(cache)
     check_output_dtype(dtype)
     check_slot_ids(slots, slots.shape[0] if slots.dim() == 1 else -1, cache.data.device, "gather: slots")
@@ -176,8 +197,14 @@ def gather_dequantize(cache, slots: torch.Tensor, dtype: torch.dtype = torch.flo
         check_slots(slots, cache.num_slots, allow_skip=False)
     tensor_scale = require_tensor_scale(cache) if cache.fmt.scale_element == "fp32-tensor" else 1.0
     H, D = cache.num_heads, cache.head_dim
-    out = torch.empty(slots.shape[0], H, D, dtype=dtype, device=cache.data.device)
+    shape = (slots.shape[0], H, D)
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=cache.data.device)
+    elif tuple(out.shape) != shape or out.dtype != dtype or out.device != cache.data.device \
+            or not out.is_contiguous():
+        raise KernelArgumentError(f"gather: out must be contiguous {dtype} {list(shape)} on {cache.data.device}, "
+                                  f"got {out.dtype} {list(out.shape)} on {out.device}")
     launch_dequant(cache.data, None, slots, out, cache.fmt, page_size=cache.page_size,
                    page_stride=cache.data.stride(0), head_stride=cache.data.stride(1), tensor_scale=tensor_scale,
-                   g_dec=cache.outer_scale(), config=config)
+                   g_dec=cache_scales(cache)[1], config=config)
     return out

@@ -29,6 +29,7 @@ lower (an IEEE division per element).
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -38,6 +39,7 @@ import triton.language as tl
 
 from kvtool.errors import KernelArgumentError, LayoutError
 from kvtool.formats import Format
+from kvtool.formats.codecs import fp8_row_scale, nvfp4_outer_scale
 from kvtool.formats.registry import require_finite
 from kvtool.kernels import codecs as kc
 
@@ -237,6 +239,7 @@ class KernelFormat:
     POW2: bool
 
     @classmethod
+    @functools.lru_cache(maxsize=256)
     def of(cls, fmt: Format) -> "KernelFormat":
         return cls(BITS=fmt.spec.payload_bits, SCALE=SCALE_KINDS[fmt.scale_element], BLOCK=fmt.block or 1,
                    RULE=int(fmt.scale_rule or 0), RECIPE=int(fmt.recipe or 0), DS_FLOOR=bool(fmt.ds_floor),
@@ -294,6 +297,7 @@ def check_cache(cache) -> None:
         raise KernelArgumentError(f"{cache.num_slots} slots: slot ids must fit in int32")
 
 
+@functools.lru_cache(maxsize=64)
 def native_fp8(device: torch.device) -> bool:
     """Whether kernels on `device` may use the hardware fp32 -> e4m3 conversion: compiled (not the interpreter), CUDA
     (not ROCm: gfx950's fp8 types differ), compute capability 8.9 or newer. Everywhere else the integer encoder runs."""
@@ -306,6 +310,7 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+@functools.lru_cache(maxsize=256)
 def outer_scales(g_dec: float) -> tuple[float, float]:
     """(g_dec, g_enc) as the torch codec computes them: g_enc = fp32(1 / fp32(g_dec))."""
     g = torch.tensor(g_dec, dtype=torch.float32)
@@ -364,16 +369,31 @@ def store(cache, x: torch.Tensor, slot_mapping: torch.Tensor, *, validate: bool 
         cache.check_store_args(x, slot_mapping)
         require_finite(x[slot_mapping >= 0], "store")
     cache.freeze_tensor_amax(x)
-    tensor_scale = 1.0
-    if cache.fmt.scale_element == "fp32-tensor":
-        tensor_scale = cache.fp8_tensor_scale()
+    tensor_scale, g_dec = cache_scales(cache)
     launch_store(x, slot_mapping, cache.data, None, cache.fmt, page_size=cache.page_size,
                  page_stride=cache.data.stride(0), head_stride=cache.data.stride(1), tensor_scale=tensor_scale,
-                 g_dec=cache.outer_scale(), config=config)
+                 g_dec=g_dec, config=config)
+
+
+def cache_scales(cache) -> tuple[float, float]:
+    """(fp8 `tensor` scale, nvfp4 g_dec) of a cache, as `PagedCache.fp8_tensor_scale()` / `.outer_scale()` compute
+    them (1 / 1 where the format has none), memoized on (format, tensor_amax): the torch helpers build small tensors
+    on every call, host time an engine would pay on every store and gather."""
+    return _cache_scales(cache.fmt, cache.tensor_amax)
+
+
+@functools.lru_cache(maxsize=256)
+def _cache_scales(fmt: Format, tensor_amax: float | None) -> tuple[float, float]:
+    amax = None if tensor_amax is None else torch.tensor(tensor_amax, dtype=torch.float32)
+    tensor_scale = 1.0
+    if fmt.scale_element == "fp32-tensor" and amax is not None:
+        tensor_scale = float(fp8_row_scale(amax, ds_floor=False, pow2=False))
+    g_dec = nvfp4_outer_scale(fmt, torch.zeros(1), amax) if fmt.family == "nvfp4" else 1.0
+    return tensor_scale, g_dec
 
 
 def require_tensor_scale(cache) -> float:
     """The fp8 `tensor` scale of a cache that has been stored to (the torch path cannot decode without it either)."""
     if cache.tensor_amax is None:
         raise LayoutError("this fp8 tensor-scaled cache has no tensor_amax yet: store into it (or set it) first")
-    return cache.fp8_tensor_scale()
+    return cache_scales(cache)[0]
