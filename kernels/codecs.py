@@ -28,7 +28,7 @@ E4M3_MAX = tl.constexpr(448.0)  # 0b0_1111_110: 2**(15 - 7) * 1.75 (0b0_1111_111
 
 # ------------------------------------------------------------------------------------------------------------ E2M1
 @triton.jit
-def e2m1_encode(y, SATURATE: tl.constexpr = True):
+def e2m1_encode(y, SATURATE: tl.constexpr = True, low=7):
     """fp32 -> E2M1 code (int32 0..15), round half to even, saturating at 6, sign bit 3 also for -0.
 
     E2M1 rounding of m = |y| is round-half-even of the concave piecewise-linear code line
@@ -48,9 +48,11 @@ def e2m1_encode(y, SATURATE: tl.constexpr = True):
     t = tl.minimum(t, m * 0.5 + 8388612.0)  # 2**23 + 4
     if SATURATE:
         t = tl.minimum(t, 8388615.0)  # code 7 (6.0)
-    # sign: bits 28..31 of y moved to 0..3 (a logical shift: the high bits come in as 0), bit 3 kept
-    sign = y.to(tl.uint32, bitcast=True) >> 28
-    return (t.to(tl.int32, bitcast=True) & 7) | (sign & 8).to(tl.int32)
+    # sign: y's bits 28..31 moved to 0..3 by a logical shift (zeros above), then one bit-select with `low` = 7:
+    # bits 0..2 from t, the rest from the shifted sign. Kernels pass `low` as a runtime 7 so that the compiler cannot
+    # narrow `~low` to 8 with what it knows of the shift and split the select into two ops (one op per value less).
+    sign = (y.to(tl.uint32, bitcast=True) >> 28).to(tl.int32)
+    return (t.to(tl.int32, bitcast=True) & low) | (sign & ~low)
 
 
 @triton.jit
@@ -236,8 +238,9 @@ def zero_add(zero):
 
 
 @triton.jit
-def mxfp4_quantize_block(x, RULE: tl.constexpr):
-    """x: fp32 [R, NB, 32] -> (codes int32 [R, NB, 32], scale bytes uint8 [R, NB]). Mirrors formats.codecs."""
+def mxfp4_quantize_block(x, RULE: tl.constexpr, low=7):
+    """x: fp32 [R, NB, 32] -> (codes int32 [R, NB, 32], scale bytes uint8 [R, NB]). Mirrors formats.codecs.
+    `low`: e2m1_encode's mask (7; kernels pass it at run time)."""
     amax = tl.max(tl.abs(x), axis=2)
     e = mx_exponent(amax, RULE)
     zero = amax == 0.0
@@ -246,33 +249,32 @@ def mxfp4_quantize_block(x, RULE: tl.constexpr):
     y = x * exp2_int(-e)[:, :, None] + zero_add(zero)[:, :, None]
     # |y| <= amax * 2**-e < 7 under every rule but floor (ceil: <= 4; even: < 1.75 * 4 without the round-up, <= 4
     # with it; rceil: <= 6 (1 + 2**-23)), so only floor needs the encoder's clamp at 6.
-    codes = e2m1_encode(y, RULE == RULE_FLOOR)
+    codes = e2m1_encode(y, RULE == RULE_FLOOR, low)
     scale = tl.where(zero, 0, e + 127).to(tl.uint8)
     return codes, scale
 
 
 @triton.jit
-def nvfp4_quantize_block(x, g_dec, g_enc, RECIPE: tl.constexpr, NATIVE: tl.constexpr = False):
+def nvfp4_quantize_block(x, g_dec, g_enc, RECIPE: tl.constexpr, NATIVE: tl.constexpr = False, low=7):
     """x: fp32 [R, NB, 16]; g_dec / g_enc: fp32 outer scales (decode, encode = fp32(1 / g_dec)) ->
-    (codes int32 [R, NB, 16], scale bytes uint8 [R, NB]). Mirrors formats.codecs.nvfp4_quantize op by op, the
-    zero-scale rule included (per-block factors 0 / inf, then + 0.0 or - 0.0; the rcp product and that add are one
-    fma per element). NATIVE: the scale byte through the hardware e4m3 conversion (see e4m3_encode)."""
+    (codes int32 [R, NB, 16], scale bytes uint8 [R, NB]). Mirrors formats.codecs.nvfp4_quantize op by op.
+    NATIVE: the scale byte through the hardware e4m3 conversion (see e4m3_encode).
+    (The zero-scale rule stays a select on the codes here: the mxfp4 form, a +-0 add fused into the scaling fma,
+    gave wrong bytes for nvfp4-rcp on the H200 with 4 blocks per thread (64 x 4 tiles), 2 blocks were right.)"""
     amax = tl.max(tl.abs(x), axis=2)
     amax_6 = tl.math.div_rn(amax, tl.full(amax.shape, E2M1_MAX, tl.float32))
     scale = e4m3_encode(amax_6 * g_enc, NATIVE)
     s = e4m3_decode(scale)
-    zero = scale == 0
-    add = zero_add(zero)[:, :, None]
     if RECIPE == RECIPE_RCP:
-        rcp = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), s * g_dec)
-        y = x * tl.where(zero, 0.0, rcp)[:, :, None] + add
+        denom = s * g_dec
+        y = x * tl.math.div_rn(tl.full(denom.shape, 1.0, tl.float32), denom)[:, :, None]
     elif RECIPE == RECIPE_DIV:
-        denom = tl.where(zero, float("inf"), s * g_dec)
-        y = tl.math.div_rn(x, tl.broadcast_to(denom[:, :, None], x.shape)) + add
+        denom = s * g_dec
+        y = tl.math.div_rn(x, tl.broadcast_to(denom[:, :, None], x.shape))
     else:
-        denom = tl.where(zero, float("inf"), amax_6)
-        y = tl.math.div_rn(x, tl.broadcast_to(denom[:, :, None], x.shape)) + add
-    return e2m1_encode(y), scale
+        y = tl.math.div_rn(x, tl.broadcast_to(amax_6[:, :, None], x.shape))
+    codes = tl.where((scale == 0)[:, :, None], 0, e2m1_encode(y, True, low))
+    return codes, scale
 
 
 @triton.jit
