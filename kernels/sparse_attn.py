@@ -27,6 +27,12 @@ quantized format (bf16 for bf16), in element order:
   (max_rel <= 2e-3 against the fp32 reference). `precise_p` overrides either way.
 Under the Triton interpreter the dots run in fp32 (bf16 dots give garbage there) on the same rounded operands.
 
+Loop (H200, Triton 3.6): with the lookups (block id -> page, two dependent loads) inside the iteration, Triton's
+pipeliner issued tile i + 1's copies at the end of iteration i and waited for them at the top of i + 1, so every
+format paid ~4.5 us per tile. PREFETCH=1 (quantized default) loads tile i + 1's lookups during tile i and, with 3
+stages, keeps one tile's copies in flight; with a 128-register cap (4 programs per SM) fp8 went 42 -> 58 % of copy at
+batch 256. E2M1 tiles of 16 tokens are decoded 32 wide (see `_launch`).
+
 Masking: tokens after the query position, tiles of -1 selection slots and pages that are -1 are never loaded (masked
 loads give 0, then the score is -inf), so stale or non-finite bytes outside the selection never leak into the output.
 A row with no visible token returns zeros. Non-finite values at visible tokens (only a bf16 cache can hold them) give
@@ -158,13 +164,13 @@ def _meta(ids_row, table_row, i, i_end, pos, TPB: tl.constexpr, BS: tl.constexpr
 
 @triton.jit
 def _load_raw(ptr, page, s0, live, pos, h, stride_p, stride_h, P: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
-              PB: tl.constexpr, ELEM: tl.constexpr, SCALE: tl.constexpr, QBLOCK: tl.constexpr):
+              TW: tl.constexpr, PB: tl.constexpr, ELEM: tl.constexpr, SCALE: tl.constexpr, QBLOCK: tl.constexpr):
     """Issue the loads of one K or V tile, as stored: (payload, scales, valid [T]). payload: int32 words [T, D/8]
     (E2M1, 4 packed bytes each), uint8 [T, D] (E4M3) or bf16 [T, D]; scales: uint8 [T, D/QBLOCK] (block scales),
     fp32 [T] (fp8 `token`) or an unused fp32 [T]. Tokens after the query or of a dead tile are masked: they read
     as 0 and touch no memory. `ptr` is the cache's uint8 data (a bf16 view for bf16)."""
-    tile = tl.arange(0, T)
-    valid = live & (s0 + tile <= pos)
+    tile = tl.arange(0, TW)  # TW >= T: columns T.. (E2M1 16-token tiles padded to 32) are masked, never loaded
+    valid = live & (tile < T) & (s0 + tile <= pos)
     off = s0 % P + tile
     base = tl.maximum(page, 0).to(tl.int64) * stride_p + h * stride_h  # bytes
     scales = tl.zeros([T], tl.float32)
@@ -273,6 +279,7 @@ def _sparse_attn_kernel(
     topk,  # selection width
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,  # query heads per KV head (padded), head dim
     P: tl.constexpr, BS: tl.constexpr, T: tl.constexpr,  # page size, selection block size, tokens per tile
+    TW: tl.constexpr,  # tile width as decoded (T, or 32 for 16-token E2M1 tiles on the GPU, see launch_plan)
     ELEM: tl.constexpr, SCALE: tl.constexpr, QBLOCK: tl.constexpr,  # element kind, scale kind, elements per scale
     PB: tl.constexpr,  # payload bytes per token and head
     TILES: tl.constexpr,  # tiles each split walks (constexpr: the interpreter cannot loop to a runtime bound)
@@ -317,17 +324,17 @@ def _sparse_attn_kernel(
         # (block id -> page) lookups of tile i + 2 too, so no load latency sits on the loop's critical path
         s0, live, page = _meta(ids_row, table_row, t_begin, t_end, pos, TPB, BS, T, P)
         s0_n, live_n, page_n = _meta(ids_row, table_row, t_begin + 1, t_end, pos, TPB, BS, T, P)
-        kp, ks, valid = _load_raw(k_ptr, page, s0, live, pos, h, stride_kp, stride_kh, P, D, T, PB, ELEM, SCALE,
+        kp, ks, valid = _load_raw(k_ptr, page, s0, live, pos, h, stride_kp, stride_kh, P, D, T, TW, PB, ELEM, SCALE,
                                   QBLOCK)
-        vp, vs, valid = _load_raw(v_ptr, page, s0, live, pos, h, stride_vp, stride_vh, P, D, T, PB, ELEM, SCALE,
+        vp, vs, valid = _load_raw(v_ptr, page, s0, live, pos, h, stride_vp, stride_vh, P, D, T, TW, PB, ELEM, SCALE,
                                   QBLOCK)
         for it in range(TILES):
-            kp_n, ks_n, valid_n = _load_raw(k_ptr, page_n, s0_n, live_n, pos, h, stride_kp, stride_kh, P, D, T, PB,
+            kp_n, ks_n, valid_n = _load_raw(k_ptr, page_n, s0_n, live_n, pos, h, stride_kp, stride_kh, P, D, T, TW, PB,
                                             ELEM, SCALE, QBLOCK)
-            vp_n, vs_n, valid_n = _load_raw(v_ptr, page_n, s0_n, live_n, pos, h, stride_vp, stride_vh, P, D, T, PB,
+            vp_n, vs_n, valid_n = _load_raw(v_ptr, page_n, s0_n, live_n, pos, h, stride_vp, stride_vh, P, D, T, TW, PB,
                                             ELEM, SCALE, QBLOCK)
             s0_n2, live_n2, page_n2 = _meta(ids_row, table_row, t_begin + it + 2, t_end, pos, TPB, BS, T, P)
-            acc, m_i, l_i = _attend(q, acc, m_i, l_i, kp, ks, vp, vs, valid, qk_scale, D, T, ELEM, SCALE, QBLOCK,
+            acc, m_i, l_i = _attend(q, acc, m_i, l_i, kp, ks, vp, vs, valid, qk_scale, D, TW, ELEM, SCALE, QBLOCK,
                                     NATIVE_FP8, FP32_DOT, F16, P_SPLIT, PAIRED)
             kp, ks, vp, vs, valid = kp_n, ks_n, vp_n, vs_n, valid_n
             s0_n, live_n, page_n = s0_n2, live_n2, page_n2
@@ -338,20 +345,20 @@ def _sparse_attn_kernel(
         for it in range(TILES):
             s0, live, page = s0_n, live_n, page_n
             s0_n, live_n, page_n = _meta(ids_row, table_row, t_begin + it + 1, t_end, pos, TPB, BS, T, P)
-            kp, ks, valid = _load_raw(k_ptr, page, s0, live, pos, h, stride_kp, stride_kh, P, D, T, PB, ELEM,
+            kp, ks, valid = _load_raw(k_ptr, page, s0, live, pos, h, stride_kp, stride_kh, P, D, T, TW, PB, ELEM,
                                       SCALE, QBLOCK)
-            vp, vs, valid = _load_raw(v_ptr, page, s0, live, pos, h, stride_vp, stride_vh, P, D, T, PB, ELEM,
+            vp, vs, valid = _load_raw(v_ptr, page, s0, live, pos, h, stride_vp, stride_vh, P, D, T, TW, PB, ELEM,
                                       SCALE, QBLOCK)
-            acc, m_i, l_i = _attend(q, acc, m_i, l_i, kp, ks, vp, vs, valid, qk_scale, D, T, ELEM, SCALE, QBLOCK,
+            acc, m_i, l_i = _attend(q, acc, m_i, l_i, kp, ks, vp, vs, valid, qk_scale, D, TW, ELEM, SCALE, QBLOCK,
                                     NATIVE_FP8, FP32_DOT, F16, P_SPLIT, PAIRED)
     else:
         for it in range(TILES):  # the last split may run past the end: masked
             s0, live, page = _meta(ids_row, table_row, t_begin + it, t_end, pos, TPB, BS, T, P)
-            kp, ks, valid = _load_raw(k_ptr, page, s0, live, pos, h, stride_kp, stride_kh, P, D, T, PB, ELEM,
+            kp, ks, valid = _load_raw(k_ptr, page, s0, live, pos, h, stride_kp, stride_kh, P, D, T, TW, PB, ELEM,
                                       SCALE, QBLOCK)
-            vp, vs, valid = _load_raw(v_ptr, page, s0, live, pos, h, stride_vp, stride_vh, P, D, T, PB, ELEM,
+            vp, vs, valid = _load_raw(v_ptr, page, s0, live, pos, h, stride_vp, stride_vh, P, D, T, TW, PB, ELEM,
                                       SCALE, QBLOCK)
-            acc, m_i, l_i = _attend(q, acc, m_i, l_i, kp, ks, vp, vs, valid, qk_scale, D, T, ELEM, SCALE, QBLOCK,
+            acc, m_i, l_i = _attend(q, acc, m_i, l_i, kp, ks, vp, vs, valid, qk_scale, D, TW, ELEM, SCALE, QBLOCK,
                                     NATIVE_FP8, FP32_DOT, F16, P_SPLIT, PAIRED)
 
     heads = row.to(tl.int64) * G * (tl.num_programs(1)) + h * G + g  # flat (row, query head) index
@@ -430,10 +437,8 @@ def launch_plan(rows: int, num_kv_heads: int, topk: int, block_size: int, page_s
     """(tokens per tile, splits, tiles per split, warps) the launchers use. Default splits: about two programs per
     SM (rows x KV heads x splits), never more than the tiles; 1 off the GPU. Default tile: on the GPU 64 tokens
     (`DEFAULT_TILE`), in the interpreter whole pages (up to 128), since it pays per operation rather than per
-    element. Warps (default 4) are capped at tile / 8: the score dot [16, T] spreads its T columns over the warps
-    8 at a time, and with fewer columns than that some warps hold copies of others' columns; the E2M1 decode chain
-    (join / reshape into the dot operand) then compiled to wrong results on the H200 (Triton 3.6: 16-token tiles
-    with 4 warps gave garbage, 32 and 64 were right)."""
+    element. Warps (default 4) are capped at tile / 8 (the score dot [16, T] spreads its T columns over the warps 8
+    at a time; beyond that warps only hold copies)."""
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     t = min(tile_tokens or (128 if interp else DEFAULT_TILE), page_size)
     if page_size % t or (t < 16 and not interp):
@@ -471,18 +476,24 @@ def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_
     if native_fp8 is None:
         native_fp8 = q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) >= (8, 9)
     f16 = uses_fp16_dots(fmt)
+    e2m1 = fmt.element is not None and fmt.element.name == "e2m1"
     t, splits, tiles_per_split, warps = launch_plan(rows, hkv, topk, block_size, k_cache.page_size, q.device,
                                                     num_splits, tile_tokens, num_warps)
     # bf16 tiles feed the dots as loaded, which Triton's pipeliner handles (copies straight to shared memory)
     if prefetch is None:
         prefetch = 1 if f16 else 0
     prefetch = 2 if prefetch is True else 0 if prefetch is False else int(prefetch)
+    # E2M1 tiles of 16 tokens compiled to wrong results on the H200 (Triton 3.6.0; with 2 and 4 warps, both column
+    # orders, every loop; tiles of 32+ tokens were right): decode them 32 wide, the upper half masked (never loaded;
+    # the interpreter runs the same padded path, so it is tested on CPU too)
+    tw = max(t, 32) if e2m1 else t
     if prefetch not in (0, 1, 2):
         raise KernelArgumentError(f"prefetch must be 0, 1, 2 (or a bool), got {prefetch}")
-    e2m1 = fmt.element is not None and fmt.element.name == "e2m1"
-    paired = e2m1 and (True if paired is None else bool(paired))
+    paired = e2m1 and bool(paired)
     if num_stages is None:
         num_stages = {2: 1, 1: 3, 0: 2}[prefetch]  # 1: the lookups ahead let Triton's copies run a tile ahead
+    if tw != t:
+        warps = max(1, min(int(num_warps or 4), tw // 8))
     if maxnreg is None:  # 4 programs of 4 warps per SM (65536 registers); ptxas may spill a few bytes
         maxnreg = 128 if f16 and warps == 4 else 0
     launch_opts = {"maxnreg": int(maxnreg)} if maxnreg and q.device.type == "cuda" and torch.version.cuda else {}
@@ -517,7 +528,7 @@ def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_
         block_table.stride(0), block_ids.stride(0), block_ids.stride(1),
         topk,
         G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d,
-        P=k_cache.page_size, BS=block_size, T=t,
+        P=k_cache.page_size, BS=block_size, T=t, TW=tw,
         ELEM=_ELEMENT_CODE[fmt.element.name if fmt.element else "bf16"], SCALE=_SCALE_CODE[fmt.scale_element],
         QBLOCK=max(fmt.block, 1), PB=fmt.payload_bytes(d), TILES=tiles_per_split,
         DECODE=decode, SPLIT=splits > 1, NATIVE_FP8=bool(native_fp8), FP32_DOT=interp, F16=f16,
@@ -555,12 +566,13 @@ def sparse_decode(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, blo
     the selected tokens (default: enough to fill the GPU; > 1 adds the combine kernel). out_dtype torch.float32 skips
     the final bf16 rounding (verification). Keyword options tune the launch (tokens per tile, warps, pipeline stages,
     hardware fp8 conversion; precise_p: P as hi + lo parts (two P.V dots) or one rounding; default: split for bf16
-    dots, where one rounding costs ~2^-9 per probability, single for fp16 dots, ~2^-12; prefetch: 2 (True) the hand-pipelined
-    loop (num_stages default 1), 1 page lookups one tile ahead (default for quantized formats; num_stages default 3:
-    Triton's pipeliner keeps one tile's K/V copies in flight), 0 (False) none (default for bf16; num_stages 2);
-    maxnreg: register cap per thread on CUDA (default 128 for quantized formats with 4 warps, 0 = none); warps
-    are capped at tile / 8, see `launch_plan`; paired: E2M1 decoded in PAIRED order, default on, see
-    `_e2m1_words_paired`). No host synchronization, so it can be captured in a CUDA graph."""
+    dots, where one rounding costs ~2^-9 per probability, single for fp16 dots, ~2^-12; prefetch: 2 (True) the
+    hand-pipelined loop (num_stages default 1), 1 page lookups one tile ahead (default for quantized formats;
+    num_stages default 3: Triton's pipeliner keeps one tile's K/V copies in flight), 0 (False) none (default for
+    bf16; num_stages 2); maxnreg: register cap per thread on CUDA (default 128 for quantized formats with 4 warps,
+    0 = none); warps are capped at tile / 8, see `launch_plan`; paired: E2M1 decoded in PAIRED order (fewer
+    integer ops, but slower on the H200; default off), see `_e2m1_words_paired`). No host synchronization, so it
+    can be captured in a CUDA graph."""
     _check_q(q)
     b, hq, d = q.shape
     _check_caches(k_cache, v_cache, q, hq, d, block_size)

@@ -36,11 +36,10 @@ L2_TARGET_BYTES = 150e6  # three times the H200's 50 MB L2
 MAX_LAYERS = 57  # M3's sparse layers
 # Launch variants tried with --sweep (name, sparse_decode keyword options).
 SWEEP = (
-    ("prefetch=2", {"prefetch": 2}), ("prefetch=1 stages=3", {"prefetch": 1, "num_stages": 3}),
-    ("prefetch=0 stages=3", {"prefetch": 0, "num_stages": 3}),
-    ("previous (prefetch=0 stages=2, natural order, no reg cap)",
-     {"prefetch": 0, "num_stages": 2, "paired": False, "maxnreg": 0}),
-    ("natural order", {"paired": False}), ("no reg cap", {"maxnreg": 0}), ("warps=8", {"num_warps": 8}),
+    ("previous (prefetch=0 stages=2, no reg cap)", {"prefetch": 0, "num_stages": 2, "maxnreg": 0}),
+    ("prefetch=2", {"prefetch": 2}), ("prefetch=0 stages=3", {"prefetch": 0, "num_stages": 3}),
+    ("paired", {"paired": True}), ("no reg cap", {"maxnreg": 0}), ("warps=2", {"num_warps": 2}),
+    ("warps=2 splits=4", {"num_warps": 2, "num_splits": 4}), ("warps=8", {"num_warps": 8}),
     ("tile=128 warps=8", {"tile_tokens": 128, "num_warps": 8}), ("splits=4", {"num_splits": 4}),
 )
 
