@@ -1,25 +1,32 @@
 """Lightning-indexer scorers (SPEC section 3) over a paged index cache, for bf16, fp8, nvfp4 and mxfp4 caches.
 
 One parameterized kernel scores a tile of (query, index head) rows against the keys of one request, block by block,
-and emits token scores, block scores, or per-program top-k candidates (merged by `kernels/topk.py`). It reads the
+and emits token scores, block scores, or per-program top-k candidates (merged by `kernels/topk.py`); top-k runs by
+default as block scores plus `topk.select_from_block_scores` (see `_launch`). It reads the
 cache as engines hold it: `kvtool.paged.PagedCache` with H = 1, uint8 [num_pages, 1, page_bytes], per page
 `[P x payload][P x scale]`, a block table [B, max_pages] int32 and context lengths [B] int32.
 
 How it aims to stay bandwidth-bound (H200, batch 64 x 150K: ~706 MB of FP4 keys, a ~166 us floor):
 - MQA: all index heads (and, in prefill, a tile of queries) share each key, so one key tile is loaded and decoded once
   and scored against every row with one tensor-core dot `K [T, D] x Q^T [D, rows]` (K from registers, wgmma).
-- the context is split across programs (grid = requests x query tiles x context splits); each program keeps its block
-  scores in registers and emits only its top-k (key, id) pairs; a tiny merge kernel picks the final ids.
+- the context is split across programs (grid = requests x query tiles x context splits); each program writes its
+  block scores (4 bytes per block and head) or, with `in_kernel_topk`, keeps them in registers and emits only its
+  top-k (key, id) pairs for a merge kernel; a select kernel (or the merge) picks the final ids.
 - a tile never crosses a page (T = min(block, page, 128)): one scalar page lookup per tile, affine row addresses.
 - FP4 keys are decoded from uint32 words, two elements per 32-bit op and never interleaved: "quarter" K of a tile
   holds nibbles K and K + 4 of every word (elements 8j + K, 8j + K + 4), which sit 16 bits apart like the two
   halves of an fp16 pair, so shl / and / shl / and-or builds both fp16 values at once (~2 integer ops per element
   instead of ~6); the query is loaded in the same four orders and the four quarter dots chain into one accumulator.
+  Head dims below 128 decode bytes instead (`_fp4_bytes`, even / odd elements, two dots): their word tiles got
+  layouts with lanes holding copies of each other, and D = 64 gave wrong selections on the H200 (Triton 3.6).
 - fp8 keys use the hardware e4m3 -> fp16 conversion where it exists (CUDA sm_89+), else an integer decode.
 - the next tile's loads overlap this tile's math: either the compiler's cp.async pipeline (5 stages: the page lookup,
   then the payload, one tile ahead) or a register double buffer (PREFETCH); the autotuner picks per format.
 Offline SASS (sm_90, 4 warps, decode top-k; per thread and 128-token tile = 128 elements): nvfp4 ~640 instructions
-(decode ~270 integer + 64 HMUL2), mxfp4 ~810-1000, fp8 (native) ~510, bf16 ~410.
+(decode ~270 integer + 64 HMUL2), mxfp4 ~810-1000, fp8 (native) ~510, bf16 ~410. Measured on the H200 (batch
+64 x 150K, 2026-11-29): the FP4 scorer is issue-bound, not bandwidth-bound (nvfp4 block scores 316 us, 0.52 of
+copy bandwidth; the 5-stage loop body is ~840 SASS instructions per 128-token tile, incl. E4M3 scale bytes loaded
+one by one and passed through shared memory), see bench/RESULTS.md.
 
 Exactness (why the kernel equals the reference on the dequantized cache up to fp32 accumulation order):
 - bf16 caches: bf16 keys x bf16 queries, exact products, fp32 accumulation.
@@ -48,7 +55,7 @@ import triton.language as tl
 from kvtool.errors import KernelArgumentError
 from kvtool.kernels import codecs as kc
 from kvtool.kernels.store import native_fp8
-from kvtool.kernels.topk import merge_candidates, pick_next
+from kvtool.kernels.topk import MAX_SELECT_BLOCKS, merge_candidates, pick_next, select_from_block_scores
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # fixed at import: the interpreter dots in fp32
 
@@ -124,10 +131,11 @@ def _q_operand(q_ptr, q_off, row_ok, up, idx, DOT_F32: tl.constexpr):
 
 @triton.jit
 def _load_query(q_ptr, q_off, row_ok, gscale, D: tl.constexpr, PAYLOAD_BITS: tl.constexpr, NATIVE_FP8: tl.constexpr,
-                DOT_F32: tl.constexpr):
+                FP4_WORDS: tl.constexpr, DOT_F32: tl.constexpr):
     """Rows [MP] of bf16 queries -> (four dot B operands, column scale [MP] fp32). bf16 caches: the bf16 rows [D, MP]
     (four times the same). fp8: fp16 rows times 2**a. FP4: the four element orders of `_fp4_quarter` ([D/4, MP]
-    each: column c of quarter K is element 8 (c // 2) + K + 4 (c % 2)). The column scale undoes 2**a and carries
+    each: column c of quarter K is element 8 (c // 2) + K + 4 (c % 2)), or without FP4_WORDS the even and odd
+    elements of `_fp4_bytes` ([D/2, MP] each, twice). The column scale undoes 2**a and carries
     the whole-tensor factor and the fixed power of two of the key decode (2**8 portable fp8, 2**14 FP4)."""
     c = tl.arange(0, D)
     if PAYLOAD_BITS == 16:
@@ -144,12 +152,19 @@ def _load_query(q_ptr, q_off, row_ok, gscale, D: tl.constexpr, PAYLOAD_BITS: tl.
     else:
         q = tl.load(q_ptr + q_off[:, None] + c[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
         up, down = _pow2_up_down(tl.max(tl.abs(q), axis=1))
-        cq = tl.arange(0, D // 4)
-        idx = 8 * (cq // 2) + 4 * (cq % 2)
-        return (_q_operand(q_ptr, q_off, row_ok, up, idx, DOT_F32),
-                _q_operand(q_ptr, q_off, row_ok, up, idx + 1, DOT_F32),
-                _q_operand(q_ptr, q_off, row_ok, up, idx + 2, DOT_F32),
-                _q_operand(q_ptr, q_off, row_ok, up, idx + 3, DOT_F32), down * (gscale * 16384.0))
+        if FP4_WORDS:
+            cq = tl.arange(0, D // 4)
+            idx = 8 * (cq // 2) + 4 * (cq % 2)
+            qa = _q_operand(q_ptr, q_off, row_ok, up, idx, DOT_F32)
+            qb = _q_operand(q_ptr, q_off, row_ok, up, idx + 1, DOT_F32)
+            qc = _q_operand(q_ptr, q_off, row_ok, up, idx + 2, DOT_F32)
+            qd = _q_operand(q_ptr, q_off, row_ok, up, idx + 3, DOT_F32)
+        else:  # even and odd elements (the compiled code wants one return with one type per branch)
+            ev = 2 * tl.arange(0, D // 2)
+            qa = _q_operand(q_ptr, q_off, row_ok, up, ev, DOT_F32)
+            qb = _q_operand(q_ptr, q_off, row_ok, up, ev + 1, DOT_F32)
+            qc, qd = qa, qb
+        return qa, qb, qc, qd, down * (gscale * 16384.0)
 
 
 @triton.jit
@@ -169,6 +184,18 @@ def _fp4_quarter(w, K: tl.constexpr, TILE_T: tl.constexpr, NW: tl.constexpr):
     lo = (bits & 0xFFFF).to(tl.uint16)
     hi = (bits >> 16).to(tl.uint16)
     return tl.reshape(tl.join(lo, hi), [TILE_T, 2 * NW]).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _fp4_bytes(b):
+    """Packed E2M1 bytes uint8 [T, D/2] (element 2c in the low nibble of byte c) -> (even, odd) fp16 [T, D/2]:
+    elements 2c and 2c + 1 as their E2M1 values times 2**-14, exactly (the bits of `_fp4_quarter`, one nibble at a
+    time). The plain decode for head dims below 128, where the word tiles are so small that the compiler gives
+    them layouts with lanes holding copies of each other (see `max_warps`); no join / reshape on this path."""
+    c = b.to(tl.int16)
+    lo = ((c & 7) << 9) | ((c & 8) << 12)
+    hi = ((c & 0x70) << 5) | ((c & 0x80) << 8)
+    return lo.to(tl.float16, bitcast=True), hi.to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -223,12 +250,13 @@ def _page_of(bt_row, t0, t_lim, num_pages, PAGE: tl.constexpr):
 @triton.jit
 def _fetch(data_ptr, pg, t0, t_lim, page_bytes, D: tl.constexpr, TILE_T: tl.constexpr, PAGE: tl.constexpr,
            PB: tl.constexpr, SB: tl.constexpr, PAYLOAD_BITS: tl.constexpr, SCALE_KIND: tl.constexpr,
-           SCALE_BLOCK: tl.constexpr):
+           SCALE_BLOCK: tl.constexpr, FP4_WORDS: tl.constexpr):
     """Issue the loads of one key tile (tokens t0 .. t0 + TILE_T, all in page pg; token r's payload at byte
     r PB of the page's payload plane, its scales at r SB of the scale plane): (payload, scales) as stored: int16
     [T, D] (bf16), uint8 [T, D] (e4m3), uint32 words [T, D/8] (packed E2M1); uint8 [T, D/block] block scales, fp32
-    [T] row scales, or fp32 zeros [T] when there are none. Tokens at or past t_lim, or of page -1, read as 0 and
-    touch no memory."""
+    [T] row scales, or fp32 zeros [T] when there are none. FP4 without FP4_WORDS: payload bytes uint8 [T, D/2] and
+    the block scale of every byte, uint8 [T, D/2] (gathered: no reshape needed to apply it). Tokens at or past
+    t_lim, or of page -1, read as 0 and touch no memory."""
     r = tl.arange(0, TILE_T)
     ok = ((t0 + r) < t_lim) & (pg >= 0)
     page = tl.maximum(pg, 0).to(tl.int64) * page_bytes
@@ -239,12 +267,17 @@ def _fetch(data_ptr, pg, t0, t_lim, page_bytes, D: tl.constexpr, TILE_T: tl.cons
         ptrs = data_ptr.to(tl.pointer_type(tl.int16)) + pay // 2 + r[:, None] * (PB // 2) + tl.arange(0, D)[None, :]
     elif PAYLOAD_BITS == 8:
         ptrs = data_ptr + pay + r[:, None] * PB + tl.arange(0, D)[None, :]
+    elif not FP4_WORDS:
+        ptrs = data_ptr + pay + r[:, None] * PB + tl.arange(0, D // 2)[None, :]
     else:
         ptrs = data_ptr.to(tl.pointer_type(tl.uint32)) + pay // 4 + r[:, None] * (PB // 4) \
             + tl.arange(0, D // 8)[None, :]
     payload = tl.load(ptrs, mask=ok[:, None], other=0)
     if SCALE_KIND == SK_ROW:
         scales = tl.load(data_ptr.to(tl.pointer_type(tl.float32)) + sc // 4 + r, mask=ok, other=1.0)
+    elif (PAYLOAD_BITS == 4) & (not FP4_WORDS):
+        blk = tl.arange(0, D // 2) // (SCALE_BLOCK // 2)
+        scales = tl.load(data_ptr + sc + r[:, None] * SB + blk[None, :], mask=ok[:, None], other=0)
     elif (SCALE_KIND == SK_E8M0) & (D // SCALE_BLOCK == 4):  # one uint32 word of four E8M0 bytes per token
         scales = tl.load(data_ptr.to(tl.pointer_type(tl.uint32)) + sc // 4 + r, mask=ok, other=0)
     elif SCALE_KIND >= SK_E4M3:
@@ -258,7 +291,7 @@ def _fetch(data_ptr, pg, t0, t_lim, page_bytes, D: tl.constexpr, TILE_T: tl.cons
 @triton.jit
 def _tile_dot(payload, scales, qa, qb, qc, qd, D: tl.constexpr, TILE_T: tl.constexpr, PAYLOAD_BITS: tl.constexpr,
               SCALE_KIND: tl.constexpr, SCALE_BLOCK: tl.constexpr, NATIVE_FP8: tl.constexpr,
-              DOT_F32: tl.constexpr):
+              FP4_WORDS: tl.constexpr, DOT_F32: tl.constexpr):
     """Decode one fetched key tile and dot it with the query rows: fp32 [TILE_T, MP], times any per-token factor
     (fp8 row scale, mxfp4 2**emax), before the column scale."""
     if PAYLOAD_BITS == 16:
@@ -273,6 +306,24 @@ def _tile_dot(payload, scales, qa, qb, qc, qd, D: tl.constexpr, TILE_T: tl.const
         else:  # the value times 2**-8 (the column scale holds 2**8)
             k = e4m3_decode_f16(payload, False)
         acc = tl.dot(_f32_operand(k, DOT_F32), qa)
+    elif not FP4_WORDS:  # bytes: even and odd elements, each block scale gathered per byte [T, D/2]
+        even, odd = _fp4_bytes(payload)
+        if SCALE_KIND == SK_E4M3:
+            if NATIVE_FP8:
+                f16 = scales.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+            else:
+                f16 = e4m3_decode_f16(scales)
+        else:  # the same factors as the word path: 2**(e - emax + 14), 2**(emax - 14) per token
+            sbi = scales.to(tl.int32)
+            e = tl.where(sbi == 255, -127, sbi - 127)
+            emax = tl.max(e, axis=1)
+            f16 = tl.where(sbi == 255, float("nan"), kc.exp2_int(tl.maximum(e - emax[:, None] + 14, -149)))
+            f16 = f16.to(tl.float16)
+            rowfac = kc.exp2_int(emax - 14)
+        acc = tl.dot(_f32_operand(even * f16, DOT_F32), qa)
+        acc = tl.dot(_f32_operand(odd * f16, DOT_F32), qb, acc)
+        if SCALE_KIND == SK_E8M0:
+            acc = acc * rowfac[:, None]
     else:
         NW: tl.constexpr = D // 8  # uint32 words per token
         NSB: tl.constexpr = D // SCALE_BLOCK  # scale blocks per token
@@ -326,7 +377,8 @@ def _tile_step(j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, p
                D: tl.constexpr, PAGE: tl.constexpr, PB: tl.constexpr, SB: tl.constexpr,
                PAYLOAD_BITS: tl.constexpr, SCALE_KIND: tl.constexpr, SCALE_BLOCK: tl.constexpr, BS: tl.constexpr,
                TILE_T: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, MODE: tl.constexpr,
-               NATIVE_FP8: tl.constexpr, PREFETCH: tl.constexpr, ONE_POS: tl.constexpr, DOT_F32: tl.constexpr):
+               NATIVE_FP8: tl.constexpr, PREFETCH: tl.constexpr, ONE_POS: tl.constexpr, FP4_WORDS: tl.constexpr,
+               DOT_F32: tl.constexpr):
     """Tile j of the program (tokens blk0 BS + j TILE_T ..). PREFETCH: it was fetched into (payload, scales) from
     page pg by the previous step; first issue the loads of tile j + 1 (page pg_next) and the page lookup of tile
     j + 2, so that memory works while this tile decodes and multiplies (a register double buffer). Otherwise fetch
@@ -339,15 +391,15 @@ def _tile_step(j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, p
     if PREFETCH:
         cur_pay, cur_sc, cur_pg = payload, scales, pg
         payload, scales = _fetch(data_ptr, pg_next, t0 + TILE_T, t_lim, page_bytes, D, TILE_T, PAGE, PB, SB,
-                                 PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK)
+                                 PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, FP4_WORDS)
         pg = pg_next
         pg_next = _page_of(bt_row, t0 + 2 * TILE_T, t_lim, num_pages, PAGE)
     else:
         cur_pg = _page_of(bt_row, t0, t_lim, num_pages, PAGE)
         cur_pay, cur_sc = _fetch(data_ptr, cur_pg, t0, t_lim, page_bytes, D, TILE_T, PAGE, PB, SB, PAYLOAD_BITS,
-                                 SCALE_KIND, SCALE_BLOCK)
+                                 SCALE_KIND, SCALE_BLOCK, FP4_WORDS)
     acc = _tile_dot(cur_pay, cur_sc, qa, qb, qc, qd, D, TILE_T, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, NATIVE_FP8,
-                    DOT_F32)
+                    FP4_WORDS, DOT_F32)
     if ONE_POS:  # decode: every row sits at ctx - 1, so "t <= pos" is "t < t_lim"
         keep = ((t < t_lim) & (cur_pg >= 0))[:, None]
     else:
@@ -398,6 +450,7 @@ def _index_score_kernel(
     HIGHER_ID: tl.constexpr,  # tie rule
     MODE: tl.constexpr,  # MODE_TOKENS | MODE_BLOCKS | MODE_TOPK
     NATIVE_FP8: tl.constexpr,  # hardware e4m3 -> fp16 conversion (CUDA sm_89+)
+    FP4_WORDS: tl.constexpr,  # FP4: decode uint32 words in quarters (else bytes; see `_fp4_bytes`)
     PREFETCH: tl.constexpr,  # register double buffer of the next tile (else: the compiler's pipelining)
     DOT_F32: tl.constexpr,  # interpreter: dot in fp32
 ):
@@ -416,7 +469,8 @@ def _index_score_kernel(
     blk0 = split * CH
     n_iter = tl.minimum((tile_pos + BS) // BS - blk0, CH)  # (tile_pos // BS + 1), also right for tile_pos = -1
     q_off = b.to(tl.int64) * stride_qb + qi.to(tl.int64) * stride_qq + h * stride_qh
-    qa, qb, qc, qd, colscale = _load_query(q_ptr, q_off, row_ok, gscale, D, PAYLOAD_BITS, NATIVE_FP8, DOT_F32)
+    qa, qb, qc, qd, colscale = _load_query(q_ptr, q_off, row_ok, gscale, D, PAYLOAD_BITS, NATIVE_FP8, FP4_WORDS,
+                                                 DOT_F32)
     out_row = ((b * Q + qi) * HI + h).to(tl.int64) * n_out
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     col = tl.arange(0, CH)
@@ -427,7 +481,7 @@ def _index_score_kernel(
     t_lim = tl.minimum(t_end, (blk0 + tl.maximum(n_iter, 0)) * BS)  # this program's tokens end here
     pg = _page_of(bt_row, blk0 * BS, t_lim, num_pages, PAGE)
     payload, scales = _fetch(data_ptr, pg, blk0 * BS, t_lim if PREFETCH else 0, page_bytes, D, TILE_T, PAGE, PB, SB,
-                             PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK)
+                             PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, FP4_WORDS)
     pg_next = _page_of(bt_row, blk0 * BS + TILE_T, t_lim, num_pages, PAGE)
     if DOT_F32:
         # the interpreter cannot take a loaded scalar as a loop bound: run every step, skip the empty ones
@@ -437,14 +491,14 @@ def _index_score_kernel(
                     j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, pos, valid, bt_row,
                     data_ptr, qa, qb, qc, qd, colscale, out_ptr, out_row, row_ok, n_out, num_pages, page_bytes, D,
                     PAGE, PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, BS, TILE_T, INIT, LOCAL, MODE, NATIVE_FP8,
-                    PREFETCH, QT == 1, DOT_F32)
+                    PREFETCH, QT == 1, FP4_WORDS, DOT_F32)
     else:
         for j in range(0, n_tiles):
             payload, scales, pg, pg_next, bmax, state = _tile_step(
                 j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, pos, valid, bt_row,
                 data_ptr, qa, qb, qc, qd, colscale, out_ptr, out_row, row_ok, n_out, num_pages, page_bytes, D,
                 PAGE, PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, BS, TILE_T, INIT, LOCAL, MODE, NATIVE_FP8,
-                PREFETCH, QT == 1, DOT_F32)
+                PREFETCH, QT == 1, FP4_WORDS, DOT_F32)
     if MODE == MODE_TOPK:
         ids = tl.broadcast_to((blk0 + col)[None, :], [MP, CH])
         avail = (col[None, :] < n_iter) & (ids < valid[:, None])
@@ -468,9 +522,16 @@ def _configs():
 
 
 _tuned_kernel = triton.autotune(
-    configs=_configs(), key=["PAYLOAD_BITS", "SCALE_KIND", "BS", "MP", "CH", "MODE", "HI", "NATIVE_FP8"]
+    configs=_configs(), key=["PAYLOAD_BITS", "SCALE_KIND", "D", "BS", "MP", "CH", "MODE", "HI", "NATIVE_FP8",
+                             "FP4_WORDS"]
 )(_index_score_kernel)
-LAUNCH_OPTIONS = ("chunk_blocks", "q_tile", "prefetch", "native_fp8", "num_warps", "num_stages")
+LAUNCH_OPTIONS = ("chunk_blocks", "q_tile", "prefetch", "native_fp8", "num_warps", "num_stages", "fp4_words",
+                  "in_kernel_topk")
+
+
+# Smallest head dim for the FP4 word decode (`_fp4_quarter`): at D = 64 the H200 gave wrong selections (see the
+# module docstring); the byte decode covers smaller heads. A module constant so that a GPU diagnostic can lower it.
+MIN_WORDS_DIM = 128
 
 
 def max_warps(tile_t: int, rows: int) -> int:
@@ -496,9 +557,10 @@ def _check(iq4: torch.Tensor, cache, block_table: torch.Tensor, context_lens: to
     if cache.num_heads != 1:
         raise KernelArgumentError(f"index scorer: the index cache has one (MQA) key head, got {cache.num_heads}")
     d = cache.head_dim
-    if iq4.shape[-1] != d or d < 16 or d & (d - 1):
-        raise KernelArgumentError(f"index scorer: head dim must match the cache ({d}, a power of two >= 16), "
-                                  f"got queries {list(iq4.shape)}")
+    least = 32 if fmt.spec.payload_bits == 4 else 16  # a tensor-core dot needs 16 along its inner dim (D/2 for FP4)
+    if iq4.shape[-1] != d or d < least or d & (d - 1):
+        raise KernelArgumentError(f"index scorer: head dim must match the cache ({d}, a power of two >= {least} "
+                                  f"for {fmt.label}), got queries {list(iq4.shape)}")
     if cache.data.dtype != torch.uint8 or not cache.data.is_contiguous() or cache.data.device != dev:
         raise KernelArgumentError("index scorer: cache.data must be contiguous uint8 on the queries' device")
     if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != iq4.shape[0] \
@@ -534,8 +596,12 @@ def _positions(q_pos, iq4: torch.Tensor, context_lens: torch.Tensor) -> torch.Te
 def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_context: int | None, **options):
     """iq4 bf16 [B, Q, Hi, D] -> MODE_TOKENS fp32 [B, Q, Hi, S] | MODE_BLOCKS fp32 [B, Q, Hi, NB] |
     MODE_TOPK int32 [B, Q, Hi, cfg.topk]. Options (LAUNCH_OPTIONS, for tests and benchmark sweeps): chunk_blocks
-    (blocks per program), q_tile (queries per program), native_fp8 (hardware e4m3 decode), and prefetch /
-    num_warps / num_stages (a fixed launch instead of the autotuned one)."""
+    (blocks per program), q_tile (queries per program), native_fp8 (hardware e4m3 decode), fp4_words (FP4 word
+    decode; default for head dims >= 128), in_kernel_topk (top-k: each program keeps candidates in registers and a
+    merge kernel picks, instead of the default two passes: block scores, then `select_from_block_scores`; the
+    block scores are 4 bytes per block and head, about 0.2 % of an FP4 cache's bytes, while the in-register
+    state cost the H200 ~60 us of 377 at batch 64 x 150K), and prefetch / num_warps / num_stages (a fixed launch
+    instead of the autotuned one)."""
     bad = set(options) - set(LAUNCH_OPTIONS)
     if bad:
         raise KernelArgumentError(f"index scorer: unknown launch options {sorted(bad)} (known: {LAUNCH_OPTIONS})")
@@ -544,6 +610,10 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
     pos = _positions(q_pos, iq4, context_lens)
     bsz, nq, hi, d = iq4.shape
     fmt, bs = cache.fmt, cfg.block_size
+    fp4_words = options.get("fp4_words")
+    fp4_words = d >= 128 if fp4_words is None else bool(fp4_words)
+    if fp4_words and fmt.spec.payload_bits == 4 and d < MIN_WORDS_DIM:
+        raise KernelArgumentError(f"index scorer: the FP4 word decode needs a head dim >= {MIN_WORDS_DIM}, got {d}")
     if max_context is None:
         max_context = int(context_lens.max()) if mode != 2 and bsz else block_table.shape[1] * cache.page_size
     nb = triton.cdiv(max(max_context, 1), bs)
@@ -564,9 +634,11 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
     ch = triton.next_power_of_2(ch)
     splits = triton.cdiv(nb, ch)
     kc_ = min(cfg.topk, ch)
-    n_out = {0: max_context, 1: nb, 2: splits * kc_}[mode]
+    two_pass = mode == 2 and not options.get("in_kernel_topk") and nb <= MAX_SELECT_BLOCKS
+    kmode = 1 if two_pass else mode
+    n_out = {0: max_context, 1: nb, 2: splits * kc_}[kmode]
     out = torch.full((bsz, nq, hi, n_out), float("-inf"), dtype=torch.float32, device=iq4.device)
-    ids = torch.empty((bsz, nq, hi, n_out) if mode == 2 else (1,), dtype=torch.int32, device=iq4.device)
+    ids = torch.empty((bsz, nq, hi, n_out) if kmode == 2 else (1,), dtype=torch.int32, device=iq4.device)
     if bsz * nq and n_out:
         gscale = cache.fp8_tensor_scale() if fmt.scale_element == "fp32-tensor" else cache.outer_scale()
         native = options.get("native_fp8")
@@ -577,8 +649,9 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
                       PAYLOAD_BITS=fmt.spec.payload_bits, SCALE_KIND=SCALE_KIND[fmt.scale_element],
                       SCALE_BLOCK=fmt.block or 1, BS=bs, TILE_T=min(bs, cache.page_size, 128), QT=qt, HIP=hip, MP=mp,
                       CH=ch, KC=kc_, INIT=cfg.init_blocks, LOCAL=cfg.local_blocks,
-                      HIGHER_ID=cfg.tie_rule != "lower-id", MODE=mode,
-                      NATIVE_FP8=native_fp8(iq4.device) if native is None else bool(native), DOT_F32=INTERPRET)
+                      HIGHER_ID=cfg.tie_rule != "lower-id", MODE=kmode,
+                      NATIVE_FP8=native_fp8(iq4.device) if native is None else bool(native),
+                      FP4_WORDS=fp4_words and fmt.spec.payload_bits == 4, DOT_F32=INTERPRET)
         grid = (bsz * n_qtiles, splits)
         warps = max_warps(consts["TILE_T"], mp)
         fixed = [k for k in ("prefetch", "num_warps", "num_stages") if options.get(k) is not None]
@@ -590,6 +663,8 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
             _tuned_kernel[grid](*args, **consts)
     if mode != 2:
         return out
+    if two_pass:
+        return select_from_block_scores(out, pos, bs, cfg.topk, higher_id=cfg.tie_rule != "lower-id")
     return merge_candidates(out, ids, cfg.topk, higher_id=cfg.tie_rule != "lower-id")
 
 

@@ -20,7 +20,7 @@ from kvtool.formats import get_format
 from kvtool.indexer import IndexerConfig, accumulation_tolerance, paged_keys, paged_reference, token_scores, \
     topk_metrics
 from kvtool.kernels import index_score as K
-from kvtool.kernels.topk import merge_candidates
+from kvtool.kernels.topk import merge_candidates, select_from_block_scores
 from kvtool.paged import PagedCache, contiguous_slots
 from tests.conftest import DEVICE
 from tests.edge_cases import edge_case_tensor
@@ -163,6 +163,30 @@ def test_merge_candidates_matches_sort(higher):
         assert got[r].tolist() == want + [-1] * (5 - len(want))
 
 
+def test_select_from_block_scores_matches_the_reference():
+    """Whole block-score rows (the default top-k pass): ties, NaN, -inf inside and past the valid blocks, forced
+    values, padding rows, k larger than the valid blocks; both tie rules against kvtool.indexer.select_topk."""
+    from kvtool.indexer import select_topk
+
+    g = torch.Generator().manual_seed(3)
+    b, q, hi, nb, bs = 2, 5, 3, 37, 16
+    scores = torch.randint(-3, 4, (b, q, hi, nb), generator=g).float()
+    scores[scores == -3] = -math.inf
+    scores[scores == 3] = math.nan
+    scores[..., 0] = 1e30
+    pos = torch.tensor([[0, 15, 16, 300, -1], [591, 100, -1, 40, 47]], dtype=torch.int32)
+    for rule in ("higher-id", "lower-id"):
+        cfg = IndexerConfig(block_size=bs, topk=6, tie_rule=rule)
+        got = select_from_block_scores(scores.to(DEVICE), pos.to(DEVICE), bs, 6, rule != "lower-id").cpu()
+        for i in range(b):
+            for j in range(q):
+                if pos[i, j] < 0:
+                    assert (got[i, j] == -1).all()
+                    continue
+                want = select_topk(scores[i, j][:, None], pos[i, j:j + 1], cfg)[:, 0]
+                assert torch.equal(got[i, j], want), (rule, i, j)
+
+
 # --------------------------------------------------------------------------------------------------------- decode
 @pytest.mark.parametrize("label", FORMATS)
 def test_decode_ragged_small_blocks(label):
@@ -201,16 +225,50 @@ def test_decode_token_scores():
             assert ((got[b, :, :n] - want).abs() <= tol[b][:, None]).all()
 
 
-@pytest.mark.parametrize("chunk", [4, 16], ids=["merge-orders", "program-orders"])
+@pytest.mark.parametrize("chunk", [4, 16, None], ids=["merge-orders", "program-orders", "two-pass"])
 @pytest.mark.parametrize("tie_rule", ["higher-id", "lower-id"])
 def test_decode_all_zero_queries_total_ties(tie_rule, chunk):
     """Every block scores 0: the tie rule alone decides, in the per-program selection (16 blocks per program, 5
-    kept) and in the merge (4 blocks per program, all kept)."""
+    kept), in the merge (4 blocks per program, all kept), and in the default select over whole rows."""
     ctx = [70, 300, 17]
     cache, table, cl, _ = make_cache("mxfp4", ctx, page=32)
     iq = torch.zeros(3, 4, 128, dtype=torch.bfloat16, device=DEVICE)
     cfg = IndexerConfig(block_size=16, topk=5, tie_rule=tie_rule)
-    check_decode(cache, table, cl, iq, cfg, chunk_blocks=chunk, exact=True)
+    options = {"chunk_blocks": 4} if chunk is None else {"chunk_blocks": chunk, "in_kernel_topk": True}
+    check_decode(cache, table, cl, iq, cfg, exact=True, **options)
+
+
+@pytest.mark.parametrize("label", ["bf16", "fp8-token", "nvfp4", "mxfp4"])
+def test_in_kernel_topk_candidates_and_merge(label):
+    """The in-register candidate path (in_kernel_topk): many 2-block programs merged, decode and causal prefill."""
+    ctx = [1, 33, 0, 129, 300]
+    cache, table, cl, _ = make_cache(label, ctx, page=16, seed=30)
+    cfg = IndexerConfig(block_size=16, topk=4, init_blocks=1, local_blocks=2)
+    check_decode(cache, table, cl, queries(len(ctx), 4, 128, seed=31), cfg, chunk_blocks=2, in_kernel_topk=True)
+    iq = queries(len(ctx), 4, 128, seed=32, q=6)
+    ref_ids, ref_scores = paged_reference(iq, cache, table, cl, cfg)
+    ids = K.prefill_topk(iq, cache, table, cl, cfg, q_tile=2, chunk_blocks=2, prefetch=False, in_kernel_topk=True)
+    assert_ids_match(ids, ref_ids, ref_scores, tolerance(iq, cache, table, cl))
+
+
+@pytest.mark.parametrize("label", ["bf16", "fp8", "fp8-token", "nvfp4", "mxfp4", "mxfp4-floor"])
+def test_head_dim_64_three_heads(label):
+    """A smaller index head (D = 64, the smollm2 capture's) with 3 index heads (rows padded to 4): decode and causal
+    prefill at scattered positions. FP4 runs the byte decode below D = 128 (kernels.index_score.MIN_WORDS_DIM)."""
+    ctx = [200, 17, 0, 90]
+    cache, table, cl, _ = make_cache(label, ctx, page=16, dim=64, seed=33)
+    cfg = IndexerConfig(block_size=16, topk=4)
+    opts = {}
+    check_decode(cache, table, cl, queries(len(ctx), 3, 64, seed=34), cfg, **opts)
+    iq = queries(len(ctx), 3, 64, seed=35, q=8)
+    pos = torch.tensor([[0, 15, 16, 50, 100, 150, 190, 199], [0, 1, 2, 3, 16, -1, -1, -1], [-1] * 8,
+                        [89, 0, 44, 45, 46, 47, 63, 64]], dtype=torch.int32, device=DEVICE)
+    tol = tolerance(iq, cache, table, cl)
+    ref_ids, ref_scores = paged_reference(iq, cache, table, cl, cfg, q_pos=pos)
+    assert_ids_match(K.prefill_topk(iq, cache, table, cl, cfg, q_pos=pos, prefetch=False, **opts), ref_ids, ref_scores,
+                     tol)
+    assert_scores_match(K.prefill_block_scores(iq, cache, table, cl, cfg, q_pos=pos, prefetch=True, **opts),
+                        ref_scores, tol)
 
 
 @pytest.mark.parametrize("label", ["bf16", "fp8", "nvfp4", "mxfp4"])
@@ -250,15 +308,17 @@ def test_decode_minus_inf_blocks_are_selected_when_valid():
         assert sorted(ids[0, 0].tolist()) == [0, 1, 2, 3, 4]
 
 
-@pytest.mark.parametrize("label", ["nvfp4", "mxfp4", "mxfp4-floor", "fp8-token"])
-def test_decode_edge_case_keys(label):
+@pytest.mark.parametrize("label,fp4_words", [("nvfp4", None), ("nvfp4", False), ("mxfp4", None), ("mxfp4", False),
+                                             ("mxfp4-floor", None), ("fp8-token", None)])
+def test_decode_edge_case_keys(label, fp4_words):
     """The shared edge-case table (ties, zero blocks, saturation, subnormal scales, tiny/huge amax) as index keys."""
     keys = edge_case_tensor(128)
     keys = keys / keys.abs().amax(-1, keepdim=True).clamp(min=1e-30)  # keep fp32 scores finite (amax up to 1e38)
     keys = keys * torch.logspace(-6, 6, keys.shape[0])[:, None]
     n = keys.shape[0]
     cache, table, cl, _ = make_cache(label, [n], page=16, keys=[keys[:, None]])
-    check_decode(cache, table, cl, queries(1, 4, 128, seed=8), IndexerConfig(16, 4), chunk_blocks=2)
+    opts = {} if fp4_words is None else {"fp4_words": fp4_words}  # False: the byte decode at D = 128
+    check_decode(cache, table, cl, queries(1, 4, 128, seed=8), IndexerConfig(16, 4), chunk_blocks=2, **opts)
 
 
 # -------------------------------------------------------------------------------------------------------- prefill
@@ -308,6 +368,12 @@ def test_launcher_rejects_bad_arguments():
     odd, table2, cl2, _ = make_cache("nvfp4", [20], page=24)
     with pytest.raises(KernelArgumentError):
         K.decode_topk(iq, odd, table2, cl2)  # page size not a power of two
+    small, table3, cl3, _ = make_cache("nvfp4", [20], page=16, dim=16)
+    with pytest.raises(KernelArgumentError):
+        K.decode_topk(queries(1, 4, 16), small, table3, cl3)  # FP4 dots need D / 2 >= 16
+    mid, table4, cl4, _ = make_cache("mxfp4", [20], page=16, dim=64)
+    with pytest.raises(KernelArgumentError):
+        K.decode_topk(queries(1, 4, 64), mid, table4, cl4, fp4_words=True)  # word decode: D >= MIN_WORDS_DIM
 
 
 # ------------------------------------------------------------------------------------------------------ GPU sizes
@@ -325,6 +391,23 @@ def test_gpu_decode_batch64(label):
     ctx = [int(x) for x in torch.randint(1, 40_000, (64,), generator=torch.Generator().manual_seed(15))]
     cache, table, cl, _ = make_cache(label, ctx, page=64, seed=16)
     check_decode(cache, table, cl, queries(64, 4, 128, seed=17), IndexerConfig(), tuned=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("label", ["bf16", "fp8", "nvfp4", "mxfp4", "nvfp4-auto", "mxfp4-floor"])
+@pytest.mark.parametrize("page", [16, 64])
+def test_gpu_head_dim_64(label, page):
+    """D = 64, 3 index heads (smollm2's index geometry) at 16- and 64-token tiles: decode at batch 16 and a causal
+    prefill chunk, through the autotuned launch."""
+    g = torch.Generator().manual_seed(36)
+    ctx = [int(x) for x in torch.randint(1, 6000, (16,), generator=g)]
+    cache, table, cl, _ = make_cache(label, ctx, page=page, dim=64, seed=37)
+    cfg = IndexerConfig(block_size=64, topk=8)
+    check_decode(cache, table, cl, queries(16, 3, 64, seed=38), cfg, tuned=True)
+    iq = queries(16, 3, 64, seed=39, q=48)
+    ref_ids, ref_scores = paged_reference(iq, cache, table, cl, cfg)
+    ids = K.prefill_topk(iq, cache, table, cl, cfg)
+    assert_ids_match(ids, ref_ids, ref_scores, tolerance(iq, cache, table, cl))
 
 
 @pytest.mark.gpu
