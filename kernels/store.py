@@ -14,17 +14,13 @@ Design for bandwidth (the work is memory bound only if the integer pipe keeps up
 - slot math per row in int32 (page = slot // PAGE, PAGE a constexpr: a shift for powers of two), byte offsets in
   int64 so caches and inputs past 2 GiB work.
 
-Prediction for the H200 (written before any GPU run; the lead measures), from the sm_90 SASS compiled offline (D = 128,
-bf16 in, default 64 x 4-warp tiles): per element mxfp4 rceil 9.8 integer-pipe ops (ALU: FMNMX, LOP3, PRMT, SHF, SEL,
-...; floor 10.5) and ~6 FMA-pipe ops; nvfp4 (native e4m3 scale conversion) 10.9 ALU + 7 FMA; 79 / 96 registers.
-Memory bound at 85 % of the 4210 GB/s copy needs <= ~11.8 ALU ops per element at full ALU issue (64 ALU lanes per SM
-and cycle, 1.41e12 elements/s at 2.53 B each), so there is little slack: expect 80-88 % of copy for mxfp4 and 75-85 %
-for nvfp4 at >= 64M elements. The path there (each step bit-exact, measured in SASS): the E2M1 encoder from seven
-compare-select-adds to three fmas and mins (~24 -> ~6 ALU ops), whole blocks per thread (no shuffles, per-block work
-once: -1.5), no clamp for the mx rules that cannot reach 7 (-1), int32 codes until the byte pack (-1.4). What is left:
-the encoder's mins, the block amax, sign / pack shuffles, per-row address math. The dequantize kernels have ~6-7 ALU
-ops per element and should be memory bound: 85-90 %. fp8 unit with the native conversion ~85 %; fp8 token / tensor
-lower (an IEEE division per element).
+Measured on the H200 (CUDA-graph replay, bf16 [tokens, 1, 128] into shuffled 128-token pages, 256M elements,
+copy 4218-4235 GB/s; bench/sweep_quant_variants.py): mxfp4-rceil store 84.9 % of copy (64 x 4 tiles; 66 % before
+the int32-word payload, the one-op sign merge and the fused zero-block add), nvfp4-rcp 73.7 % (32 x 4; 56-58 %
+before). The store is bound by instruction issue, not memory: sm_90 SASS has 16.6 (mxfp4) / 19.6 (nvfp4)
+instructions per element (64 x 4), about 3 fp32 fma-pipe + 3 min/max + 3 integer ops of them the E2M1 encoder;
+nvfp4 adds two IEEE divisions per 16-element block and a code select. Tiles: 2 blocks per thread is best (mxfp4
+64 x 4: 84.9 %, 32 x 4: 83.0 %, 16 x 4: 65 %; nvfp4 32 x 4: 73.7 %, 64 x 4 (4 blocks): 67.3 %).
 """
 
 from __future__ import annotations
@@ -167,7 +163,6 @@ def _store_kernel(
     POW2: tl.constexpr,  # fp8 token: power-of-two scale
     NATIVE_FP8: tl.constexpr,  # hardware fp32 -> e4m3 conversion (CUDA sm_89+, see kc.e4m3_encode)
     VEC: tl.constexpr,  # x elements per 16 bytes (8 for bf16 / fp16, 4 for fp32)
-    ROWS_LAYOUT: tl.constexpr,  # 4-bit formats: coalesced row tiles (else whole blocks per thread, `load_blocks`)
     WORDS: tl.constexpr,  # 4-bit formats: payload as int32 words (every row offset a multiple of 4 bytes)
     BLOCK_R: tl.constexpr,  # tokens per program
 ):
@@ -179,14 +174,10 @@ def _store_kernel(
     x_off = tok.to(tl.int64) * stride_xt + head * stride_xh
     # dead rows (slot -1, tail) are not read: skipped tokens cost no bandwidth
     if BITS == 4:
-        if ROWS_LAYOUT:
-            # coalesced 2-D tile: 16-byte vectors of a row side by side across lanes (whole 128-byte lines per
-            # warp instruction); a block spans BLOCK // VEC lanes, its amax is a short shuffle reduction
-            cols = tl.arange(0, DP)
-            x = load_f32(x_ptr + x_off[:, None] + cols[None, :], row_mask(live, cols, D, DP))
-            xb = tl.reshape(x, [BLOCK_R, DP // BLOCK, BLOCK])
-        else:
-            xb = load_blocks(x_ptr, x_off, live, D, BLOCK, DP // BLOCK, VEC)  # [BLOCK_R, DP / BLOCK, BLOCK] fp32
+        # whole blocks per thread (see load_blocks; a coalesced row tile with the block amax as a shuffle reduction
+        # measured 72 % / 65 % of copy for mxfp4 / nvfp4 on the H200 against 82 % / 74 %: it repeats the per-block
+        # scale work on every lane of a block)
+        xb = load_blocks(x_ptr, x_off, live, D, BLOCK, DP // BLOCK, VEC)  # [BLOCK_R, DP / BLOCK, BLOCK] fp32
         if SCALE == SCALE_E8M0:
             codes, sbytes = kc.mxfp4_quantize_block(xb, RULE, low7)
         else:
@@ -337,7 +328,7 @@ def launch_store(x3: torch.Tensor, slots: torch.Tensor | None, payload: torch.Te
     g_dec, g_enc = outer_scales(g_dec)
     paged = slots is not None
     pb = fmt.payload_bytes(D)
-    opts = dict(ROWS_LAYOUT=False, WORDS=word_aligned(payload, pb, page_stride, head_stride))
+    opts = dict(WORDS=word_aligned(payload, pb, page_stride, head_stride))
     opts.update(variant or {})
     grid = (triton.cdiv(T, block_r), H)
     _store_kernel[grid](

@@ -167,6 +167,48 @@ def test_strided_input_and_int32_slots(device):
     check_store(fmt, x, slots, 2, 16, SEED + 5)
 
 
+@pytest.mark.parametrize("label", ["mxfp4-floor", "nvfp4-rcp-auto"])
+def test_unaligned_pages_use_byte_payload(label, device):
+    """Pages whose payload rows do not start on 4-byte boundaries (3-token pages of D = 96 mxfp4: 153 bytes per page
+    and head; nvfp4 with an odd page size) take the byte path of both kernels instead of int32 words: same bytes."""
+    fmt = get_format(label)
+    from kvtool.kernels.store import word_aligned
+
+    page = 3 if fmt.family == "mxfp4" else 5
+    cache = PagedCache.allocate(fmt, 4, page, 2, 96, device=device)
+    assert not word_aligned(cache.data, fmt.payload_bytes(96), cache.data.stride(0), cache.data.stride(1))
+    x = spread_values((9, 2, 96), SEED + 21, torch.bfloat16).to(device)
+    check_store(fmt, x, slot_mapping(9, 4 * page, page, SEED + 21).to(device), 4, page, SEED + 21)
+
+
+def test_gather_into_given_output(device):
+    """gather_dequantize(out=...) writes the values into the caller's buffer (engines, CUDA graphs) and checks it."""
+    fmt = get_format("nvfp4")
+    x = spread_values((7, 2, 64), SEED + 22, torch.bfloat16).to(device)
+    ref, ker = fresh_caches(fmt, 2, 8, 2, 64, device, SEED + 22)
+    slots = torch.arange(7, device=device)
+    ref.store(x, slots)
+    store(ker, x, slots)
+    out = torch.full((7, 2, 64), 7.0, dtype=torch.bfloat16, device=device)
+    got = gather_dequantize(ker, slots, torch.bfloat16, out=out)
+    assert got is out and same_bits(out, ref.dequantize(slots, torch.bfloat16))
+    for bad in (torch.empty(7, 2, 64, device=device), torch.empty(6, 2, 64, dtype=torch.bfloat16, device=device),
+                torch.empty(7, 2, 128, dtype=torch.bfloat16, device=device)[..., ::2]):
+        with pytest.raises(KernelArgumentError, match="out must be"):
+            gather_dequantize(ker, slots, torch.bfloat16, out=bad)
+
+
+def test_nvfp4_huge_outer_scale(device):
+    """nvfp4 `auto` on a tensor whose amax is near the fp32 maximum: 2**14 * g_dec overflows fp32, so the decode
+    multiplies by 2**14 and g_dec separately (G_FOLD off); values still equal the torch path's."""
+    fmt = get_format("nvfp4-auto")
+    x = spread_values((4, 128), SEED + 23, torch.float32)
+    x = (x / x.abs().amax() * 3.0e38).to(device)
+    q = fmt.quantize(x)
+    assert q.outer_scale * 16384.0 > float(torch.finfo(torch.float32).max)
+    check_planes(fmt, x)
+
+
 def test_all_tokens_skipped(device):
     fmt = get_format("fp8", fp8_scale="tensor")
     x = spread_values((5, 1, 64), SEED + 6, torch.float32).to(device)
