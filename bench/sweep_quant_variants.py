@@ -1,0 +1,90 @@
+"""H200 sweep of store / dequant kernel variants (layout, word payload, bf16 math, tile configs): each variant is
+checked byte-for-byte against the torch reference on the same data, then timed by CUDA-graph replay (kernel time).
+Usage: PYTHONPATH=. python bench/sweep_quant_variants.py [elements] > $OUT/sweep.txt
+"""
+
+import math
+import sys
+import time
+
+import torch
+
+from kvtool.bench.common import copy_bandwidth, time_fn
+from kvtool.formats import get_format
+from kvtool.kernels.dequant import launch_dequant
+from kvtool.kernels.store import cache_scales, launch_store, store
+from kvtool.kernels.dequant import gather_dequantize
+from kvtool.paged import PagedCache
+
+DIM, PAGE = 128, 128
+n_el = int(float(sys.argv[1])) if len(sys.argv) > 1 else 256 << 20
+dev = "cuda"
+copy = copy_bandwidth(dev)
+print(f"copy {copy:.0f} GB/s, {n_el / 2**20:.0f}M elements", flush=True)
+
+STORE = [(dict(), None), (dict(), (64, 4)), (dict(), (32, 4)), (dict(), (16, 4))]
+if len(sys.argv) > 3 and sys.argv[3] == "host":
+    STORE = []
+DEQ = [(dict(), None), (dict(), (64, 4))]
+if len(sys.argv) > 3 and sys.argv[3] == "host":
+    DEQ = []
+
+for label in sys.argv[2].split(",") if len(sys.argv) > 2 else ("mxfp4", "nvfp4"):
+    fmt = get_format(label)
+    tokens = n_el // DIM
+    g = torch.Generator(device=dev).manual_seed(1)
+    x = (torch.randn(tokens, 1, DIM, device=dev, generator=g)
+         * torch.exp2(torch.randint(-8, 8, (tokens, 1, 1), device=dev, generator=g).float())).to(torch.bfloat16)
+    x[:5, 0, :32] = 0.0
+    x[1, 0, 3] = -0.0
+    pages = math.ceil(tokens / PAGE)
+    perm = torch.randperm(pages, device=dev, generator=g)
+    t = torch.arange(tokens, device=dev)
+    slots = perm[t // PAGE] * PAGE + t % PAGE
+    ref = PagedCache.allocate(fmt, pages, PAGE, 1, DIM, device=dev)
+    ref.store(x, slots)
+    want = ref.dequantize(slots, torch.bfloat16)
+    rows = tokens
+    st_bytes = x.numel() * 2 + slots.numel() * 8 + rows * fmt.bytes_per_token(DIM)
+    dq_bytes = rows * fmt.bytes_per_token(DIM) + slots.numel() * 8 + x.numel() * 2
+    cache = PagedCache.allocate(fmt, pages, PAGE, 1, DIM, device=dev)
+    _, g_dec = cache_scales(ref)
+    kw = dict(page_size=PAGE, page_stride=cache.data.stride(0), head_stride=cache.data.stride(1), g_dec=g_dec)
+    print(f"== {fmt.label}: store {st_bytes / 1e6:.0f} MB, dequant {dq_bytes / 1e6:.0f} MB", flush=True)
+    for var, cfg in STORE:
+        t0 = time.time()
+        try:
+            cache.data.zero_()
+            fn = lambda: launch_store(x, slots, cache.data, None, fmt, config=cfg, variant=var, **kw)  # noqa: E731
+            fn()
+            torch.cuda.synchronize()
+            ok = torch.equal(cache.data, ref.data)
+            sec = time_fn(fn, dev, cuda_graph=True)
+            print(f"store   {fmt.label:12s} {str(var):40s} {str(cfg):>8s}  {'OK ' if ok else 'BAD'} "
+                  f"{sec * 1e6:8.1f} us {st_bytes / sec / 1e9:6.0f} GB/s {st_bytes / sec / 1e9 / copy:6.1%} "
+                  f"(compile+check {time.time() - t0:.1f}s)", flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"store   {fmt.label} {var} {cfg}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+    out = torch.empty(tokens, 1, DIM, dtype=torch.bfloat16, device=dev)
+    for var, cfg in DEQ:
+        t0 = time.time()
+        try:
+            out.zero_()
+            fn = lambda: launch_dequant(ref.data, None, slots, out, fmt, config=cfg, variant=var, **kw)  # noqa: E731
+            fn()
+            torch.cuda.synchronize()
+            ok = torch.equal(out.view(torch.int16), want.view(torch.int16))
+            sec = time_fn(fn, dev, cuda_graph=True)
+            print(f"dequant {fmt.label:12s} {str(var):40s} {str(cfg):>8s}  {'OK ' if ok else 'BAD'} "
+                  f"{sec * 1e6:8.1f} us {dq_bytes / sec / 1e9:6.0f} GB/s {dq_bytes / sec / 1e9 / copy:6.1%} "
+                  f"(compile+check {time.time() - t0:.1f}s)", flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"dequant {fmt.label} {var} {cfg}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+    # host cost: the public entry points launched eagerly vs the same in a CUDA graph
+    f1 = lambda: store(ref, x, slots, validate=False)  # noqa: E731
+    f2 = lambda: gather_dequantize(ref, slots, torch.bfloat16, validate=False, out=out)  # noqa: E731
+    for name, f in (("store()", f1), ("gather_dequantize()", f2)):
+        e, gr = time_fn(f, dev), time_fn(f, dev, cuda_graph=True)
+        print(f"host    {fmt.label:12s} {name:22s} eager {e * 1e6:8.1f} us, graph {gr * 1e6:8.1f} us", flush=True)
+    del x, slots, ref, cache, want, out
+    torch.cuda.empty_cache()
