@@ -24,9 +24,10 @@ How it aims to stay bandwidth-bound (H200, batch 64 x 150K: ~706 MB of FP4 keys,
   then the payload, one tile ahead) or a register double buffer (PREFETCH); the autotuner picks per format.
 Offline SASS (sm_90, 4 warps, decode top-k; per thread and 128-token tile = 128 elements): nvfp4 ~640 instructions
 (decode ~270 integer + 64 HMUL2), mxfp4 ~810-1000, fp8 (native) ~510, bf16 ~410. Measured on the H200 (batch
-64 x 150K, 2026-11-29): the FP4 scorer is issue-bound, not bandwidth-bound (nvfp4 block scores 316 us, 0.52 of
-copy bandwidth; the 5-stage loop body is ~840 SASS instructions per 128-token tile, incl. E4M3 scale bytes loaded
-one by one and passed through shared memory), see bench/RESULTS.md.
+64 x 150K, 2026-11-29): the FP4 scorer is issue-bound, not bandwidth-bound (nvfp4 block scores 315 us, 0.52 of
+copy bandwidth, against fp8 353 us at 0.83 and bf16 651 us at 0.90; the 5-stage nvfp4 loop body is ~840 SASS
+instructions per 128-token tile, incl. E4M3 scale bytes loaded one by one and passed through shared memory; mxfp4
+~1080), see bench/RESULTS.md.
 
 Exactness (why the kernel equals the reference on the dequantized cache up to fp32 accumulation order):
 - bf16 caches: bf16 keys x bf16 queries, exact products, fp32 accumulation.
@@ -599,8 +600,8 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
     (blocks per program), q_tile (queries per program), native_fp8 (hardware e4m3 decode), fp4_words (FP4 word
     decode; default for head dims >= 128), in_kernel_topk (top-k: each program keeps candidates in registers and a
     merge kernel picks, instead of the default two passes: block scores, then `select_from_block_scores`; the
-    block scores are 4 bytes per block and head, about 0.2 % of an FP4 cache's bytes, while the in-register
-    state cost the H200 ~60 us of 377 at batch 64 x 150K), and prefetch / num_warps / num_stages (a fixed launch
+    block scores are 4 bytes per block and head, about 0.2 % of an FP4 cache's bytes; H200, nvfp4, batch 64 x 150K,
+    64-block programs: two passes 358 us, in-kernel 381 us), and prefetch / num_warps / num_stages (a fixed launch
     instead of the autotuned one)."""
     bad = set(options) - set(LAUNCH_OPTIONS)
     if bad:
@@ -626,11 +627,14 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
     tile_pos = tile_pos.amax(-1).contiguous() if bsz * nq else tile_pos.new_empty(0)
     ch = options.get("chunk_blocks")
     if ch is None:
-        # about four programs per SM; powers of 4 so that few distinct kernels (and autotune keys) arise
+        # about four programs per SM; powers of 4 so that few distinct kernels (and autotune keys) arise, at most 32
+        # blocks (H200, batch 64 x 150K score+topk: 32 blocks 344 / 370 / 521 us nvfp4 / fp8 / mxfp4, 64 blocks
+        # 358 / 391 / 520, 16 blocks 348 / 379 / 526)
         want = triton.cdiv(nb * bsz * n_qtiles, 4 * _num_sms(iq4.device))
         ch = 4
         while ch < min(want, 64):
             ch *= 4
+        ch = min(ch, 32)
     ch = triton.next_power_of_2(ch)
     splits = triton.cdiv(nb, ch)
     kc_ = min(cfg.topk, ch)
