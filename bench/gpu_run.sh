@@ -9,10 +9,10 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for stage in "$@"; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case "$stage" in
-    tests-store) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_store.py tests/test_kernel_codecs.py tests/test_formats.py > "$OUT/tests_store.log" 2>&1; tail -5 "$OUT/tests_store.log" ;;
-    tests-attn) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attn.py tests/test_attention.py > "$OUT/tests_attn.log" 2>&1; tail -5 "$OUT/tests_attn.log" ;;
-    tests-index) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_index.py tests/test_indexer.py > "$OUT/tests_index.log" 2>&1; tail -5 "$OUT/tests_index.log" ;;
-    tests-rest) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_container.py tests/test_decode.py tests/test_models.py > "$OUT/tests_rest.log" 2>&1; tail -5 "$OUT/tests_rest.log" ;;
+    tests-store) timeout "${STAGE_TIMEOUT:-590}" python3 -m pytest -q -p no:cacheprovider tests/test_kernels_store.py tests/test_kernel_codecs.py tests/test_formats.py > "$OUT/tests_store.log" 2>&1; tail -5 "$OUT/tests_store.log" ;;
+    tests-attn) timeout "${STAGE_TIMEOUT:-590}" python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attn.py tests/test_attention.py > "$OUT/tests_attn.log" 2>&1; tail -5 "$OUT/tests_attn.log" ;;
+    tests-index) timeout "${STAGE_TIMEOUT:-590}" python3 -m pytest -q -p no:cacheprovider tests/test_kernels_index.py tests/test_indexer.py > "$OUT/tests_index.log" 2>&1; tail -5 "$OUT/tests_index.log" ;;
+    tests-rest) timeout "${STAGE_TIMEOUT:-590}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_container.py tests/test_decode.py tests/test_models.py > "$OUT/tests_rest.log" 2>&1; tail -5 "$OUT/tests_rest.log" ;;
     bench-quant) python3 -m kvtool bench quant --device cuda --sizes 64M,256M,1G --formats nvfp4,mxfp4,mxfp4-floor,fp8,fp8-token > "$OUT/bench_quant.txt" 2>&1; tail -60 "$OUT/bench_quant.txt" ;;
     bench-attn) python3 -m kvtool bench attn --device cuda > "$OUT/bench_attn.txt" 2>&1; tail -60 "$OUT/bench_attn.txt" ;;
     bench-attn-sweep) python3 -m kvtool bench attn --device cuda --sweep > "$OUT/bench_attn_sweep.txt" 2>&1; tail -80 "$OUT/bench_attn_sweep.txt" ;;
