@@ -100,15 +100,20 @@ class LiveProgress:
                                  MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.fields[stats]}"),
                                  console=stderr, transient=False)
         self.tasks: dict[str, int] = {}
+        self.started = False
 
     def __enter__(self) -> "LiveProgress":
-        self.progress.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.progress.__exit__(*exc)
+        # Started on the first event only, so an option error exits with its one line and no empty display.
+        if self.started:
+            self.progress.stop()
 
     def update(self, ev: ProgressEvent) -> None:
+        if not self.started:
+            self.progress.start()
+            self.started = True
         if ev.phase not in self.tasks:
             self.tasks[ev.phase] = self.progress.add_task(ev.phase, total=max(ev.total, 1), stats="")
         stats = "  ".join(f"[cyan]{label}[/] KL {kl:.4f} {top1:.1f}%" for label, (kl, top1) in
