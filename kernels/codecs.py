@@ -6,6 +6,11 @@ Portability: only integer bit logic, fp32 arithmetic and bitcasts. No float8 cas
 wrongly, and gfx950 names its fp8 types differently), no inline asm, no lookup tables in memory.
 
 Rule and recipe arguments are constexpr ints: the values of `kvtool.formats.rules.ScaleRule`, `NvRecipe`.
+
+Some decodes exist in more than one op sequence (E2M1: e2m1_words_f16, fp4_quarter, e2m1_words_paired, fp4_bytes;
+E4M3: e4m3_decode_f16, e4m3_decode_to; E8M0 factors: e8m0_word_factors, e8m0_tile_factors). They compile to different
+layouts and integer-op counts, and each kernel keeps the one it was verified with on the H200; each docstring says
+who uses it and how it differs. Decodes to `value * 2**-14` (or 2**-8) leave that power of two to the caller's scale.
 """
 
 import os
@@ -147,6 +152,87 @@ def e2m1_words_bf16(words, ROWS: tl.constexpr, WORDS: tl.constexpr):
                   tl.join(_e2m1_nibble_bf16(words, 3), _e2m1_nibble_bf16(words, 7)))
     return tl.reshape(tl.join(even, odd), [ROWS, WORDS * 8])
 
+@triton.jit
+def fp4_quarter(w, K: tl.constexpr, TILE_T: tl.constexpr, NW: tl.constexpr):
+    """Packed E2M1 as uint32 words [T, NW] (element 8j + k in nibble k of word j) -> fp16 [T, 2 NW]: column 2j holds
+    element 8j + K, column 2j + 1 element 8j + K + 4, each as its E2M1 value times 2**-14, exactly: the bits of
+    e2m1_decode_f16 before its final multiply by 2**14 (magnitude bits at 9..11, sign at 15), built for two
+    elements at once in one 32-bit word (about two integer ops per element instead of six).
+    Why these pairs: nibbles K and K + 4 sit 16 bits apart, like the two fp16 halves of a word.
+    Used by the index scorer (kernels/index_score.py) for FP4 keys at head dims >= 128: it dots each quarter with
+    the query loaded in the same order and chains the four dots. e2m1_words_paired (sparse attention) builds the
+    same pairs from int32 words but joins the four quarters into one [T, 8 NW] tile for one dot; the two op
+    sequences compile differently and each was verified in its own kernel on the H200, so they stay separate."""
+    MAG: tl.constexpr = 9 - 4 * K  # nibble K's magnitude bits 4K..4K+2 -> 9..11 (and 16 bits up for K + 4)
+    SGN: tl.constexpr = 12 - 4 * K  # its sign bit 4K + 3 -> 15
+    if MAG >= 0:
+        m = w << MAG
+    else:
+        m = w >> (-MAG)
+    bits = (m & 0x0E000E00) | ((w << SGN) & 0x80008000)
+    lo = (bits & 0xFFFF).to(tl.uint16)
+    hi = (bits >> 16).to(tl.uint16)
+    return tl.reshape(tl.join(lo, hi), [TILE_T, 2 * NW]).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def fp4_bytes(b):
+    """Packed E2M1 bytes uint8 [T, D/2] (element 2c in the low nibble of byte c) -> (even, odd) fp16 [T, D/2]:
+    elements 2c and 2c + 1 as their E2M1 values times 2**-14, exactly (the bits of fp4_quarter, one nibble at a
+    time; e2m1_decode_f16 without its multiply). The index scorer's decode for head dims below 128, where the word
+    tiles are so small that the compiler gives them layouts with lanes holding copies of each other (see
+    index_score.max_warps); no join / reshape on this path."""
+    c = b.to(tl.int16)
+    lo = ((c & 7) << 9) | ((c & 8) << 12)
+    hi = ((c & 0x70) << 5) | ((c & 0x80) << 8)
+    return lo.to(tl.float16, bitcast=True), hi.to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def e2m1_pair(words, K: tl.constexpr):
+    """Nibbles K and K + 4 of int32 words (any shape; 16 bits apart, like the two halves of an fp16 pair) -> int32
+    of the same shape holding both fp16 values * 2**-14 (nibble K in the low half): each magnitude shifted to bits
+    9..11 (25..27), each sign to bit 15 (31), the bits of e2m1_decode_f16 before its multiply by 2**14. Four integer
+    ops per two elements. The building block of e2m1_words_paired (sparse attention); fp4_quarter (index scorer)
+    does the same on uint32 words and splits the halves itself."""
+    MAG: tl.constexpr = 9 - 4 * K  # magnitude bits 4K..4K+2 -> 9..11 (and 16 up)
+    SGN: tl.constexpr = 12 - 4 * K  # sign bit 4K + 3 -> 15 (and 16 up)
+    if MAG >= 0:
+        m = words << MAG
+    else:
+        m = words >> (-MAG)  # the bits an arithmetic shift smears in are masked off
+    return (m & 0x0E000E00) | ((words << SGN) & -0x7FFF8000)  # 0x80008000 as an int32
+
+
+@triton.jit
+def e2m1_words_paired(words, ROWS: tl.constexpr, WORDS: tl.constexpr):
+    """Packed E2M1 int32 words [ROWS, WORDS] (element 8i + k in nibble k of word i) -> fp16 [ROWS, 8 WORDS] holding
+    value * 2**-14 like e2m1_words_f16, but in PAIRED order: column 8i + r holds element 8i + bitrev3(r) (r =
+    4 b2 + 2 b1 + b0 -> 4 b0 + 2 b1 + b2; an involution, see paired_cols). Why: the pair (column 2m, 2m + 1) is
+    then (nibble K, nibble K + 4) of one word, built by e2m1_pair in one 32-bit register, which is exactly an
+    fp16x2 dot operand register: no repacking, half the integer ops of the natural order (which builds each element
+    alone and packs pairs with a byte permute). The caller permutes the other dot operand (q) and the output alike;
+    block scales are unaffected (a column stays in its word, so in its 16- or 32-element block). Used by sparse
+    attention (kernels/sparse_attn.py, PAIRED launches); the index scorer's fp4_quarter keeps the quarters apart."""
+    lo0 = e2m1_pair(words, 0)
+    lo1 = e2m1_pair(words, 1)
+    lo2 = e2m1_pair(words, 2)
+    lo3 = e2m1_pair(words, 3)
+    # join appends the new axis last: [.., K & 1, K >> 1] then the half (nibble K or K + 4) innermost
+    lo = tl.join(tl.join(lo0.to(tl.int16), lo1.to(tl.int16)), tl.join(lo2.to(tl.int16), lo3.to(tl.int16)))
+    hi = tl.join(tl.join((lo0 >> 16).to(tl.int16), (lo1 >> 16).to(tl.int16)),
+                 tl.join((lo2 >> 16).to(tl.int16), (lo3 >> 16).to(tl.int16)))
+    return tl.reshape(tl.join(lo, hi), [ROWS, WORDS * 8]).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def paired_cols(c):
+    """Column c (int32, any shape) of a PAIRED-order tile (e2m1_words_paired) <-> element 8 (c // 8) +
+    bitrev3(c % 8) (its own inverse). Sparse attention loads q and stores its output in this order on PAIRED
+    launches; `sparse_attn.paired_order` is the torch form."""
+    r = c % 8
+    return c - r + ((r & 1) << 2) + (r & 2) + (r >> 2)
+
 
 # ------------------------------------------------------------------------------------------------------------ E4M3
 @triton.jit
@@ -193,6 +279,39 @@ def e4m3_decode(byte):
     return (mag | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)
 
 
+@triton.jit
+def e4m3_decode_f16(byte, SCALED: tl.constexpr = True):
+    """E4M3FN bytes (uint8, any shape) -> fp16 of that shape, exact (every E4M3 value is an fp16 value): the 7
+    exponent/mantissa bits go to fp16 bits 7..13 and the sign to bit 15, which is the value times 2**-8 (E4M3
+    subnormals land on fp16 subnormals); SCALED multiplies by 2**8 (the rebias 15 - 7), otherwise the caller folds
+    2**8 into an fp32 factor. 0x7F / 0xFF decode to NaN (torch float8_e4m3fn). Cheaper than e4m3_decode (fp32) on a
+    whole key tile. Used by the index scorer (kernels/index_score.py): fp8 key tiles (SCALED=False) and nvfp4 block
+    scales, where no hardware fp8 conversion is used; sparse attention uses e4m3_decode_to instead."""
+    b = byte.to(tl.int16) & 0xFF
+    v = (((b & 0x7F) << 7) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True)
+    if SCALED:
+        v = v * 256.0
+    return tl.where((b & 0x7F) == 0x7F, float("nan"), v)
+
+
+@triton.jit
+def e4m3_decode_to(b, NATIVE_FP8: tl.constexpr, F16: tl.constexpr):
+    """E4M3 bytes (uint8, any shape) -> fp16 (F16) or fp32 of that shape: the hardware conversion (NATIVE_FP8, set
+    by launchers on CUDA sm_89+ only; two bytes per instruction), or the portable bit decode e4m3_decode, cast to
+    fp16 with F16 (exact: E4M3 values are fp16 values). The NaN codes 0x7F / 0xFF (never written by kvtool) give
+    NaN natively but +-480 on the portable path; e4m3_decode_any / e4m3_decode_f16 map them to NaN on both. Used by
+    sparse attention (kernels/sparse_attn.py) for fp8 K/V tiles and nvfp4 block scales."""
+    if NATIVE_FP8 and F16:
+        x = b.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    elif NATIVE_FP8:
+        x = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    elif F16:
+        x = e4m3_decode(b).to(tl.float16)
+    else:
+        x = e4m3_decode(b)
+    return x
+
+
 # ------------------------------------------------------------------------------------------------------------ E8M0
 @triton.jit
 def exp2_int(e):
@@ -206,6 +325,53 @@ def exp2_int(e):
 def e8m0_decode(byte):
     """E8M0 byte -> fp32 2**(byte - 127); byte 0 is 2**-127 (an fp32 subnormal). Byte 255 (NaN) is never written."""
     return exp2_int(byte.to(tl.int32) - 127)
+
+
+@triton.jit
+def pow2_f16(x):
+    """int32 x <= 15 (any shape) -> fp16 2**x of that shape, exactly from bits (subnormal down to 2**-24; 0 below):
+    the fp16 form of exp2_int, for relative E8M0 block factors. Used by the index scorer (e8m0_word_factors,
+    2**(e - emax + 14)) and by sparse attention (2**(e - e_tok) <= 1); the two kernels had the same op sequence."""
+    bits = tl.where(x >= -14, (x + 15) << 10, tl.where(x >= -24, 1 << tl.maximum(x + 24, 0), 0))
+    return bits.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def e8m0_word_factors(words):
+    """A token's four E8M0 scale bytes as one uint32 word [T] (byte k = block k, little-endian) -> (fp16 [T, 4]
+    block factors 2**(e_k - emax + 14), NaN for byte 255; fp32 [T] 2**(emax - 14)), emax the token's largest
+    exponent over its bytes other than 255 (byte 0 when all are 255): the same numbers as the index scorer's
+    byte-wise path (a [T, NB] byte tile), computed once per token in a one-token-per-thread layout. Used by the
+    index scorer (kernels/index_score.py) for mxfp4 keys with four scale blocks per token (D = 128)."""
+    b0 = (words & 0xFF).to(tl.int32)
+    b1 = ((words >> 8) & 0xFF).to(tl.int32)
+    b2 = ((words >> 16) & 0xFF).to(tl.int32)
+    b3 = (words >> 24).to(tl.int32)
+    bmax = tl.maximum(tl.maximum(tl.where(b0 == 255, 0, b0), tl.where(b1 == 255, 0, b1)),
+                      tl.maximum(tl.where(b2 == 255, 0, b2), tl.where(b3 == 255, 0, b3)))
+    f0 = tl.where(b0 == 255, float("nan"), pow2_f16(b0 - bmax + 14))
+    f1 = tl.where(b1 == 255, float("nan"), pow2_f16(b1 - bmax + 14))
+    f2 = tl.where(b2 == 255, float("nan"), pow2_f16(b2 - bmax + 14))
+    f3 = tl.where(b3 == 255, float("nan"), pow2_f16(b3 - bmax + 14))
+    f16 = tl.reshape(tl.join(tl.join(f0, f2), tl.join(f1, f3)), [words.shape[0], 4])
+    return f16, exp2_int(bmax - 141)  # 2**(emax - 14), emax = bmax - 127
+
+
+@triton.jit
+def e8m0_tile_factors(scales):
+    """E8M0 scale bytes uint8 [T, N] (N block scales of a token, or a block scale gathered per element) -> (fp16
+    [T, N] factors 2**(e - emax + 14), NaN for byte 255; fp32 [T] 2**(emax - 14)), emax the token's largest exponent
+    (255 counts as -127): the token's largest block scale maps to 2**14, which times the 2**-14 of the decoded E2M1
+    bits is 1; 2**emax multiplies the fp32 score instead. The same numbers as e8m0_word_factors, from a byte tile
+    (through fp32 exp2_int, then one cast). Used by the index scorer for mxfp4 keys other than four blocks per token
+    in words (the byte decode, and head dims other than 128)."""
+    sbi = scales.to(tl.int32)
+    e = tl.where(sbi == 255, -127, sbi - 127)
+    emax = tl.max(e, axis=1)
+    f16 = tl.where(sbi == 255, float("nan"), exp2_int(tl.maximum(e - emax[:, None] + 14, -149)))
+    f16 = f16.to(tl.float16)
+    rowfac = exp2_int(emax - 14)
+    return f16, rowfac
 
 
 @triton.jit

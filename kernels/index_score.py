@@ -17,7 +17,7 @@ How it aims to stay bandwidth-bound (H200, batch 64 x 150K: ~706 MB of FP4 keys,
   holds nibbles K and K + 4 of every word (elements 8j + K, 8j + K + 4), which sit 16 bits apart like the two
   halves of an fp16 pair, so shl / and / shl / and-or builds both fp16 values at once (~2 integer ops per element
   instead of ~6); the query is loaded in the same four orders and the four quarter dots chain into one accumulator.
-  Head dims below 128 decode bytes instead (`_fp4_bytes`, even / odd elements, two dots): their word tiles got
+  Head dims below 128 decode bytes instead (`kc.fp4_bytes`, even / odd elements, two dots): their word tiles got
   layouts with lanes holding copies of each other, and D = 64 gave wrong selections on the H200 (Triton 3.6).
 - fp8 keys use the hardware e4m3 -> fp16 conversion where it exists (CUDA sm_89+), else an integer decode.
 - the next tile's loads overlap this tile's math: either the compiler's cp.async pipeline (5 stages: the page lookup,
@@ -76,19 +76,6 @@ SK_E8M0 = tl.constexpr(3)
 
 # --------------------------------------------------------------------------------------------------------- helpers
 @triton.jit
-def e4m3_decode_f16(byte, SCALED: tl.constexpr = True):
-    """E4M3FN byte -> fp16, exact (every E4M3 value is an fp16 value): the 7 exponent/mantissa bits go to fp16 bits
-    7..13 and the sign to bit 15, which is the value times 2**-8 (E4M3 subnormals land on fp16 subnormals); SCALED
-    multiplies by 2**8 (the rebias 15 - 7), otherwise the caller folds 2**8 into an fp32 factor. 0x7F / 0xFF decode
-    to NaN (torch float8_e4m3fn). Cheaper than kc.e4m3_decode (fp32) on a whole key tile."""
-    b = byte.to(tl.int16) & 0xFF
-    v = (((b & 0x7F) << 7) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True)
-    if SCALED:
-        v = v * 256.0
-    return tl.where((b & 0x7F) == 0x7F, float("nan"), v)
-
-
-@triton.jit
 def _nanmax(a, b):
     # torch.amax semantics: NaN wins (tl.maximum's default leaves NaN handling to the hardware)
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
@@ -134,9 +121,9 @@ def _q_operand(q_ptr, q_off, row_ok, up, idx, DOT_F32: tl.constexpr):
 def _load_query(q_ptr, q_off, row_ok, gscale, D: tl.constexpr, PAYLOAD_BITS: tl.constexpr, NATIVE_FP8: tl.constexpr,
                 FP4_WORDS: tl.constexpr, DOT_F32: tl.constexpr):
     """Rows [MP] of bf16 queries -> (four dot B operands, column scale [MP] fp32). bf16 caches: the bf16 rows [D, MP]
-    (four times the same). fp8: fp16 rows times 2**a. FP4: the four element orders of `_fp4_quarter` ([D/4, MP]
+    (four times the same). fp8: fp16 rows times 2**a. FP4: the four element orders of `kc.fp4_quarter` ([D/4, MP]
     each: column c of quarter K is element 8 (c // 2) + K + 4 (c % 2)), or without FP4_WORDS the even and odd
-    elements of `_fp4_bytes` ([D/2, MP] each, twice). The column scale undoes 2**a and carries
+    elements of `kc.fp4_bytes` ([D/2, MP] each, twice). The column scale undoes 2**a and carries
     the whole-tensor factor and the fixed power of two of the key decode (2**8 portable fp8, 2**14 FP4)."""
     c = tl.arange(0, D)
     if PAYLOAD_BITS == 16:
@@ -166,64 +153,6 @@ def _load_query(q_ptr, q_off, row_ok, gscale, D: tl.constexpr, PAYLOAD_BITS: tl.
             qb = _q_operand(q_ptr, q_off, row_ok, up, ev + 1, DOT_F32)
             qc, qd = qa, qb
         return qa, qb, qc, qd, down * (gscale * 16384.0)
-
-
-@triton.jit
-def _fp4_quarter(w, K: tl.constexpr, TILE_T: tl.constexpr, NW: tl.constexpr):
-    """Packed E2M1 as uint32 words [T, NW] (element 8j + k in nibble k of word j) -> fp16 [T, 2 NW]: column 2j holds
-    element 8j + K, column 2j + 1 element 8j + K + 4, each as its E2M1 value times 2**-14, exactly: the bits of
-    kc.e2m1_decode_f16 before its final multiply by 2**14 (magnitude bits at 9..11, sign at 15), built for two
-    elements at once in one 32-bit word (about two integer ops per element instead of six).
-    Why these pairs: nibbles K and K + 4 sit 16 bits apart, like the two fp16 halves of a word."""
-    MAG: tl.constexpr = 9 - 4 * K  # nibble K's magnitude bits 4K..4K+2 -> 9..11 (and 16 bits up for K + 4)
-    SGN: tl.constexpr = 12 - 4 * K  # its sign bit 4K + 3 -> 15
-    if MAG >= 0:
-        m = w << MAG
-    else:
-        m = w >> (-MAG)
-    bits = (m & 0x0E000E00) | ((w << SGN) & 0x80008000)
-    lo = (bits & 0xFFFF).to(tl.uint16)
-    hi = (bits >> 16).to(tl.uint16)
-    return tl.reshape(tl.join(lo, hi), [TILE_T, 2 * NW]).to(tl.float16, bitcast=True)
-
-
-@triton.jit
-def _fp4_bytes(b):
-    """Packed E2M1 bytes uint8 [T, D/2] (element 2c in the low nibble of byte c) -> (even, odd) fp16 [T, D/2]:
-    elements 2c and 2c + 1 as their E2M1 values times 2**-14, exactly (the bits of `_fp4_quarter`, one nibble at a
-    time). The plain decode for head dims below 128, where the word tiles are so small that the compiler gives
-    them layouts with lanes holding copies of each other (see `max_warps`); no join / reshape on this path."""
-    c = b.to(tl.int16)
-    lo = ((c & 7) << 9) | ((c & 8) << 12)
-    hi = ((c & 0x70) << 5) | ((c & 0x80) << 8)
-    return lo.to(tl.float16, bitcast=True), hi.to(tl.float16, bitcast=True)
-
-
-@triton.jit
-def _pow2_f16(x):
-    """int32 x <= 15 -> fp16 2**x exactly from bits (subnormal down to 2**-24; 0 below): the fp16 form of
-    kc.exp2_int."""
-    bits = tl.where(x >= -14, (x + 15) << 10, tl.where(x >= -24, 1 << tl.maximum(x + 24, 0), 0))
-    return bits.to(tl.int16).to(tl.float16, bitcast=True)
-
-
-@triton.jit
-def _e8m0_word_factors(words):
-    """A token's four E8M0 scale bytes as one uint32 word [T] -> (fp16 [T, 4] block factors 2**(e_k - emax + 14),
-    NaN for byte 255; fp32 [T] 2**(emax - 14)), emax the token's largest exponent: the same numbers as the
-    byte-wise path, computed once per token in a one-token-per-thread layout."""
-    b0 = (words & 0xFF).to(tl.int32)
-    b1 = ((words >> 8) & 0xFF).to(tl.int32)
-    b2 = ((words >> 16) & 0xFF).to(tl.int32)
-    b3 = (words >> 24).to(tl.int32)
-    bmax = tl.maximum(tl.maximum(tl.where(b0 == 255, 0, b0), tl.where(b1 == 255, 0, b1)),
-                      tl.maximum(tl.where(b2 == 255, 0, b2), tl.where(b3 == 255, 0, b3)))
-    f0 = tl.where(b0 == 255, float("nan"), _pow2_f16(b0 - bmax + 14))
-    f1 = tl.where(b1 == 255, float("nan"), _pow2_f16(b1 - bmax + 14))
-    f2 = tl.where(b2 == 255, float("nan"), _pow2_f16(b2 - bmax + 14))
-    f3 = tl.where(b3 == 255, float("nan"), _pow2_f16(b3 - bmax + 14))
-    f16 = tl.reshape(tl.join(tl.join(f0, f2), tl.join(f1, f3)), [words.shape[0], 4])
-    return f16, kc.exp2_int(bmax - 141)  # 2**(emax - 14), emax = bmax - 127
 
 
 @triton.jit
@@ -305,22 +234,17 @@ def _tile_dot(payload, scales, qa, qb, qc, qd, D: tl.constexpr, TILE_T: tl.const
         if NATIVE_FP8:  # hardware e4m3 -> fp16 (two per instruction; NaN codes give NaN)
             k = payload.to(tl.float8e4nv, bitcast=True).to(tl.float16)
         else:  # the value times 2**-8 (the column scale holds 2**8)
-            k = e4m3_decode_f16(payload, False)
+            k = kc.e4m3_decode_f16(payload, False)
         acc = tl.dot(_f32_operand(k, DOT_F32), qa)
     elif not FP4_WORDS:  # bytes: even and odd elements, each block scale gathered per byte [T, D/2]
-        even, odd = _fp4_bytes(payload)
+        even, odd = kc.fp4_bytes(payload)
         if SCALE_KIND == SK_E4M3:
             if NATIVE_FP8:
                 f16 = scales.to(tl.float8e4nv, bitcast=True).to(tl.float16)
             else:
-                f16 = e4m3_decode_f16(scales)
-        else:  # the same factors as the word path: 2**(e - emax + 14), 2**(emax - 14) per token
-            sbi = scales.to(tl.int32)
-            e = tl.where(sbi == 255, -127, sbi - 127)
-            emax = tl.max(e, axis=1)
-            f16 = tl.where(sbi == 255, float("nan"), kc.exp2_int(tl.maximum(e - emax[:, None] + 14, -149)))
-            f16 = f16.to(tl.float16)
-            rowfac = kc.exp2_int(emax - 14)
+                f16 = kc.e4m3_decode_f16(scales)
+        else:  # the same factors as the word path, from the gathered bytes
+            f16, rowfac = kc.e8m0_tile_factors(scales)
         acc = tl.dot(_f32_operand(even * f16, DOT_F32), qa)
         acc = tl.dot(_f32_operand(odd * f16, DOT_F32), qb, acc)
         if SCALE_KIND == SK_E8M0:
@@ -332,22 +256,15 @@ def _tile_dot(payload, scales, qa, qb, qc, qd, D: tl.constexpr, TILE_T: tl.const
             if NATIVE_FP8:
                 f16 = scales.to(tl.float8e4nv, bitcast=True).to(tl.float16)
             else:
-                f16 = e4m3_decode_f16(scales)
+                f16 = kc.e4m3_decode_f16(scales)
         elif NSB == 4:
-            f16, rowfac = _e8m0_word_factors(scales)
+            f16, rowfac = kc.e8m0_word_factors(scales)
         else:
-            # 2**(e - emax + 14) in fp16: the token's largest block scale maps to 2**14, 2**14 * 2**-14 = 1 with the
-            # 2**-14 of the decoded bits; 2**emax multiplies the fp32 score instead
-            sbi = scales.to(tl.int32)
-            e = tl.where(sbi == 255, -127, sbi - 127)
-            emax = tl.max(e, axis=1)
-            f16 = tl.where(sbi == 255, float("nan"), kc.exp2_int(tl.maximum(e - emax[:, None] + 14, -149)))
-            f16 = f16.to(tl.float16)
-            rowfac = kc.exp2_int(emax - 14)
-        acc = tl.dot(_f32_operand(_scaled(_fp4_quarter(payload, 0, TILE_T, NW), f16, TILE_T, NSB), DOT_F32), qa)
-        acc = tl.dot(_f32_operand(_scaled(_fp4_quarter(payload, 1, TILE_T, NW), f16, TILE_T, NSB), DOT_F32), qb, acc)
-        acc = tl.dot(_f32_operand(_scaled(_fp4_quarter(payload, 2, TILE_T, NW), f16, TILE_T, NSB), DOT_F32), qc, acc)
-        acc = tl.dot(_f32_operand(_scaled(_fp4_quarter(payload, 3, TILE_T, NW), f16, TILE_T, NSB), DOT_F32), qd, acc)
+            f16, rowfac = kc.e8m0_tile_factors(scales)
+        acc = tl.dot(_f32_operand(_scaled(kc.fp4_quarter(payload, 0, TILE_T, NW), f16, TILE_T, NSB), DOT_F32), qa)
+        acc = tl.dot(_f32_operand(_scaled(kc.fp4_quarter(payload, 1, TILE_T, NW), f16, TILE_T, NSB), DOT_F32), qb, acc)
+        acc = tl.dot(_f32_operand(_scaled(kc.fp4_quarter(payload, 2, TILE_T, NW), f16, TILE_T, NSB), DOT_F32), qc, acc)
+        acc = tl.dot(_f32_operand(_scaled(kc.fp4_quarter(payload, 3, TILE_T, NW), f16, TILE_T, NSB), DOT_F32), qd, acc)
         if SCALE_KIND == SK_E8M0:
             acc = acc * rowfac[:, None]
     if SCALE_KIND == SK_ROW:
@@ -451,7 +368,7 @@ def _index_score_kernel(
     HIGHER_ID: tl.constexpr,  # tie rule
     MODE: tl.constexpr,  # MODE_TOKENS | MODE_BLOCKS | MODE_TOPK
     NATIVE_FP8: tl.constexpr,  # hardware e4m3 -> fp16 conversion (CUDA sm_89+)
-    FP4_WORDS: tl.constexpr,  # FP4: decode uint32 words in quarters (else bytes; see `_fp4_bytes`)
+    FP4_WORDS: tl.constexpr,  # FP4: decode uint32 words in quarters (else bytes; see `kc.fp4_bytes`)
     PREFETCH: tl.constexpr,  # register double buffer of the next tile (else: the compiler's pipelining)
     DOT_F32: tl.constexpr,  # interpreter: dot in fp32
 ):
@@ -530,7 +447,7 @@ LAUNCH_OPTIONS = ("chunk_blocks", "q_tile", "prefetch", "native_fp8", "num_warps
                   "in_kernel_topk")
 
 
-# Smallest head dim for the FP4 word decode (`_fp4_quarter`): at D = 64 the H200 gave wrong selections (see the
+# Smallest head dim for the FP4 word decode (`kc.fp4_quarter`): at D = 64 the H200 gave wrong selections (see the
 # module docstring); the byte decode covers smaller heads. A module constant so that a GPU diagnostic can lower it.
 MIN_WORDS_DIM = 128
 

@@ -81,74 +81,11 @@ def _dot_operand(x, F16: tl.constexpr, FP32_DOT: tl.constexpr):
     return y
 
 
-@triton.jit
-def _decode_e4m3(b, NATIVE_FP8: tl.constexpr, F16: tl.constexpr):
-    """E4M3 bytes -> fp16 (F16) or fp32: the hardware conversion (two bytes per instruction), or the portable bit
-    decode. E4M3 values are exact in fp16."""
-    if NATIVE_FP8 and F16:
-        x = b.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-    elif NATIVE_FP8:
-        x = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    elif F16:
-        x = kc.e4m3_decode(b).to(tl.float16)
-    else:
-        x = kc.e4m3_decode(b)
-    return x
-
-
-@triton.jit
-def _e2m1_pair(words, K: tl.constexpr):
-    """Nibbles K and K + 4 of int32 words (16 bits apart, like the two halves of an fp16 pair) -> int32 holding both
-    fp16 values * 2**-14 (nibble K in the low half): each magnitude shifted to bits 9..11 (25..27), each sign to
-    bit 15 (31), the bits of kc.e2m1_decode_f16 before its multiply by 2**14. Four integer ops per two elements."""
-    MAG: tl.constexpr = 9 - 4 * K  # magnitude bits 4K..4K+2 -> 9..11 (and 16 up)
-    SGN: tl.constexpr = 12 - 4 * K  # sign bit 4K + 3 -> 15 (and 16 up)
-    if MAG >= 0:
-        m = words << MAG
-    else:
-        m = words >> (-MAG)  # the bits an arithmetic shift smears in are masked off
-    return (m & 0x0E000E00) | ((words << SGN) & -0x7FFF8000)  # 0x80008000 as an int32
-
-
-@triton.jit
-def _e2m1_words_paired(words, ROWS: tl.constexpr, WORDS: tl.constexpr):
-    """Packed E2M1 int32 words [ROWS, WORDS] (element 8i + k in nibble k of word i) -> fp16 [ROWS, 8 WORDS] holding
-    value * 2**-14 like kc.e2m1_words_f16, but in PAIRED order: column 8i + r holds element 8i + bitrev3(r) (r =
-    4 b2 + 2 b1 + b0 -> 4 b0 + 2 b1 + b2; an involution, see `paired_order`). Why: the pair (column 2m, 2m + 1) is
-    then (nibble K, nibble K + 4) of one word, built by `_e2m1_pair` in one 32-bit register, which is exactly an
-    fp16x2 dot operand register: no repacking, half the integer ops of the natural order (which builds each element
-    alone and packs pairs with a byte permute). The caller permutes the other dot operand (q) and the output alike;
-    block scales are unaffected (a column stays in its word, so in its 16- or 32-element block)."""
-    lo0 = _e2m1_pair(words, 0)
-    lo1 = _e2m1_pair(words, 1)
-    lo2 = _e2m1_pair(words, 2)
-    lo3 = _e2m1_pair(words, 3)
-    # join appends the new axis last: [.., K & 1, K >> 1] then the half (nibble K or K + 4) innermost
-    lo = tl.join(tl.join(lo0.to(tl.int16), lo1.to(tl.int16)), tl.join(lo2.to(tl.int16), lo3.to(tl.int16)))
-    hi = tl.join(tl.join((lo0 >> 16).to(tl.int16), (lo1 >> 16).to(tl.int16)),
-                 tl.join((lo2 >> 16).to(tl.int16), (lo3 >> 16).to(tl.int16)))
-    return tl.reshape(tl.join(lo, hi), [ROWS, WORDS * 8]).to(tl.float16, bitcast=True)
-
-
-@triton.jit
-def _paired_cols(c):
-    """Column c of a PAIRED-order tile <-> element 8 (c // 8) + bitrev3(c % 8) (its own inverse)."""
-    r = c % 8
-    return c - r + ((r & 1) << 2) + (r & 2) + (r >> 2)
-
-
 def paired_order(d: int) -> torch.Tensor:
-    """The PAIRED column order of `_e2m1_words_paired` as an index tensor [d] (column -> element), for tests."""
+    """The PAIRED column order of `kc.e2m1_words_paired` as an index tensor [d] (column -> element), for tests."""
     c = torch.arange(d)
     r = c % 8
     return c - r + ((r & 1) << 2) + (r & 2) + (r >> 2)
-
-
-@triton.jit
-def _pow2_f16(d):
-    """fp16 2**d for int32 d <= 0 (exact down to the subnormal 2**-24, 0 below): a relative block scale."""
-    bits = tl.where(d >= -14, (d + 15) << 10, tl.where(d >= -24, 1 << tl.maximum(d + 24, 0), 0))
-    return bits.to(tl.int16).to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -197,7 +134,7 @@ def _decode(payload, scales, D: tl.constexpr, T: tl.constexpr, ELEM: tl.constexp
             QBLOCK: tl.constexpr, NATIVE_FP8: tl.constexpr, F16: tl.constexpr, PAIRED: tl.constexpr):
     """A tile as loaded by `_load_raw` -> (x [T, D] in element order, masked tokens 0; rs [T] fp32 per-token factor).
     x is fp16 with F16, else fp32 (bf16 as loaded for bf16); the dequantized value of token t is x[t] * rs[t] (times
-    the launcher's folded scalars). PAIRED (E2M1): x's columns in `_e2m1_words_paired` order.
+    the launcher's folded scalars). PAIRED (E2M1): x's columns in `kc.e2m1_words_paired` order.
     - E2M1 values carry 2**-14 (e2m1_words_f16; the launcher folds 2**14 into the scalars). With E4M3 block scales
       the fp16 product code * 2**-14 * scale is exact (<= 5 significant bits, on the fp16 grid down to 2**-24).
     - With E8M0 block scales 2**e, each token is normalized by its largest block, 2**e_tok (rs): blocks multiply by
@@ -208,19 +145,19 @@ def _decode(payload, scales, D: tl.constexpr, T: tl.constexpr, ELEM: tl.constexp
     if ELEM == ELEM_E2M1:
         NB: tl.constexpr = D // QBLOCK
         if SCALE == SCALE_E4M3:
-            s = _decode_e4m3(scales, NATIVE_FP8, True)  # fp16, exact
+            s = kc.e4m3_decode_to(scales, NATIVE_FP8, True)  # fp16, exact
         else:
             e = scales.to(tl.int32) - 127  # E8M0 exponents
             e_tok = tl.max(e, axis=1)
-            s = _pow2_f16(e - e_tok[:, None])
+            s = kc.pow2_f16(e - e_tok[:, None])
             rs = kc.exp2_int(e_tok)
         if PAIRED:
-            x = _e2m1_words_paired(payload, T, D // 8)
+            x = kc.e2m1_words_paired(payload, T, D // 8)
         else:
             x = kc.e2m1_words_f16(payload, T, D // 8)
         x = tl.reshape(tl.reshape(x, [T, NB, QBLOCK]) * s[:, :, None], [T, D])
     elif ELEM == ELEM_E4M3:
-        x = _decode_e4m3(payload, NATIVE_FP8, F16)
+        x = kc.e4m3_decode_to(payload, NATIVE_FP8, F16)
         if SCALE == SCALE_ROW:
             rs = scales
     else:
@@ -308,7 +245,7 @@ def _sparse_attn_kernel(
     gmask = g < G
     cols = tl.arange(0, D)
     if PAIRED:
-        cols = _paired_cols(cols)  # q, the accumulator and the output in the tiles' column order
+        cols = kc.paired_cols(cols)  # q, the accumulator and the output in the tiles' column order
     q_rows = q_ptr + row.to(tl.int64) * stride_qr + (h * G + g)[:, None] * stride_qh
     q = _dot_operand(tl.load(q_rows + cols[None, :], mask=gmask[:, None], other=0.0), F16, FP32_DOT)
     acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
@@ -571,7 +508,7 @@ def sparse_decode(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, blo
     num_stages default 3: Triton's pipeliner keeps one tile's K/V copies in flight), 0 (False) none (default for
     bf16; num_stages 2); maxnreg: register cap per thread on CUDA (default 128 for quantized formats with 4 warps,
     0 = none); warps are capped at tile / 8, see `launch_plan`; paired: E2M1 decoded in PAIRED order (fewer
-    integer ops, but slower on the H200; default off), see `_e2m1_words_paired`). No host synchronization, so it
+    integer ops, but slower on the H200; default off), see `kc.e2m1_words_paired`). No host synchronization, so it
     can be captured in a CUDA graph."""
     _check_q(q)
     b, hq, d = q.shape

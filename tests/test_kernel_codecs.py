@@ -6,6 +6,10 @@ constexpr OP) to a flat array; `_block_kernel` quantizes [rows, D] rows through 
 of several distributions, random fp32 bit patterns (every exponent), the shared edge-case table, and whole-domain sweeps
 (every E2M1 / E4M3 / E8M0 code, every exponent for exp2_int). Under the interpreter (CPU) the sizes are small; the
 `gpu`-marked variants rerun the same checks at large sizes on the device.
+
+The attention / indexer decode helpers (fp16 E4M3 decodes, FP4 word quarters / paired words / bytes, pow2_f16, E8M0
+relative factors) run through `_decode_kernel`, `_words_kernel` and `_factors_kernel` on every code (every byte, every
+nibble in every word position) plus random words, against references built from the torch codecs.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from kvtool.formats.elements import (
     unpack_nibbles,
 )
 from kvtool.kernels import codecs as kc
+from kvtool.kernels.sparse_attn import paired_order
 
 # Zero scales make the nvfp4 helper compute 1 / 0 on lanes that `tl.where` then discards (the interpreter warns).
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -238,6 +243,171 @@ def check_pack(device: str, n_rows: int, block_r: int) -> None:
     assert torch.equal(repacked.cpu(), packed.cpu())
 
 
+
+# --------------------------------------------------------------------------- decode helpers (attention, indexer)
+@triton.jit
+def _decode_kernel(x_ptr, o_ptr, o2_ptr, N: tl.constexpr, OP: tl.constexpr, NATIVE: tl.constexpr):
+    """N values through one decode helper pair (OP) -> two fp32 outputs (fp16 results widened exactly)."""
+    o = tl.arange(0, N)
+    x = tl.load(x_ptr + o)
+    if OP == 0:
+        a = kc.e4m3_decode_f16(x).to(tl.float32)
+        b = kc.e4m3_decode_f16(x, False).to(tl.float32)
+    elif OP == 1:
+        a = kc.e4m3_decode_to(x, NATIVE, True).to(tl.float32)
+        b = kc.e4m3_decode_to(x, NATIVE, False)
+    elif OP == 2:
+        a = kc.pow2_f16(x).to(tl.float32)
+        b = a
+    else:
+        even, odd = kc.fp4_bytes(x)
+        a = even.to(tl.float32)
+        b = odd.to(tl.float32)
+    tl.store(o_ptr + o, a)
+    tl.store(o2_ptr + o, b)
+
+
+@triton.jit
+def _words_kernel(w_ptr, q_ptr, p_ptr, c_ptr, R: tl.constexpr, NW: tl.constexpr):
+    """Words [R, NW] -> the four fp4_quarter tiles q [4, R, 2 NW], e2m1_words_paired p [R, 8 NW] (fp32) and
+    paired_cols of every column c [8 NW]."""
+    r = tl.arange(0, R)
+    offs = r[:, None] * NW + tl.arange(0, NW)[None, :]
+    w = tl.load(w_ptr.to(tl.pointer_type(tl.uint32)) + offs)
+    c = tl.arange(0, 2 * NW)
+    for k in tl.static_range(4):
+        x = kc.fp4_quarter(w, k, R, NW).to(tl.float32)
+        tl.store(q_ptr + k * R * 2 * NW + r[:, None] * 2 * NW + c[None, :], x)
+    c8 = tl.arange(0, 8 * NW)
+    p = kc.e2m1_words_paired(tl.load(w_ptr + offs), R, NW).to(tl.float32)
+    tl.store(p_ptr + r[:, None] * 8 * NW + c8[None, :], p)
+    tl.store(c_ptr + c8, kc.paired_cols(c8))
+
+
+@triton.jit
+def _factors_kernel(s_ptr, f_ptr, r_ptr, T: tl.constexpr, N: tl.constexpr, WORD: tl.constexpr):
+    """E8M0 scales of T tokens -> factors f [T, N] (fp32) and row factors r [T]: WORD reads one uint32 word per
+    token (N = 4, e8m0_word_factors), else a byte tile [T, N] (e8m0_tile_factors)."""
+    t = tl.arange(0, T)
+    n = tl.arange(0, N)
+    if WORD:
+        f, rf = kc.e8m0_word_factors(tl.load(s_ptr.to(tl.pointer_type(tl.uint32)) + t))
+    else:
+        f, rf = kc.e8m0_tile_factors(tl.load(s_ptr + t[:, None] * N + n[None, :]))
+    tl.store(f_ptr + t[:, None] * N + n[None, :], f.to(tl.float32))
+    tl.store(r_ptr + t, rf)
+
+
+def run_decode(op: int, x: torch.Tensor, native: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x.contiguous()
+    a, b = torch.empty(x.numel(), device=x.device), torch.empty(x.numel(), device=x.device)
+    _decode_kernel[(1,)](x, a, b, N=x.numel(), OP=op, NATIVE=native)
+    return a, b
+
+
+def assert_same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Same NaN positions, and every other value bit for bit (as fp32: -0 and subnormals included)."""
+    got, want = got.cpu().float(), want.cpu().float().reshape(got.shape)
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan), f"{what}: NaN pattern differs"
+    assert same_bits(got[~nan], want[~nan]), f"{what}: {first_diff(got[~nan], want[~nan])}"
+
+
+def every_byte(device: str) -> torch.Tensor:
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).to(device)
+
+
+def e4m3_portable(b: torch.Tensor) -> torch.Tensor:
+    """The torch codec's values, except the NaN codes: the bit decode reads 0x7F / 0xFF as +-480 (never written)."""
+    v = e4m3_decode(b)
+    return torch.where((b.int() & 0x7F) == 0x7F, torch.where(b.int() >= 0x80, -480.0, 480.0), v)
+
+
+def fp4_words(rows: int, nw: int, seed: int = SEED) -> torch.Tensor:
+    """int32 words [rows, nw]: row 0 has every nibble value in every nibble position (word j holds (j + p) % 16 in
+    nibble p, 16 words), the other rows random bits (signs included)."""
+    g = torch.Generator().manual_seed(seed + 3)
+    nib = torch.arange(16, dtype=torch.int64)
+    cyc = sum(((nib + p) % 16) << (4 * p) for p in range(8))  # [16]
+    rnd = torch.randint(0, 2**32, (rows * nw - 16,), generator=g)
+    words = torch.cat([cyc, rnd]).reshape(rows, nw)
+    return torch.where(words < 2**31, words, words - 2**32).to(torch.int32)
+
+
+def e8m0_factor_reference(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bytes [T, N] -> (2**(e - emax + 14) as fp16, NaN for 255; fp32 2**(emax - 14)) from formats.e8m0_decode, in
+    fp64 (exact): emax is the largest exponent of the bytes other than 255 (255 counts as byte 0)."""
+    bmax = torch.where(b == 255, 0, b.int()).amax(dim=1).to(torch.uint8)
+    top = e8m0_decode(bmax).double()
+    f = (e8m0_decode(b).double() * 2.0**14 / top[:, None]).half()
+    return f, (top * 2.0**-14).float()
+
+
+def e8m0_rows(n: int, t_random: int, seed: int = SEED) -> torch.Tensor:
+    """Bytes [256 n + 1 + t_random, n]: every byte value in every column (the others random, sometimes 255), a row
+    of 255 only, then random rows."""
+    g = torch.Generator().manual_seed(seed + 4)
+    rows = []
+    for col in range(n):
+        r = torch.randint(0, 256, (256, n), generator=g)
+        r[:, col] = torch.arange(256)
+        rows.append(r)
+    rows += [torch.full((1, n), 255), torch.randint(0, 256, (t_random, n), generator=g)]
+    return torch.cat(rows).to(torch.uint8)
+
+
+def check_e4m3_fp16_decodes(device: str) -> None:
+    b = every_byte(device)
+    scaled, unscaled = run_decode(0, b)
+    assert_same(scaled, e4m3_decode(b), "e4m3_decode_f16")
+    assert_same(unscaled, e4m3_decode(b) * 2.0**-8, "e4m3_decode_f16 unscaled")
+    f16, f32 = run_decode(1, b)
+    assert_same(f16, e4m3_portable(b).half(), "e4m3_decode_to F16")
+    assert_same(f32, e4m3_portable(b), "e4m3_decode_to fp32")
+
+
+def check_fp4_decodes(device: str, rows: int) -> None:
+    """fp4_bytes on every byte; fp4_quarter and e2m1_words_paired on every nibble in every position + random words:
+    element order as formats.unpack_nibbles, values formats.e2m1_decode * 2**-14."""
+    b = every_byte(device)
+    even, odd = run_decode(3, b)
+    codes = unpack_nibbles(b.cpu()[:, None])  # [256, 2]: low nibble, high nibble
+    assert_same(even, e2m1_decode(codes[:, 0]) * 2.0**-14, "fp4_bytes even")
+    assert_same(odd, e2m1_decode(codes[:, 1]) * 2.0**-14, "fp4_bytes odd")
+
+    nw = 16
+    w32 = fp4_words(rows, nw)
+    quarters = torch.empty(4, rows, 2 * nw, device=device)
+    paired = torch.empty(rows, 8 * nw, device=device)
+    cols = torch.empty(8 * nw, dtype=torch.int32, device=device)
+    _words_kernel[(1,)](w32.to(device), quarters, paired, cols, R=rows, NW=nw)
+    want = e2m1_decode(unpack_nibbles(w32.view(torch.uint8).reshape(rows, 4 * nw))) * 2.0**-14  # element order
+    for k in range(4):
+        idx = 8 * (torch.arange(2 * nw) // 2) + k + 4 * (torch.arange(2 * nw) % 2)
+        assert_same(quarters[k], want[:, idx], f"fp4_quarter {k}")
+    order = paired_order(8 * nw)
+    assert torch.equal(cols.cpu().long(), order) and torch.equal(order[order], torch.arange(8 * nw))
+    assert_same(paired, want[:, order], "e2m1_words_paired")
+
+
+def check_e8m0_factors(device: str, t_random: int) -> None:
+    """pow2_f16 over its whole useful domain; e8m0_word_factors / e8m0_tile_factors on every byte in every column."""
+    x = torch.arange(-240, 16, dtype=torch.int32)  # 256 values (a power of two for tl.arange)
+    got, _ = run_decode(2, x.to(device))
+    assert_same(got, exp2_int(x.clamp(min=-149)).half(), "pow2_f16")
+    for n, word in ((4, True), (4, False), (8, False)):
+        b = e8m0_rows(n, t_random)
+        t = triton.next_power_of_2(b.shape[0])
+        b = torch.cat([b, torch.full((t - b.shape[0], n), 7, dtype=torch.uint8)])  # pad to a power of two
+        f = torch.empty(t, n, device=device)
+        r = torch.empty(t, device=device)
+        _factors_kernel[(1,)](b.to(device), f, r, T=t, N=n, WORD=word)
+        wf, wr = e8m0_factor_reference(b)
+        name = "e8m0_word_factors" if word else f"e8m0_tile_factors[{n}]"
+        assert_same(f, wf, name)
+        assert_same(r, wr, name + " row")
+
+
 # ------------------------------------------------------------------------------------- interpreter (small) and GPU
 def test_elementwise_helpers(device):
     check_elementwise(device, 1 << 14)
@@ -263,6 +433,28 @@ def test_kernel_checks_can_fail(device):
     assert not (same_bits(payload, q.payload) and same_bits(scales, q.scales))
 
 
+def test_e4m3_fp16_decodes(device):
+    check_e4m3_fp16_decodes(device)
+
+
+def test_fp4_decodes(device):
+    check_fp4_decodes(device, 16)
+
+
+def test_e8m0_factors(device):
+    check_e8m0_factors(device, 64)
+
+
+def test_decode_checks_can_fail(device):
+    """A one-ulp change is seen by assert_same, and the quarter reference's element order matters."""
+    b = every_byte(device)
+    scaled, _ = run_decode(0, b)
+    with pytest.raises(AssertionError):
+        assert_same(scaled, e4m3_decode(b).nextafter(torch.tensor(1e9)), "probe")
+    with pytest.raises(AssertionError):
+        assert_same(scaled, e4m3_decode(b).roll(1), "probe")
+
+
 @pytest.mark.gpu
 def test_elementwise_helpers_gpu(device):
     check_elementwise(device, 1 << 24)
@@ -276,3 +468,17 @@ def test_block_quantizers_gpu(device):
 @pytest.mark.gpu
 def test_pack_unpack_gpu(device):
     check_pack(device, 1 << 16, block_r=64)
+
+
+@pytest.mark.gpu
+def test_fp4_decodes_gpu(device):
+    check_fp4_decodes(device, 128)
+
+
+@pytest.mark.gpu
+def test_e4m3_decode_to_native_gpu(device):
+    """The hardware conversion path (sm_89+): every byte, the NaN codes to NaN."""
+    b = every_byte(device)
+    f16, f32 = run_decode(1, b, native=True)
+    assert_same(f16, e4m3_decode(b).half(), "e4m3_decode_to native F16")
+    assert_same(f32, e4m3_decode(b), "e4m3_decode_to native fp32")

@@ -12,8 +12,6 @@ import math
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 from kvtool.errors import KernelArgumentError
 from kvtool.formats import get_format
@@ -98,55 +96,7 @@ def check_decode(cache, table, ctx, iq, cfg, exact=False, tuned=False, **options
     return ids
 
 
-# ------------------------------------------------------------------------------------------------------ the helpers
-@triton.jit
-def _decode_f16_kernel(x_ptr, o_ptr, o2_ptr, N: tl.constexpr):
-    o = tl.arange(0, N)
-    x = tl.load(x_ptr + o)
-    tl.store(o_ptr + o, K.e4m3_decode_f16(x).to(tl.float32))
-    tl.store(o2_ptr + o, K.e4m3_decode_f16(x, False).to(tl.float32))
-
-
-def test_e4m3_decode_f16_every_code():
-    codes = torch.arange(256, dtype=torch.uint8, device=DEVICE)
-    out, out2 = torch.empty(256, device=DEVICE), torch.empty(256, device=DEVICE)
-    _decode_f16_kernel[(1,)](codes, out, out2, N=256)
-    want = codes.cpu().view(torch.float8_e4m3fn).float()
-    for got, scale in ((out, 1.0), (out2, 2.0 ** -8)):
-        assert torch.equal(torch.isnan(got.cpu()), torch.isnan(want))
-        fin = ~torch.isnan(want)
-        assert torch.equal(got.cpu()[fin].view(torch.int32), (want[fin] * scale).view(torch.int32))  # -0 too
-
-
-@triton.jit
-def _fp4_quarter_kernel(w_ptr, o_ptr, R: tl.constexpr, NW: tl.constexpr):
-    r = tl.arange(0, R)
-    w = tl.load(w_ptr.to(tl.pointer_type(tl.uint32)) + r[:, None] * NW + tl.arange(0, NW)[None, :])
-    c = tl.arange(0, 2 * NW)
-    for k in tl.static_range(4):
-        x = K._fp4_quarter(w, k, R, NW).to(tl.float32)
-        tl.store(o_ptr + k * R * 2 * NW + r[:, None] * 2 * NW + c[None, :], x)
-
-
-def test_fp4_quarters_match_the_codec_bit_for_bit():
-    """Every nibble value in every position of a word, plus random words: quarter K column 2j / 2j + 1 must be
-    element 8j + K / 8j + K + 4 of formats.unpack_nibbles, decoded by formats.e2m1_decode, times 2**-14 exactly."""
-    from kvtool.formats import e2m1_decode, unpack_nibbles
-
-    g = torch.Generator().manual_seed(0)
-    nib = torch.arange(16, dtype=torch.int64)
-    cyc = torch.stack([sum(((nib + p) % 16) << (4 * p) for p in range(8))])  # [1, 16] words
-    words = torch.cat([cyc.reshape(16), torch.randint(0, 2**32, (16 * 15,), generator=g)]).reshape(16, 16)
-    w32 = words.to(torch.int64).where(words < 2**31, words - 2**32).to(torch.int32)
-    out = torch.empty(4, 16, 32, device=DEVICE)
-    _fp4_quarter_kernel[(1,)](w32.to(DEVICE), out, R=16, NW=16)
-    codes = unpack_nibbles(w32.view(torch.uint8).reshape(16, 64))  # [16, 128] in element order
-    want = e2m1_decode(codes).float() * 2.0 ** -14
-    for k in range(4):
-        idx = 8 * (torch.arange(32) // 2) + k + 4 * (torch.arange(32) % 2)
-        assert torch.equal(out[k].cpu().view(torch.int32), want[:, idx].view(torch.int32)), k
-
-
+# ------------------------------------------------------------------------------------------------------ top-k
 @pytest.mark.parametrize("higher", [True, False], ids=["higher-id", "lower-id"])
 def test_merge_candidates_matches_sort(higher):
     g = torch.Generator().manual_seed(0)
