@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Annotated, Optional
+
 import typer
 
 from kvtool.cli import app
+from kvtool.cli.common import DeviceOpt, JsonOpt, emit, handle_errors, stderr, stdout
 
 bench_app = typer.Typer(help="Benchmarks: time, bytes, bandwidth and fraction of the copy bandwidth of the same run.",
                         no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 
-# Benchmark subcommands register on bench_app from their modules (imported at the end of kvtool/cli/__init__.py).
+# One section per benchmark table; each calls one workflow in kvtool/bench/ and renders its report.
 
 
 # ------------------------------------------------------------------------------------------------ bench codecs
-from typing import Annotated  # noqa: E402
-
-from kvtool.cli.common import DeviceOpt, JsonOpt, emit, handle_errors, stderr, stdout  # noqa: E402
-
-
 @bench_app.command("codecs", epilog="Examples:\n\n  kvtool bench codecs\n\n  kvtool bench codecs --size 32 --json\n\n"
                                     "  kvtool bench codecs --device cuda --size 256")
 @handle_errors
@@ -41,11 +39,6 @@ def bench_codecs(
 
 
 # -------------------------------------------------------------------------------------------------- bench attn
-from typing import Annotated  # noqa: E402,F811  (each section imports what it uses)
-
-from kvtool.cli.common import DeviceOpt, JsonOpt, emit, handle_errors, stderr, stdout  # noqa: E402,F811
-
-
 @bench_app.command("attn", epilog="Examples:\n\n  kvtool bench attn --device cuda\n\n"
                                   "  kvtool bench attn --device cuda --batches 64,256 --formats fp8,nvfp4 --sweep\n\n"
                                   "  kvtool bench attn --device cuda --json > attn.json")
@@ -87,11 +80,6 @@ def bench_attn(
 
 
 # ------------------------------------------------------------------------------------------------- bench quant
-from typing import Annotated, Optional  # noqa: E402,F811  (each section imports what it uses)
-
-from kvtool.cli.common import DeviceOpt, JsonOpt, emit, handle_errors, stderr, stdout  # noqa: E402,F811
-
-
 @bench_app.command("quant", epilog="Examples:\n\n  kvtool bench quant --device cuda\n\n"
                                    "  kvtool bench quant --device cuda --sizes 64M,1G --formats nvfp4,mxfp4 --json\n\n"
                                    "  kvtool bench quant --device cuda --sizes 256M --configs 16x4,64x4,64x8\n\n"
@@ -131,11 +119,6 @@ def bench_quant(
 
 
 # ------------------------------------------------------------------------------------------------ bench decode
-from typing import Annotated, Optional  # noqa: E402,F811
-
-from kvtool.cli.common import DeviceOpt, JsonOpt, emit, handle_errors, stderr, stdout  # noqa: E402,F811
-
-
 @bench_app.command("decode", epilog="Examples:\n\n  kvtool bench decode                     (smollm2, batch 1, 1K context, CPU)\n\n"
                                     "  kvtool bench decode --device cuda       (synthetic-m3, 4 layers, batch 64, 32K)\n\n"
                                     "  kvtool bench decode --device cuda --kv nvfp4,fp8 --index fp4,fp8 --json")
@@ -170,11 +153,6 @@ def bench_decode(
 
 
 # ------------------------------------------------------------------------------------------------- bench index
-from typing import Annotated  # noqa: E402,F811  (each section imports what it uses)
-
-from kvtool.cli.common import DeviceOpt, JsonOpt, emit, handle_errors, stderr, stdout  # noqa: E402,F811
-
-
 @bench_app.command("index", epilog="Examples:\n\n  kvtool bench index --device cuda\n\n"
                                    "  kvtool bench index --device cuda --batches 64 --contexts 150000 --prefill '' "
                                    "--sweep\n\n  kvtool bench index --device cuda --formats nvfp4,fp8 --json > index.json\n\n"
