@@ -1,9 +1,13 @@
 """Shared `@triton.jit` codec helpers: one per element codec and block recipe. Every kernel imports these; nothing
-re-implements them. Each helper mirrors a torch reference in `kvtool/formats/` operation by operation (same fp32 ops in
-the same order, IEEE division through `tl.math.div_rn`), so kernel bytes equal the reference bytes.
+re-implements them. Each helper gives the same bits as a torch reference in `kvtool/formats/`: where a rounding step
+decides the result, the same fp32 operations in the same order (IEEE division through `tl.math.div_rn`); elsewhere a
+cheaper sequence proven equal (e.g. `e2m1_encode`'s fma/min form, checked against the threshold rule on every fp32 bit
+pattern class in tests/test_kernel_codecs.py).
 
-Portability: only integer bit logic, fp32 arithmetic and bitcasts. No float8 casts (the interpreter rounds fp32 -> fp8
-wrongly, and gfx950 names its fp8 types differently), no inline asm, no lookup tables in memory.
+Portability: the default paths use only integer bit logic, fp32/fp16 arithmetic and bitcasts: no inline asm, no lookup
+tables in memory, no fp32 -> fp8 casts (the interpreter rounds them wrongly). Hardware fp8 conversions (`NATIVE=True`)
+are used only where a launcher's capability check allows them (CUDA sm_89+); the portable path is what the interpreter
+tests, and GPU tests compare the two.
 
 Rule and recipe arguments are constexpr ints: the values of `kvtool.formats.rules.ScaleRule`, `NvRecipe`.
 
