@@ -1,8 +1,8 @@
 """Shared `@triton.jit` codec helpers: one per element codec and block recipe. Every kernel imports these; nothing
 re-implements them. Each helper gives the same bits as a torch reference in `kvtool/formats/`: where a rounding step
 decides the result, the same fp32 operations in the same order (IEEE division through `tl.math.div_rn`); elsewhere a
-cheaper sequence proven equal (e.g. `e2m1_encode`'s fma/min form, checked against the threshold rule on every fp32 bit
-pattern class in tests/test_kernel_codecs.py).
+cheaper sequence that gives the same codes (e.g. `e2m1_encode`'s fma/min form, compared with the torch threshold rule
+in tests/test_kernel_codecs.py on random fp32 bit patterns of every exponent, the edge cases and every E2M1 code).
 
 Portability: the default paths use only integer bit logic, fp32/fp16 arithmetic and bitcasts: no inline asm, no lookup
 tables in memory, no fp32 -> fp8 casts (the interpreter rounds them wrongly). Hardware fp8 conversions (`NATIVE=True`)
