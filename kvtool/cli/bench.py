@@ -16,6 +16,23 @@ app.add_typer(bench_app, name="bench")
 # One section per benchmark table; each calls one workflow in kvtool/bench/ and renders its report.
 
 
+def _progress(name: str) -> None:
+    stderr.print(f"[dim]{name}[/dim]")
+
+
+def _emit_bench(report, as_json: bool, render_extra) -> None:
+    """Every bench's output: the JSON report, or the case table, the bench's own extra table and any note."""
+    from kvtool.bench.common import render_report
+
+    def render(r):
+        render_report(r, stdout)
+        render_extra(r, stdout)
+        if r.extra.get("note"):
+            stderr.print(f"note: {r.extra['note']}")
+
+    emit(report, as_json, render)
+
+
 # ------------------------------------------------------------------------------------------------ bench codecs
 @bench_app.command("codecs", epilog="Examples:\n\n  kvtool bench codecs\n\n  kvtool bench codecs --size 32 --json\n\n"
                                     "  kvtool bench codecs --device cuda --size 256")
@@ -27,15 +44,10 @@ def bench_codecs(
 ) -> None:
     """Quantize throughput of every torch codec beside torchao / torch peers, with the speed-up over each peer."""
     from kvtool.bench.codecs import render_speedups, run_codec_bench
-    from kvtool.bench.common import render_report
 
-    report = run_codec_bench(size_mb=size, device=device, progress=lambda name: stderr.print(f"[dim]{name}[/dim]"))
+    report = run_codec_bench(size_mb=size, device=device, progress=_progress)
 
-    def render(r):
-        render_report(r, stdout)
-        render_speedups(r, stdout)
-
-    emit(report, as_json, render)
+    _emit_bench(report, as_json, render_speedups)
 
 
 # -------------------------------------------------------------------------------------------------- bench attn
@@ -57,7 +69,6 @@ def bench_attn(
     eager and SDPA; CUDA-graph replay of several layers back to back, time per step."""
     from kvtool.backend import resolve_device
     from kvtool.bench.attn import render_goals, run_attn_bench
-    from kvtool.bench.common import render_report
     from kvtool.errors import InputError
 
     try:
@@ -68,15 +79,9 @@ def bench_attn(
     if not sizes or min(sizes) < 1 or not names or context < 1:
         raise InputError("--batches, --formats and --context need positive values")
     report = run_attn_bench(sizes, names, context=context, device=str(resolve_device(device)), peers=peers,
-                            sweep=sweep, progress=lambda name: stderr.print(f"[dim]{name}[/dim]"))
+                            sweep=sweep, progress=_progress)
 
-    def render(r):
-        render_report(r, stdout)
-        render_goals(r, stdout)
-        if r.extra.get("note"):
-            stderr.print(f"note: {r.extra['note']}")
-
-    emit(report, as_json, render)
+    _emit_bench(report, as_json, render_goals)
 
 
 # ------------------------------------------------------------------------------------------------- bench quant
@@ -101,7 +106,6 @@ def bench_quant(
     """Store (quantize-on-write into a paged cache) and gather-dequantize kernels per format and size, beside the torch
     eager codec and torchao; fraction of the copy bandwidth and the issue's goals."""
     from kvtool.backend import resolve_device
-    from kvtool.bench.common import render_report
     from kvtool.bench.quant import parse_configs, parse_sizes, render_goals, run_quant_bench
     from kvtool.errors import InputError
 
@@ -109,13 +113,9 @@ def bench_quant(
     if not names or heads < 1:
         raise InputError("--formats needs at least one format and --heads a positive count")
     report = run_quant_bench(parse_sizes(sizes), names, device=str(resolve_device(device)), heads=heads, eager=eager,
-                             configs=parse_configs(configs), progress=lambda name: stderr.print(f"[dim]{name}[/dim]"))
+                             configs=parse_configs(configs), progress=_progress)
 
-    def render(r):
-        render_report(r, stdout)
-        render_goals(r, stdout)
-
-    emit(report, as_json, render)
+    _emit_bench(report, as_json, render_goals)
 
 
 # ------------------------------------------------------------------------------------------------ bench decode
@@ -138,18 +138,13 @@ def bench_decode(
 ) -> None:
     """One decode step of the whole model per cache configuration (plain bf16 dense SDPA, bf16 paged sparse, each
     candidate), as tokens/s with the issue's goals."""
-    from kvtool.bench.common import render_report
     from kvtool.bench.decode import render_goals, run_decode_bench
 
     split = lambda text: tuple(t.strip() for t in text.split(",") if t.strip())  # noqa: E731
     report = run_decode_bench(model, device, split(kv), split(index), batch, context, layers, backend,
-                              progress=lambda name: stderr.print(f"[dim]{name}[/dim]"))
+                              progress=_progress)
 
-    def render(r):
-        render_report(r, stdout)
-        render_goals(r, stdout)
-
-    emit(report, as_json, render)
+    _emit_bench(report, as_json, render_goals)
 
 
 # ------------------------------------------------------------------------------------------------- bench index
@@ -176,7 +171,6 @@ def bench_index(
     """M3 lightning indexer: decode scoring (block scores) and fused score + top-k per index-cache format, and causal
     prefill top-k, beside a torch eager scorer; bandwidth, fraction of copy and the issue's goals."""
     from kvtool.backend import resolve_device
-    from kvtool.bench.common import render_report
     from kvtool.bench.index import render_goals, run_index_bench
     from kvtool.errors import InputError
 
@@ -194,12 +188,6 @@ def bench_index(
         raise InputError("--formats needs at least one format")
     report = run_index_bench(ints(batches, "--batches"), ints(contexts, "--contexts"), ints(prefill, "--prefill"),
                              names, device=str(resolve_device(device)), peers=peers, sweep=sweep,
-                             progress=lambda name: stderr.print(f"[dim]{name}[/dim]"))
+                             progress=_progress)
 
-    def render(r):
-        render_report(r, stdout)
-        render_goals(r, stdout)
-        if r.extra.get("note"):
-            stderr.print(f"note: {r.extra['note']}")
-
-    emit(report, as_json, render)
+    _emit_bench(report, as_json, render_goals)
