@@ -39,10 +39,12 @@ def _emit_bench(report, as_json: bool, render_extra) -> None:
 @handle_errors
 def bench_codecs(
     size: Annotated[float, typer.Option("--size", help="MB of bf16 input ([rows, 128]).")] = 8.0,
-    device: DeviceOpt = "cpu",
+    device: Annotated[str, typer.Option("--device", help="Where the torch codecs and peers run (cpu | cuda); the "
+                                        "Triton kernels are timed by `kvtool bench quant`.")] = "cpu",
     as_json: JsonOpt = False,
 ) -> None:
-    """Quantize throughput of every torch codec beside torchao / torch peers, with the speed-up over each peer."""
+    """Quantize throughput of every torch codec (the bit-exact reference path) beside torchao / torch peers, with the
+    speed-up over each peer."""
     from kvtool.bench.codecs import render_speedups, run_codec_bench
 
     report = run_codec_bench(size_mb=size, device=device, progress=_progress)
