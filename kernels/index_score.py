@@ -118,12 +118,31 @@ def _q_operand(q_ptr, q_off, row_ok, up, idx, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _q_blockdiag(q_ptr, q_off, row_ok, up, idx, NSBP: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+                 DOT_F32: tl.constexpr):
+    """The block-diagonal query operand of POST_SCALE launches: [K, MP NSBP], column b MP + r holds row r's elements
+    idx [K] (times 2**a) where they lie in scale block b (idx // SCALE_BLOCK == b), else 0. One dot with undecorated
+    E2M1 keys then gives every (block, row) partial score; the block scales multiply those (`_post_scale`)."""
+    MP: tl.constexpr = up.shape[0]
+    c = tl.arange(0, NSBP * MP)
+    bb = c // MP
+    q_off2 = tl.reshape(tl.broadcast_to(q_off[None, :], [NSBP, MP]), [NSBP * MP])
+    ok2 = tl.reshape(tl.broadcast_to(row_ok[None, :], [NSBP, MP]), [NSBP * MP])
+    up2 = tl.reshape(tl.broadcast_to(up[None, :], [NSBP, MP]), [NSBP * MP])
+    inblk = (idx[None, :] // SCALE_BLOCK) == bb[:, None]
+    q = tl.load(q_ptr + q_off2[:, None] + idx[None, :], mask=ok2[:, None] & inblk, other=0.0).to(tl.float32)
+    return tl.trans(_to_dot(q * up2[:, None], DOT_F32))
+
+
+@triton.jit
 def _load_query(q_ptr, q_off, row_ok, gscale, D: tl.constexpr, PAYLOAD_BITS: tl.constexpr, NATIVE_FP8: tl.constexpr,
-                FP4_WORDS: tl.constexpr, DOT_F32: tl.constexpr):
+                FP4_WORDS: tl.constexpr, POST_SCALE: tl.constexpr, NSBP: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+                DOT_F32: tl.constexpr):
     """Rows [MP] of bf16 queries -> (four dot B operands, column scale [MP] fp32). bf16 caches: the bf16 rows [D, MP]
     (four times the same). fp8: fp16 rows times 2**a. FP4: the four element orders of `kc.fp4_quarter` ([D/4, MP]
     each: column c of quarter K is element 8 (c // 2) + K + 4 (c % 2)), or without FP4_WORDS the even and odd
-    elements of `kc.fp4_bytes` ([D/2, MP] each, twice). The column scale undoes 2**a and carries
+    elements of `kc.fp4_bytes` ([D/2, MP] each, twice); with POST_SCALE the quarters block-diagonal
+    ([D/4, MP NSBP], see `_q_blockdiag`). The column scale undoes 2**a and carries
     the whole-tensor factor and the fixed power of two of the key decode (2**8 portable fp8, 2**14 FP4)."""
     c = tl.arange(0, D)
     if PAYLOAD_BITS == 16:
@@ -140,7 +159,14 @@ def _load_query(q_ptr, q_off, row_ok, gscale, D: tl.constexpr, PAYLOAD_BITS: tl.
     else:
         q = tl.load(q_ptr + q_off[:, None] + c[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
         up, down = _pow2_up_down(tl.max(tl.abs(q), axis=1))
-        if FP4_WORDS:
+        if POST_SCALE:
+            cq = tl.arange(0, D // 4)
+            idx = 8 * (cq // 2) + 4 * (cq % 2)
+            qa = _q_blockdiag(q_ptr, q_off, row_ok, up, idx, NSBP, SCALE_BLOCK, DOT_F32)
+            qb = _q_blockdiag(q_ptr, q_off, row_ok, up, idx + 1, NSBP, SCALE_BLOCK, DOT_F32)
+            qc = _q_blockdiag(q_ptr, q_off, row_ok, up, idx + 2, NSBP, SCALE_BLOCK, DOT_F32)
+            qd = _q_blockdiag(q_ptr, q_off, row_ok, up, idx + 3, NSBP, SCALE_BLOCK, DOT_F32)
+        elif FP4_WORDS:
             cq = tl.arange(0, D // 4)
             idx = 8 * (cq // 2) + 4 * (cq % 2)
             qa = _q_operand(q_ptr, q_off, row_ok, up, idx, DOT_F32)
@@ -180,7 +206,7 @@ def _page_of(bt_row, t0, t_lim, num_pages, PAGE: tl.constexpr):
 @triton.jit
 def _fetch(data_ptr, pg, t0, t_lim, page_bytes, D: tl.constexpr, TILE_T: tl.constexpr, PAGE: tl.constexpr,
            PB: tl.constexpr, SB: tl.constexpr, PAYLOAD_BITS: tl.constexpr, SCALE_KIND: tl.constexpr,
-           SCALE_BLOCK: tl.constexpr, FP4_WORDS: tl.constexpr):
+           SCALE_BLOCK: tl.constexpr, FP4_WORDS: tl.constexpr, POST_SCALE: tl.constexpr):
     """Issue the loads of one key tile (tokens t0 .. t0 + TILE_T, all in page pg; token r's payload at byte
     r PB of the page's payload plane, its scales at r SB of the scale plane): (payload, scales) as stored: int16
     [T, D] (bf16), uint8 [T, D] (e4m3), uint32 words [T, D/8] (packed E2M1); uint8 [T, D/block] block scales, fp32
@@ -208,7 +234,7 @@ def _fetch(data_ptr, pg, t0, t_lim, page_bytes, D: tl.constexpr, TILE_T: tl.cons
     elif (PAYLOAD_BITS == 4) & (not FP4_WORDS):
         blk = tl.arange(0, D // 2) // (SCALE_BLOCK // 2)
         scales = tl.load(data_ptr + sc + r[:, None] * SB + blk[None, :], mask=ok[:, None], other=0)
-    elif (SCALE_KIND == SK_E8M0) & (D // SCALE_BLOCK == 4):  # one uint32 word of four E8M0 bytes per token
+    elif (SCALE_KIND == SK_E8M0) & (D // SCALE_BLOCK == 4) & (not POST_SCALE):  # one uint32 word of four E8M0 bytes per token
         scales = tl.load(data_ptr.to(tl.pointer_type(tl.uint32)) + sc // 4 + r, mask=ok, other=0)
     elif SCALE_KIND >= SK_E4M3:
         scales = tl.load(data_ptr + sc + r[:, None] * SB + tl.arange(0, D // SCALE_BLOCK)[None, :],
@@ -219,9 +245,22 @@ def _fetch(data_ptr, pg, t0, t_lim, page_bytes, D: tl.constexpr, TILE_T: tl.cons
 
 
 @triton.jit
+def _post_scale(acc, scales, TILE_T: tl.constexpr, NSBP: tl.constexpr, SCALE_KIND: tl.constexpr,
+                NATIVE_FP8: tl.constexpr):
+    """Partial scores fp32 [T, NSBP MP] (column b MP + r: row r over scale block b) times the tokens' block scales
+    (uint8 [T, NSBP] E4M3 or E8M0, decoded to fp32, NaN codes to NaN), summed over the blocks: fp32 [T, MP]."""
+    MP: tl.constexpr = acc.shape[1] // NSBP
+    if SCALE_KIND == SK_E4M3:
+        f = kc.e4m3_decode_any(scales, NATIVE_FP8)
+    else:
+        f = kc.e8m0_decode_any(scales)
+    return tl.sum(tl.reshape(acc, [TILE_T, NSBP, MP]) * f[:, :, None], axis=1)
+
+
+@triton.jit
 def _tile_dot(payload, scales, qa, qb, qc, qd, D: tl.constexpr, TILE_T: tl.constexpr, PAYLOAD_BITS: tl.constexpr,
               SCALE_KIND: tl.constexpr, SCALE_BLOCK: tl.constexpr, NATIVE_FP8: tl.constexpr,
-              FP4_WORDS: tl.constexpr, DOT_F32: tl.constexpr):
+              FP4_WORDS: tl.constexpr, POST_SCALE: tl.constexpr, NSBP: tl.constexpr, DOT_F32: tl.constexpr):
     """Decode one fetched key tile and dot it with the query rows: fp32 [TILE_T, MP], times any per-token factor
     (fp8 row scale, mxfp4 2**emax), before the column scale."""
     if PAYLOAD_BITS == 16:
@@ -236,6 +275,13 @@ def _tile_dot(payload, scales, qa, qb, qc, qd, D: tl.constexpr, TILE_T: tl.const
         else:  # the value times 2**-8 (the column scale holds 2**8)
             k = kc.e4m3_decode_f16(payload, False)
         acc = tl.dot(_f32_operand(k, DOT_F32), qa)
+    elif POST_SCALE:  # undecorated E2M1 quarters x the block-diagonal query, then the block scales
+        NW_: tl.constexpr = D // 8
+        acc = tl.dot(_f32_operand(kc.fp4_quarter(payload, 0, TILE_T, NW_), DOT_F32), qa)
+        acc = tl.dot(_f32_operand(kc.fp4_quarter(payload, 1, TILE_T, NW_), DOT_F32), qb, acc)
+        acc = tl.dot(_f32_operand(kc.fp4_quarter(payload, 2, TILE_T, NW_), DOT_F32), qc, acc)
+        acc = tl.dot(_f32_operand(kc.fp4_quarter(payload, 3, TILE_T, NW_), DOT_F32), qd, acc)
+        acc = _post_scale(acc, scales, TILE_T, NSBP, SCALE_KIND, NATIVE_FP8)
     elif not FP4_WORDS:  # bytes: even and odd elements, each block scale gathered per byte [T, D/2]
         even, odd = kc.fp4_bytes(payload)
         if SCALE_KIND == SK_E4M3:
@@ -296,7 +342,7 @@ def _tile_step(j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, p
                PAYLOAD_BITS: tl.constexpr, SCALE_KIND: tl.constexpr, SCALE_BLOCK: tl.constexpr, BS: tl.constexpr,
                TILE_T: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, MODE: tl.constexpr,
                NATIVE_FP8: tl.constexpr, PREFETCH: tl.constexpr, ONE_POS: tl.constexpr, FP4_WORDS: tl.constexpr,
-               DOT_F32: tl.constexpr):
+               POST_SCALE: tl.constexpr, NSBP: tl.constexpr, DOT_F32: tl.constexpr):
     """Tile j of the program (tokens blk0 BS + j TILE_T ..). PREFETCH: it was fetched into (payload, scales) from
     page pg by the previous step; first issue the loads of tile j + 1 (page pg_next) and the page lookup of tile
     j + 2, so that memory works while this tile decodes and multiplies (a register double buffer). Otherwise fetch
@@ -309,15 +355,15 @@ def _tile_step(j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, p
     if PREFETCH:
         cur_pay, cur_sc, cur_pg = payload, scales, pg
         payload, scales = _fetch(data_ptr, pg_next, t0 + TILE_T, t_lim, page_bytes, D, TILE_T, PAGE, PB, SB,
-                                 PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, FP4_WORDS)
+                                 PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE)
         pg = pg_next
         pg_next = _page_of(bt_row, t0 + 2 * TILE_T, t_lim, num_pages, PAGE)
     else:
         cur_pg = _page_of(bt_row, t0, t_lim, num_pages, PAGE)
         cur_pay, cur_sc = _fetch(data_ptr, cur_pg, t0, t_lim, page_bytes, D, TILE_T, PAGE, PB, SB, PAYLOAD_BITS,
-                                 SCALE_KIND, SCALE_BLOCK, FP4_WORDS)
+                                 SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE)
     acc = _tile_dot(cur_pay, cur_sc, qa, qb, qc, qd, D, TILE_T, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, NATIVE_FP8,
-                    FP4_WORDS, DOT_F32)
+                    FP4_WORDS, POST_SCALE, NSBP, DOT_F32)
     if ONE_POS:  # decode: every row sits at ctx - 1, so "t <= pos" is "t < t_lim"
         keep = ((t < t_lim) & (cur_pg >= 0))[:, None]
     else:
@@ -369,6 +415,8 @@ def _index_score_kernel(
     MODE: tl.constexpr,  # MODE_TOKENS | MODE_BLOCKS | MODE_TOPK
     NATIVE_FP8: tl.constexpr,  # hardware e4m3 -> fp16 conversion (CUDA sm_89+)
     FP4_WORDS: tl.constexpr,  # FP4: decode uint32 words in quarters (else bytes; see `kc.fp4_bytes`)
+    POST_SCALE: tl.constexpr,  # FP4 words: block scales applied after the dot (block-diagonal query, `_post_scale`)
+    NSBP: tl.constexpr,  # POST_SCALE: scale blocks per token (dot rows MP NSBP); else 1
     PREFETCH: tl.constexpr,  # register double buffer of the next tile (else: the compiler's pipelining)
     DOT_F32: tl.constexpr,  # interpreter: dot in fp32
 ):
@@ -388,7 +436,7 @@ def _index_score_kernel(
     n_iter = tl.minimum((tile_pos + BS) // BS - blk0, CH)  # (tile_pos // BS + 1), also right for tile_pos = -1
     q_off = b.to(tl.int64) * stride_qb + qi.to(tl.int64) * stride_qq + h * stride_qh
     qa, qb, qc, qd, colscale = _load_query(q_ptr, q_off, row_ok, gscale, D, PAYLOAD_BITS, NATIVE_FP8, FP4_WORDS,
-                                                 DOT_F32)
+                                           POST_SCALE, NSBP, SCALE_BLOCK, DOT_F32)
     out_row = ((b * Q + qi) * HI + h).to(tl.int64) * n_out
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     col = tl.arange(0, CH)
@@ -399,7 +447,7 @@ def _index_score_kernel(
     t_lim = tl.minimum(t_end, (blk0 + tl.maximum(n_iter, 0)) * BS)  # this program's tokens end here
     pg = _page_of(bt_row, blk0 * BS, t_lim, num_pages, PAGE)
     payload, scales = _fetch(data_ptr, pg, blk0 * BS, t_lim if PREFETCH else 0, page_bytes, D, TILE_T, PAGE, PB, SB,
-                             PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, FP4_WORDS)
+                             PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE)
     pg_next = _page_of(bt_row, blk0 * BS + TILE_T, t_lim, num_pages, PAGE)
     if DOT_F32:
         # the interpreter cannot take a loaded scalar as a loop bound: run every step, skip the empty ones
@@ -409,14 +457,14 @@ def _index_score_kernel(
                     j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, pos, valid, bt_row,
                     data_ptr, qa, qb, qc, qd, colscale, out_ptr, out_row, row_ok, n_out, num_pages, page_bytes, D,
                     PAGE, PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, BS, TILE_T, INIT, LOCAL, MODE, NATIVE_FP8,
-                    PREFETCH, QT == 1, FP4_WORDS, DOT_F32)
+                    PREFETCH, QT == 1, FP4_WORDS, POST_SCALE, NSBP, DOT_F32)
     else:
         for j in range(0, n_tiles):
             payload, scales, pg, pg_next, bmax, state = _tile_step(
                 j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, pos, valid, bt_row,
                 data_ptr, qa, qb, qc, qd, colscale, out_ptr, out_row, row_ok, n_out, num_pages, page_bytes, D,
                 PAGE, PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, BS, TILE_T, INIT, LOCAL, MODE, NATIVE_FP8,
-                PREFETCH, QT == 1, FP4_WORDS, DOT_F32)
+                PREFETCH, QT == 1, FP4_WORDS, POST_SCALE, NSBP, DOT_F32)
     if MODE == MODE_TOPK:
         ids = tl.broadcast_to((blk0 + col)[None, :], [MP, CH])
         avail = (col[None, :] < n_iter) & (ids < valid[:, None])
@@ -441,11 +489,15 @@ def _configs():
 
 _tuned_kernel = triton.autotune(
     configs=_configs(), key=["PAYLOAD_BITS", "SCALE_KIND", "D", "BS", "MP", "CH", "MODE", "HI", "NATIVE_FP8",
-                             "FP4_WORDS"]
+                             "FP4_WORDS", "POST_SCALE"]
 )(_index_score_kernel)
 LAUNCH_OPTIONS = ("chunk_blocks", "q_tile", "prefetch", "native_fp8", "num_warps", "num_stages", "fp4_words",
-                  "in_kernel_topk")
+                  "in_kernel_topk", "post_scale")
 
+
+# Most dot rows (queries x heads x scale blocks) for POST_SCALE (decode: 4 heads x 8 nvfp4 blocks = 32): past it the
+# block-diagonal query costs more tensor-core work and accumulator registers than the scaling it saves.
+POST_SCALE_ROWS = 64
 
 # Smallest head dim for the FP4 word decode (`kc.fp4_quarter`): at D = 64 the H200 gave wrong selections (see the
 # module docstring); the byte decode covers smaller heads. A module constant so that a GPU diagnostic can lower it.
@@ -538,7 +590,18 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
     hip = triton.next_power_of_2(hi)
     qt = options.get("q_tile") or (1 if nq == 1 else max(1, 64 // hip))
     qt = min(triton.next_power_of_2(qt), triton.next_power_of_2(nq))
-    mp = max(16, qt * hip)
+    words = fp4_words and fmt.spec.payload_bits == 4
+    nsb = d // fmt.block if words else 1
+    post = options.get("post_scale")
+    post_ok = words and qt * hip * nsb <= POST_SCALE_ROWS
+    if post and not post_ok:
+        raise KernelArgumentError(f"index scorer: post_scale needs the FP4 word decode and at most "
+                                  f"{POST_SCALE_ROWS} dot rows (query tile x heads x scale blocks), got "
+                                  f"{qt * hip * nsb if words else 'no word decode'}")
+    post = post_ok if post is None else bool(post)
+    nsbp = nsb if post else 1
+    # rows of scores: a dot needs 16 rows (padded); POST_SCALE dots MP NSBP rows
+    mp = max(16 // nsbp, qt * hip)
     n_qtiles = triton.cdiv(nq, qt)
     tile_pos = torch.nn.functional.pad(pos, (0, n_qtiles * qt - nq), value=-1).view(bsz, n_qtiles, qt)
     tile_pos = tile_pos.amax(-1).contiguous() if bsz * nq else tile_pos.new_empty(0)
@@ -572,9 +635,9 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
                       CH=ch, KC=kc_, INIT=cfg.init_blocks, LOCAL=cfg.local_blocks,
                       HIGHER_ID=cfg.tie_rule != "lower-id", MODE=kmode,
                       NATIVE_FP8=native_fp8(iq4.device) if native is None else bool(native),
-                      FP4_WORDS=fp4_words and fmt.spec.payload_bits == 4, DOT_F32=INTERPRET)
+                      FP4_WORDS=words, POST_SCALE=post, NSBP=nsbp, DOT_F32=INTERPRET)
         grid = (bsz * n_qtiles, splits)
-        warps = max_warps(consts["TILE_T"], mp)
+        warps = max_warps(consts["TILE_T"], mp * nsbp)
         fixed = [k for k in ("prefetch", "num_warps", "num_stages") if options.get(k) is not None]
         if fixed or INTERPRET or warps < 4:
             _index_score_kernel[grid](*args, **consts, PREFETCH=bool(options.get("prefetch", False)),
