@@ -66,6 +66,8 @@ _SCALE_CODE = {"none": 0, "fp32-tensor": 0, "fp32-row": 1, "e4m3": 2, "e8m0": 3}
 LOG2E = 1.4426950408889634
 E2M1_UNIT = 2.0**14  # e2m1_words_f16 returns value * 2**-14
 DEFAULT_TILE = 64  # tokens per tile on the GPU (launch_plan)
+DEFAULT_LAZY_L = True  # softmax denominators reduced once after the loop (see _attend)
+DEFAULT_JOINT = True  # E8M0 V factors through the softmax max (see _attend)
 
 
 # ------------------------------------------------------------------------------------------------- tile decoding
@@ -166,11 +168,19 @@ def _decode(payload, scales, D: tl.constexpr, T: tl.constexpr, ELEM: tl.constexp
 
 
 @triton.jit
-def _attend(q, acc, m_i, l_i, kp, ks, vp, vs, valid, qk_scale, D: tl.constexpr, T: tl.constexpr,
+def _attend(q, acc, m_i, l_i, mv_i, kp, ks, vp, vs, valid, qk_scale, D: tl.constexpr, T: tl.constexpr,
             ELEM: tl.constexpr, SCALE: tl.constexpr, QBLOCK: tl.constexpr, NATIVE_FP8: tl.constexpr,
-            FP32_DOT: tl.constexpr, F16: tl.constexpr, P_SPLIT: tl.constexpr, PAIRED: tl.constexpr):
+            FP32_DOT: tl.constexpr, F16: tl.constexpr, P_SPLIT: tl.constexpr, PAIRED: tl.constexpr,
+            LAZY_L: tl.constexpr, JOINT: tl.constexpr):
     """One tile of the online softmax: decode K, scores [BLOCK_G, T] in the log2 domain, update (m, l), decode V,
-    accumulate P . V. Returns (acc, m_i, l_i)."""
+    accumulate P . V. Returns (acc, m_i, l_i, mv_i).
+    - LAZY_L: l_i is [BLOCK_G, T] (per-column partial sums, rescaled like acc and summed over the columns once after
+      the loop), which takes one of the cross-warp reductions (a shared-memory round trip with three barriers when
+      the warps split the tile's columns) out of every tile.
+    - JOINT (E8M0 V scales): V's per-token factor 2**e_v goes into P through the exponent: P' = 2**(s + e_v - mv)
+      with mv_i the running max of s + e_v, reduced in the same cross-warp reduction as the softmax max m_i (one
+      instead of two per tile, and no tile max of the V factors); acc is kept relative to mv_i (the kernel moves
+      it to m_i's reference after the loop). Exact: e_v is an integer, every factor a power of two."""
     ROWSCALE: tl.constexpr = (SCALE == SCALE_ROW) or (SCALE == SCALE_E8M0)  # a per-token factor (see _decode)
     k, k_rs = _decode(kp, ks, D, T, ELEM, SCALE, QBLOCK, NATIVE_FP8, F16, PAIRED)
     qk = tl.dot(q, tl.trans(_dot_operand(k, F16, FP32_DOT)))
@@ -178,29 +188,47 @@ def _attend(q, acc, m_i, l_i, kp, ks, vp, vs, valid, qk_scale, D: tl.constexpr, 
         qk = qk * k_rs[None, :]
     s = tl.where(valid[None, :], qk * qk_scale, -float("inf"))
 
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    if JOINT:
+        e_v = (tl.max(vs.to(tl.int32), axis=1) - 127).to(tl.float32)  # V tokens' largest block exponents [T]
+        sv = s + e_v[None, :]
+        m_blk, mv_blk = tl.split(tl.max(tl.join(s, sv), axis=1))
+        m_new = tl.maximum(m_i, m_blk)
+        mv_new = tl.maximum(mv_i, mv_blk)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        mv_new = mv_i
     m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # nothing visible yet: keep exp2 away from -inf - -inf
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if LAZY_L:
+        l_i = l_i * alpha[:, None] + p
+    else:
+        l_i = l_i * alpha + tl.sum(p, axis=1)
     v, v_rs = _decode(vp, vs, D, T, ELEM, SCALE, QBLOCK, NATIVE_FP8, F16, PAIRED)
     v = _dot_operand(v, F16, FP32_DOT)
-    if ROWSCALE:
+    if JOINT:
+        mv_safe = tl.where(mv_new == -float("inf"), 0.0, mv_new)
+        p = tl.exp2(sv - mv_safe[:, None])  # <= 1; v (decoded over each token's largest block) times this is exact
+        p_hi = _dot_operand(p, F16, FP32_DOT)
+        acc = tl.dot(p_hi, v, acc * tl.exp2(mv_i - mv_safe)[:, None])
+        if P_SPLIT:
+            acc = tl.dot(_dot_operand(p - p_hi.to(tl.float32), F16, FP32_DOT), v, acc)
+    elif ROWSCALE:
         # per-token V factors go into P, over the tile's largest so that P stays in [0, 1] (fp16 range)
         rv_max = tl.max(v_rs, axis=0)
         rv_max = tl.where(rv_max > 0, rv_max, 1.0)
         p = p * (v_rs / rv_max)[None, :]
-    p_hi = _dot_operand(p, F16, FP32_DOT)
-    if ROWSCALE:
+        p_hi = _dot_operand(p, F16, FP32_DOT)
         pv = tl.dot(p_hi, v)
         if P_SPLIT:
             pv = tl.dot(_dot_operand(p - p_hi.to(tl.float32), F16, FP32_DOT), v, pv)
         acc = acc * alpha[:, None] + pv * rv_max
     else:
+        p_hi = _dot_operand(p, F16, FP32_DOT)
         acc = tl.dot(p_hi, v, acc * alpha[:, None])
         if P_SPLIT:
             acc = tl.dot(_dot_operand(p - p_hi.to(tl.float32), F16, FP32_DOT), v, acc)
-    return acc, m_new, l_i
+    return acc, m_new, l_i, mv_new
 
 
 # ---------------------------------------------------------------------------------------------------- main kernel
@@ -228,6 +256,8 @@ def _sparse_attn_kernel(
     PREFETCH: tl.constexpr,  # hand pipelining: 2 loads of tile i + 1 and lookups of tile i + 2 overlap tile i; 1
                              # lookups of tile i + 1 only; 0 none
     PAIRED: tl.constexpr,  # E2M1 tiles in PAIRED column order (q loaded and the output stored in that order too)
+    LAZY_L: tl.constexpr,  # softmax denominators as per-column partial sums, reduced after the loop (see _attend)
+    JOINT: tl.constexpr,  # E8M0 V factors through one joint max with the softmax max (see _attend)
 ):
     row = tl.program_id(0)
     h = tl.program_id(1)
@@ -250,7 +280,11 @@ def _sparse_attn_kernel(
     q = _dot_operand(tl.load(q_rows + cols[None, :], mask=gmask[:, None], other=0.0), F16, FP32_DOT)
     acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], -float("inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    mv_i = tl.full([BLOCK_G], -float("inf"), dtype=tl.float32)  # JOINT: running max of s + e_v
+    if LAZY_L:
+        l_i = tl.zeros([BLOCK_G, TW], dtype=tl.float32)
+    else:
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
 
     t_begin = split * TILES
     t_end = tl.minimum(t_begin + TILES, topk * TPB)  # this split's tiles: [t_begin, t_end)
@@ -271,8 +305,9 @@ def _sparse_attn_kernel(
             vp_n, vs_n, valid_n = _load_raw(v_ptr, page_n, s0_n, live_n, pos, h, stride_vp, stride_vh, P, D, T, TW, PB,
                                             ELEM, SCALE, QBLOCK)
             s0_n2, live_n2, page_n2 = _meta(ids_row, table_row, t_begin + it + 2, t_end, pos, TPB, BS, T, P)
-            acc, m_i, l_i = _attend(q, acc, m_i, l_i, kp, ks, vp, vs, valid, qk_scale, D, TW, ELEM, SCALE, QBLOCK,
-                                    NATIVE_FP8, FP32_DOT, F16, P_SPLIT, PAIRED)
+            acc, m_i, l_i, mv_i = _attend(q, acc, m_i, l_i, mv_i, kp, ks, vp, vs, valid, qk_scale, D, TW, ELEM,
+                                          SCALE, QBLOCK, NATIVE_FP8, FP32_DOT, F16, P_SPLIT, PAIRED, LAZY_L,
+                                          JOINT)
             kp, ks, vp, vs, valid = kp_n, ks_n, vp_n, vs_n, valid_n
             s0_n, live_n, page_n = s0_n2, live_n2, page_n2
     elif PREFETCH == 1:
@@ -286,8 +321,9 @@ def _sparse_attn_kernel(
                                       SCALE, QBLOCK)
             vp, vs, valid = _load_raw(v_ptr, page, s0, live, pos, h, stride_vp, stride_vh, P, D, T, TW, PB, ELEM,
                                       SCALE, QBLOCK)
-            acc, m_i, l_i = _attend(q, acc, m_i, l_i, kp, ks, vp, vs, valid, qk_scale, D, TW, ELEM, SCALE, QBLOCK,
-                                    NATIVE_FP8, FP32_DOT, F16, P_SPLIT, PAIRED)
+            acc, m_i, l_i, mv_i = _attend(q, acc, m_i, l_i, mv_i, kp, ks, vp, vs, valid, qk_scale, D, TW, ELEM,
+                                          SCALE, QBLOCK, NATIVE_FP8, FP32_DOT, F16, P_SPLIT, PAIRED, LAZY_L,
+                                          JOINT)
     else:
         for it in range(TILES):  # the last split may run past the end: masked
             s0, live, page = _meta(ids_row, table_row, t_begin + it, t_end, pos, TPB, BS, T, P)
@@ -295,9 +331,15 @@ def _sparse_attn_kernel(
                                       SCALE, QBLOCK)
             vp, vs, valid = _load_raw(v_ptr, page, s0, live, pos, h, stride_vp, stride_vh, P, D, T, TW, PB, ELEM,
                                       SCALE, QBLOCK)
-            acc, m_i, l_i = _attend(q, acc, m_i, l_i, kp, ks, vp, vs, valid, qk_scale, D, TW, ELEM, SCALE, QBLOCK,
-                                    NATIVE_FP8, FP32_DOT, F16, P_SPLIT, PAIRED)
+            acc, m_i, l_i, mv_i = _attend(q, acc, m_i, l_i, mv_i, kp, ks, vp, vs, valid, qk_scale, D, TW, ELEM,
+                                          SCALE, QBLOCK, NATIVE_FP8, FP32_DOT, F16, P_SPLIT, PAIRED, LAZY_L,
+                                          JOINT)
 
+    if LAZY_L:
+        l_i = tl.sum(l_i, axis=1)
+    if JOINT:  # acc from mv_i's reference to m_i's (2**(mv - m) <= 2**127: e_v <= 127)
+        mv_safe = tl.where(mv_i == -float("inf"), 0.0, mv_i)
+        acc = acc * tl.exp2(mv_safe - tl.where(m_i == -float("inf"), 0.0, m_i))[:, None]
     heads = row.to(tl.int64) * G * (tl.num_programs(1)) + h * G + g  # flat (row, query head) index
     if SPLIT:
         slot = heads * num_splits + split
@@ -405,7 +447,8 @@ def uses_fp16_dots(fmt) -> bool:
 
 
 def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_splits, decode, ctx, req, pos,
-            tile_tokens, num_warps, num_stages, native_fp8, out_dtype, precise_p, prefetch, paired, maxnreg):
+            tile_tokens, num_warps, num_stages, native_fp8, out_dtype, precise_p, prefetch, paired, maxnreg, lazy_l,
+            joint_max):
     rows, hq, d = q.shape
     hkv, topk = k_cache.num_heads, block_ids.shape[-1]
     fmt = k_cache.fmt
@@ -470,6 +513,8 @@ def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_
         QBLOCK=max(fmt.block, 1), PB=fmt.payload_bytes(d), TILES=tiles_per_split,
         DECODE=decode, SPLIT=splits > 1, NATIVE_FP8=bool(native_fp8), FP32_DOT=interp, F16=f16,
         P_SPLIT=(not f16) if precise_p is None else bool(precise_p), PREFETCH=prefetch, PAIRED=paired,
+        LAZY_L=DEFAULT_LAZY_L if lazy_l is None else bool(lazy_l),
+        JOINT=fmt.scale_element == "e8m0" and (DEFAULT_JOINT if joint_max is None else bool(joint_max)),
         num_warps=warps, num_stages=num_stages, **launch_opts,
     )
     if splits > 1:
@@ -492,7 +537,8 @@ def sparse_decode(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, blo
                   num_stages: int | None = None, native_fp8: bool | None = None,
                   out_dtype: torch.dtype = torch.bfloat16, precise_p: bool | None = None,
                   prefetch: int | bool | None = None, paired: bool | None = None,
-                  maxnreg: int | None = None) -> torch.Tensor:
+                  maxnreg: int | None = None, lazy_l: bool | None = None,
+                  joint_max: bool | None = None) -> torch.Tensor:
     """One decode step of sparse attention for B requests.
 
     q bf16 [B, Hq, D] (the token at position context_lens[b] - 1, already stored in the caches); k_cache / v_cache:
@@ -518,7 +564,7 @@ def sparse_decode(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, blo
     _check_int("block_ids", block_ids, (b, k_cache.num_heads, block_ids.shape[-1]), q.device)
     return _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_splits, True, context_lens,
                    context_lens, context_lens, tile_tokens, num_warps, num_stages, native_fp8, out_dtype,
-                   precise_p, prefetch, paired, maxnreg)
+                   precise_p, prefetch, paired, maxnreg, lazy_l, joint_max)
 
 
 def sparse_prefill(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, block_table: torch.Tensor,
@@ -527,7 +573,8 @@ def sparse_prefill(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, bl
                    num_warps: int | None = None, num_stages: int | None = None, native_fp8: bool | None = None,
                    out_dtype: torch.dtype = torch.bfloat16, precise_p: bool | None = None,
                    prefetch: int | bool | None = None, paired: bool | None = None,
-                  maxnreg: int | None = None) -> torch.Tensor:
+                   maxnreg: int | None = None, lazy_l: bool | None = None,
+                   joint_max: bool | None = None) -> torch.Tensor:
     """Sparse attention for N query rows of any requests (prefill, chunked prefill, speculative verify).
 
     q bf16 [N, Hq, D]; q_req int32 [N] (each row's request: its row of block_table [B, max_pages]); q_pos int32 [N]
@@ -545,4 +592,4 @@ def sparse_prefill(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, bl
     _check_int("block_ids", block_ids, (n, k_cache.num_heads, block_ids.shape[-1]), q.device)
     return _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_splits, False, q_pos, q_req,
                    q_pos, tile_tokens, num_warps, num_stages, native_fp8, out_dtype, precise_p, prefetch, paired,
-                   maxnreg)
+                   maxnreg, lazy_l, joint_max)

@@ -299,3 +299,45 @@ def test_gpu_tiles_and_warps(fmt):
                             paired=paired, out_dtype=torch.float32)
         m = value_metrics(out, ref)
         assert m.max_rel <= 2e-3, (tile, warps, prefetch, paired, m)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4-floor", "fp8-token", "bf16"])
+def test_lazy_sum_and_joint_max_agree(fmt):
+    """Softmax denominators summed per tile (lazy_l=False) or per column and once after the loop (True) give the same
+    output to fp32 rounding; for E8M0 V scales the joint max (V's exponents through the softmax max) and the tile max
+    of the V factors round P differently, so both are checked against the reference and against each other."""
+    q, kc, vc, table, ctx, ids = make_decode(fmt, [3, 40, 70])
+    ref = paged_sparse_decode_ref(q, kc, vc, table, ctx, ids, 32)
+    for splits in (1, 3):
+        run = lambda **kw: sparse_decode(q, kc, vc, table, ctx, ids, 32, num_splits=splits,  # noqa: E731
+                                         out_dtype=torch.float32, **kw)
+        outs = {(lz, jm): run(lazy_l=lz, joint_max=jm) for lz in (False, True) for jm in (False, True)}
+        for out in outs.values():
+            check_close(out, ref)
+        assert value_metrics(outs[True, False], outs[False, False]).max_rel <= 1e-6
+        assert value_metrics(outs[True, True], outs[False, True]).max_rel <= 1e-6
+        if fmt != "mxfp4-floor":  # joint_max only changes E8M0 launches
+            assert torch.equal(outs[True, True], outs[True, False])
+
+
+@pytest.mark.parametrize("joint", [False, True])
+def test_mxfp4_v_scales_far_apart(joint):
+    """E8M0 V scales across the exponent range: one request with every V token near 2**-100, one near 2**100, one with
+    per-token magnitudes 2**[-30, 30] (each token's factor goes into P; the joint max keeps P <= 1 and moves acc to the
+    softmax's reference after the loop, 2**(mv - m) up to 2**127). Checked per request."""
+    g = torch.Generator().manual_seed(11)
+    lens, hkv, d = [64, 64, 64], 1, 64
+    ks = [synthetic_kv(n, hkv, d, g) for n in lens]
+    vs = [synthetic_kv(n, hkv, d, g, outliers=False).float() for n in lens]
+    vs[0] = vs[0] * 2.0**-100
+    vs[1] = vs[1] * 2.0**100
+    vs[2] = vs[2] * torch.exp2(torch.randint(-30, 31, (64, 1, 1), generator=g).float())
+    kc, vc, table = build_paged(get_format("mxfp4"), ks, [v.to(torch.bfloat16) for v in vs], 16, DEVICE, g)
+    q = torch.randn(3, 4, d, generator=g).to(torch.bfloat16).to(DEVICE)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    ids = random_block_selection(ctx.long() - 1, 16, 3, hkv, g, holes=False).transpose(0, 1).contiguous()
+    ref = paged_sparse_decode_ref(q, kc, vc, table, ctx, ids, 16)
+    for splits in (1, 2):
+        out = sparse_decode(q, kc, vc, table, ctx, ids, 16, num_splits=splits, joint_max=joint, out_dtype=torch.float32)
+        for b in range(3):
+            check_close(out[b], ref[b])
