@@ -206,19 +206,15 @@ def _page_of(bt_row, t0, t_lim, num_pages, PAGE: tl.constexpr):
 @triton.jit
 def _fetch(data_ptr, pg, t0, t_lim, page_bytes, D: tl.constexpr, TILE_T: tl.constexpr, PAGE: tl.constexpr,
            PB: tl.constexpr, SB: tl.constexpr, PAYLOAD_BITS: tl.constexpr, SCALE_KIND: tl.constexpr,
-           SCALE_BLOCK: tl.constexpr, FP4_WORDS: tl.constexpr, POST_SCALE: tl.constexpr):
+           SCALE_BLOCK: tl.constexpr, FP4_WORDS: tl.constexpr, POST_SCALE: tl.constexpr,
+           PAYLOAD_ONLY: tl.constexpr = False):
     """Issue the loads of one key tile (tokens t0 .. t0 + TILE_T, all in page pg; token r's payload at byte
     r PB of the page's payload plane, its scales at r SB of the scale plane): (payload, scales) as stored: int16
-    [T, D] (bf16), uint8 [T, D] (e4m3), uint32 words [T, D/8] (packed E2M1); uint8 [T, D/block] block scales, fp32
-    [T] row scales, or fp32 zeros [T] when there are none. FP4 without FP4_WORDS: payload bytes uint8 [T, D/2] and
-    the block scale of every byte, uint8 [T, D/2] (gathered: no reshape needed to apply it). Tokens at or past
-    t_lim, or of page -1, read as 0 and touch no memory."""
+    [T, D] (bf16), uint8 [T, D] (e4m3), uint32 words [T, D/8] (packed E2M1); scales as `_fetch_scales` gives them
+    (fp32 zeros [T] with PAYLOAD_ONLY). Tokens at or past t_lim, or of page -1, read as 0 and touch no memory."""
     r = tl.arange(0, TILE_T)
     ok = ((t0 + r) < t_lim) & (pg >= 0)
-    page = tl.maximum(pg, 0).to(tl.int64) * page_bytes
-    off = t0 % PAGE
-    pay = page + off * PB
-    sc = page + PAGE * PB + off * SB
+    pay = tl.maximum(pg, 0).to(tl.int64) * page_bytes + (t0 % PAGE) * PB
     if PAYLOAD_BITS == 16:
         ptrs = data_ptr.to(tl.pointer_type(tl.int16)) + pay // 2 + r[:, None] * (PB // 2) + tl.arange(0, D)[None, :]
     elif PAYLOAD_BITS == 8:
@@ -229,19 +225,38 @@ def _fetch(data_ptr, pg, t0, t_lim, page_bytes, D: tl.constexpr, TILE_T: tl.cons
         ptrs = data_ptr.to(tl.pointer_type(tl.uint32)) + pay // 4 + r[:, None] * (PB // 4) \
             + tl.arange(0, D // 8)[None, :]
     payload = tl.load(ptrs, mask=ok[:, None], other=0)
+    if PAYLOAD_ONLY:
+        scales = tl.zeros([TILE_T], tl.float32)
+    else:
+        scales = _fetch_scales(data_ptr, pg, t0, t_lim, page_bytes, D, TILE_T, PAGE, PB, SB, PAYLOAD_BITS,
+                               SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE)
+    return payload, scales
+
+
+@triton.jit
+def _fetch_scales(data_ptr, pg, t0, t_lim, page_bytes, D: tl.constexpr, TILE_T: tl.constexpr, PAGE: tl.constexpr,
+                  PB: tl.constexpr, SB: tl.constexpr, PAYLOAD_BITS: tl.constexpr, SCALE_KIND: tl.constexpr,
+                  SCALE_BLOCK: tl.constexpr, FP4_WORDS: tl.constexpr, POST_SCALE: tl.constexpr):
+    """The scales of one key tile (see `_fetch`) as stored: uint8 [T, D/block] block scales, one uint32 word [T] of
+    four E8M0 bytes (mxfp4 with four blocks per token, without POST_SCALE), fp32 [T] row scales, or fp32 zeros [T]
+    when there are none. FP4 without FP4_WORDS: the block scale of every payload byte, uint8 [T, D/2] (gathered: no
+    reshape needed to apply it)."""
+    r = tl.arange(0, TILE_T)
+    ok = ((t0 + r) < t_lim) & (pg >= 0)
+    sc = tl.maximum(pg, 0).to(tl.int64) * page_bytes + PAGE * PB + (t0 % PAGE) * SB
     if SCALE_KIND == SK_ROW:
         scales = tl.load(data_ptr.to(tl.pointer_type(tl.float32)) + sc // 4 + r, mask=ok, other=1.0)
     elif (PAYLOAD_BITS == 4) & (not FP4_WORDS):
         blk = tl.arange(0, D // 2) // (SCALE_BLOCK // 2)
         scales = tl.load(data_ptr + sc + r[:, None] * SB + blk[None, :], mask=ok[:, None], other=0)
-    elif (SCALE_KIND == SK_E8M0) & (D // SCALE_BLOCK == 4) & (not POST_SCALE):  # one uint32 word of four E8M0 bytes per token
+    elif (SCALE_KIND == SK_E8M0) & (D // SCALE_BLOCK == 4) & (not POST_SCALE):  # four E8M0 bytes in one word
         scales = tl.load(data_ptr.to(tl.pointer_type(tl.uint32)) + sc // 4 + r, mask=ok, other=0)
     elif SCALE_KIND >= SK_E4M3:
         scales = tl.load(data_ptr + sc + r[:, None] * SB + tl.arange(0, D // SCALE_BLOCK)[None, :],
                          mask=ok[:, None], other=0)
     else:
         scales = tl.zeros([TILE_T], tl.float32)
-    return payload, scales
+    return scales
 
 
 @triton.jit
@@ -342,13 +357,14 @@ def _tile_step(j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, p
                PAYLOAD_BITS: tl.constexpr, SCALE_KIND: tl.constexpr, SCALE_BLOCK: tl.constexpr, BS: tl.constexpr,
                TILE_T: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, MODE: tl.constexpr,
                NATIVE_FP8: tl.constexpr, PREFETCH: tl.constexpr, ONE_POS: tl.constexpr, FP4_WORDS: tl.constexpr,
-               POST_SCALE: tl.constexpr, NSBP: tl.constexpr, DOT_F32: tl.constexpr):
+               POST_SCALE: tl.constexpr, NSBP: tl.constexpr, SCALE_AHEAD: tl.constexpr, DOT_F32: tl.constexpr):
     """Tile j of the program (tokens blk0 BS + j TILE_T ..). PREFETCH: it was fetched into (payload, scales) from
     page pg by the previous step; first issue the loads of tile j + 1 (page pg_next) and the page lookup of tile
     j + 2, so that memory works while this tile decodes and multiplies (a register double buffer). Otherwise fetch
     it here and let the compiler's software pipeline (num_stages) run the loads ahead. Then score it, fold it into
     the block maximum bmax, and finish the block at its last tile. Returns (payload, scales, pg, pg_next, bmax,
-    state) for the next step (passed through unchanged without PREFETCH)."""
+    state) for the next step (passed through unchanged without PREFETCH; SCALE_AHEAD carries the scales and page
+    lookups ahead either way)."""
     TPB: tl.constexpr = BS // TILE_T
     t0 = blk0 * BS + j * TILE_T
     t = t0 + tl.arange(0, TILE_T)
@@ -357,6 +373,16 @@ def _tile_step(j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, p
         payload, scales = _fetch(data_ptr, pg_next, t0 + TILE_T, t_lim, page_bytes, D, TILE_T, PAGE, PB, SB,
                                  PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE)
         pg = pg_next
+        pg_next = _page_of(bt_row, t0 + 2 * TILE_T, t_lim, num_pages, PAGE)
+    elif SCALE_AHEAD:
+        # the compiler's pipeline runs only loads that feed a dot ahead; the block scales feed the multiply after
+        # it, so they are fetched one tile ahead here (page lookups two ahead), the payload by the pipeline
+        cur_pg = _page_of(bt_row, t0, t_lim, num_pages, PAGE)
+        cur_pay, unused = _fetch(data_ptr, cur_pg, t0, t_lim, page_bytes, D, TILE_T, PAGE, PB, SB, PAYLOAD_BITS,
+                                 SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE, True)
+        cur_sc = scales
+        scales = _fetch_scales(data_ptr, pg_next, t0 + TILE_T, t_lim, page_bytes, D, TILE_T, PAGE, PB, SB,
+                               PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE)
         pg_next = _page_of(bt_row, t0 + 2 * TILE_T, t_lim, num_pages, PAGE)
     else:
         cur_pg = _page_of(bt_row, t0, t_lim, num_pages, PAGE)
@@ -417,6 +443,7 @@ def _index_score_kernel(
     FP4_WORDS: tl.constexpr,  # FP4: decode uint32 words in quarters (else bytes; see `kc.fp4_bytes`)
     POST_SCALE: tl.constexpr,  # FP4 words: block scales applied after the dot (block-diagonal query, `_post_scale`)
     NSBP: tl.constexpr,  # POST_SCALE: scale blocks per token (dot rows MP NSBP); else 1
+    SCALE_AHEAD: tl.constexpr,  # POST_SCALE without PREFETCH: block scales fetched one tile ahead (`_tile_step`)
     PREFETCH: tl.constexpr,  # register double buffer of the next tile (else: the compiler's pipelining)
     DOT_F32: tl.constexpr,  # interpreter: dot in fp32
 ):
@@ -448,6 +475,9 @@ def _index_score_kernel(
     pg = _page_of(bt_row, blk0 * BS, t_lim, num_pages, PAGE)
     payload, scales = _fetch(data_ptr, pg, blk0 * BS, t_lim if PREFETCH else 0, page_bytes, D, TILE_T, PAGE, PB, SB,
                              PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE)
+    if SCALE_AHEAD and not PREFETCH:  # the first tile's scales (see `_tile_step`)
+        scales = _fetch_scales(data_ptr, pg, blk0 * BS, t_lim, page_bytes, D, TILE_T, PAGE, PB, SB, PAYLOAD_BITS,
+                               SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE)
     pg_next = _page_of(bt_row, blk0 * BS + TILE_T, t_lim, num_pages, PAGE)
     if DOT_F32:
         # the interpreter cannot take a loaded scalar as a loop bound: run every step, skip the empty ones
@@ -457,14 +487,14 @@ def _index_score_kernel(
                     j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, pos, valid, bt_row,
                     data_ptr, qa, qb, qc, qd, colscale, out_ptr, out_row, row_ok, n_out, num_pages, page_bytes, D,
                     PAGE, PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, BS, TILE_T, INIT, LOCAL, MODE, NATIVE_FP8,
-                    PREFETCH, QT == 1, FP4_WORDS, POST_SCALE, NSBP, DOT_F32)
+                    PREFETCH, QT == 1, FP4_WORDS, POST_SCALE, NSBP, SCALE_AHEAD, DOT_F32)
     else:
         for j in range(0, n_tiles):
             payload, scales, pg, pg_next, bmax, state = _tile_step(
                 j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, pos, valid, bt_row,
                 data_ptr, qa, qb, qc, qd, colscale, out_ptr, out_row, row_ok, n_out, num_pages, page_bytes, D,
                 PAGE, PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, BS, TILE_T, INIT, LOCAL, MODE, NATIVE_FP8,
-                PREFETCH, QT == 1, FP4_WORDS, POST_SCALE, NSBP, DOT_F32)
+                PREFETCH, QT == 1, FP4_WORDS, POST_SCALE, NSBP, SCALE_AHEAD, DOT_F32)
     if MODE == MODE_TOPK:
         ids = tl.broadcast_to((blk0 + col)[None, :], [MP, CH])
         avail = (col[None, :] < n_iter) & (ids < valid[:, None])
@@ -489,10 +519,10 @@ def _configs():
 
 _tuned_kernel = triton.autotune(
     configs=_configs(), key=["PAYLOAD_BITS", "SCALE_KIND", "D", "BS", "MP", "CH", "MODE", "HI", "NATIVE_FP8",
-                             "FP4_WORDS", "POST_SCALE"]
+                             "FP4_WORDS", "POST_SCALE", "SCALE_AHEAD"]
 )(_index_score_kernel)
 LAUNCH_OPTIONS = ("chunk_blocks", "q_tile", "prefetch", "native_fp8", "num_warps", "num_stages", "fp4_words",
-                  "in_kernel_topk", "post_scale")
+                  "in_kernel_topk", "post_scale", "scales_ahead")
 
 
 # Most dot rows (queries x heads x scale blocks) for POST_SCALE (decode: 4 heads x 8 nvfp4 blocks = 32): past it the
@@ -635,7 +665,8 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
                       CH=ch, KC=kc_, INIT=cfg.init_blocks, LOCAL=cfg.local_blocks,
                       HIGHER_ID=cfg.tie_rule != "lower-id", MODE=kmode,
                       NATIVE_FP8=native_fp8(iq4.device) if native is None else bool(native),
-                      FP4_WORDS=words, POST_SCALE=post, NSBP=nsbp, DOT_F32=INTERPRET)
+                      FP4_WORDS=words, POST_SCALE=post, NSBP=nsbp, DOT_F32=INTERPRET,
+                      SCALE_AHEAD=post and options.get("scales_ahead", True) is not False)
         grid = (bsz * n_qtiles, splits)
         warps = max_warps(consts["TILE_T"], mp * nsbp)
         fixed = [k for k in ("prefetch", "num_warps", "num_stages") if options.get(k) is not None]

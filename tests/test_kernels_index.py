@@ -271,6 +271,58 @@ def test_decode_edge_case_keys(label, fp4_words):
     check_decode(cache, table, cl, queries(1, 4, 128, seed=8), IndexerConfig(16, 4), chunk_blocks=2, **opts)
 
 
+# ------------------------------------------------------------------------------------------ FP4 post-scaled dot
+POST_VARIANTS = {"scale-in-decode": {"post_scale": False}, "post": {"post_scale": True},
+                 "post-scales-inline": {"post_scale": True, "scales_ahead": False},
+                 "post-prefetch": {"post_scale": True, "prefetch": True}}
+
+
+@pytest.mark.parametrize("variant", list(POST_VARIANTS))
+@pytest.mark.parametrize("label", ["nvfp4", "nvfp4-auto", "mxfp4", "mxfp4-floor"])
+def test_decode_post_scale_variants(label, variant):
+    """The FP4 word decode with block scales on the decoded elements and with POST_SCALE (partial scores of the
+    block-diagonal query, then the block scales): ragged contexts over page and tile edges, an empty row, tiles ahead
+    of the last (scales fetched one tile ahead read nothing past t_lim), forced blocks, 2-block programs merged, and
+    one program over the whole context."""
+    opts = POST_VARIANTS[variant]
+    ctx = [1, 31, 32, 33, 0, 129, 200]
+    cache, table, cl, _ = make_cache(label, ctx, page=16, seed=40)
+    iq = queries(len(ctx), 4, 128, seed=41)
+    cfg = IndexerConfig(block_size=32, topk=4, init_blocks=1, local_blocks=2)
+    check_decode(cache, table, cl, iq, cfg, chunk_blocks=2, **opts)
+    check_decode(cache, table, cl, iq, cfg, chunk_blocks=8, in_kernel_topk=True, **opts)
+
+
+@pytest.mark.parametrize("label", ["nvfp4", "mxfp4"])
+def test_post_scale_block_scale_extremes(label):
+    """POST_SCALE multiplies fp32 partial scores by the decoded block scales: NaN scale codes (E4M3 0x7F / 0xFF, E8M0
+    255) give NaN blocks, zero / subnormal E4M3 scales, E8M0 0 (2**-127) and 250 (2**123: keys up to 2**123, whose
+    products with the queries stay finite in the reference)
+    stay on the reference, all-zero payloads under huge scales score 0, one head and 3 heads (padding rows)."""
+    ctx = [96, 48]
+    g = torch.Generator().manual_seed(42)
+    keys = [torch.randn(n, 1, 128, generator=g) for n in ctx]
+    cache, table, cl, slots = make_cache(label, ctx, page=16, seed=43, keys=keys)
+    payload, scale = cache.payload_plane(), cache.scale_plane()
+    codes = {"nvfp4": [0x7F, 0xFF, 0x00, 0x01, 0x07, 0x7E], "mxfp4": [255, 0, 1, 250, 130, 127]}[label]
+    for i, tok in enumerate((3, 17, 33, 50, 70, 90)):
+        page, off = int(slots[0][tok]) // 16, int(slots[0][tok]) % 16
+        blk = i % scale.shape[-1]
+        scale[page, 0, off, blk] = codes[i]
+        if codes[i] in (250, 0x7E):  # a huge block scale: the token's only nonzero payload byte in that block
+            payload[page, 0, off] = 0
+            payload[page, 0, off, blk * cache.fmt.block // 2] = 0x21
+    page, off = int(slots[1][5]) // 16, int(slots[1][5]) % 16
+    payload[page, 0, off] = 0  # an all-zero token under the largest scales
+    scale[page, 0, off] = 0x7E if label == "nvfp4" else 254
+    cfg = IndexerConfig(block_size=16, topk=6)
+    for hi in (4, 1, 3):
+        iq = queries(2, hi, 128, seed=44 + hi)
+        check_decode(cache, table, cl, iq, cfg, chunk_blocks=2, post_scale=True)
+    with pytest.raises(KernelArgumentError):  # prefill tiles of 16 queries x 4 heads x blocks: too many dot rows
+        K.prefill_topk(queries(2, 4, 128, q=16), cache, table, cl, cfg, post_scale=True)
+
+
 # -------------------------------------------------------------------------------------------------------- prefill
 @pytest.mark.parametrize("label", ["bf16", "fp8", "nvfp4", "mxfp4"])
 def test_prefill_causal_chunk(label):
@@ -358,6 +410,20 @@ def test_gpu_head_dim_64(label, page):
     ref_ids, ref_scores = paged_reference(iq, cache, table, cl, cfg)
     ids = K.prefill_topk(iq, cache, table, cl, cfg)
     assert_ids_match(ids, ref_ids, ref_scores, tolerance(iq, cache, table, cl))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(POST_VARIANTS))
+@pytest.mark.parametrize("label", ["nvfp4", "mxfp4", "nvfp4-auto"])
+def test_gpu_post_scale_variants(label, variant):
+    """Every FP4 decode variant at engine geometry (128-token pages and blocks, 4 heads, top-16), batch 8 up to 150K,
+    through fixed launches of both loop kinds."""
+    ctx = [150_000, 1, 8192, 0, 70_001, 129, 40_000, 128]
+    cache, table, cl, _ = make_cache(label, ctx, page=128, seed=46)
+    opts = dict(POST_VARIANTS[variant])
+    check_decode(cache, table, cl, queries(len(ctx), 4, 128, seed=47), IndexerConfig(), **opts)
+    if variant != "post-prefetch":
+        check_decode(cache, table, cl, queries(len(ctx), 4, 128, seed=48), IndexerConfig(), num_stages=3, **opts)
 
 
 @pytest.mark.gpu
