@@ -1,6 +1,7 @@
-"""H200 sweep of store / dequant kernel variants (layout, word payload, bf16 math, tile configs): each variant is
-checked byte-for-byte against the torch reference on the same data, then timed by CUDA-graph replay (kernel time).
-Usage: PYTHONPATH=. python bench/sweep_quant_variants.py [elements] > $OUT/sweep.txt
+"""H200 sweep of store / dequant kernel variants (layout, fast block codecs, register cap, tile configs): each variant
+is checked byte-for-byte against the torch reference on the same data, then timed by CUDA-graph replay (kernel time).
+Usage: PYTHONPATH=. python bench/sweep_quant_variants.py [elements[,elements...]] [formats] [store|dequant|host|all]
+  > $OUT/sweep.txt   (defaults: 256M, mxfp4,nvfp4, store)
 """
 
 import math
@@ -17,19 +18,23 @@ from kvtool.kernels.dequant import gather_dequantize
 from kvtool.paged import PagedCache
 
 DIM, PAGE = 128, 128
-n_el = int(float(sys.argv[1])) if len(sys.argv) > 1 else 256 << 20
+sizes = [int(float(v)) for v in sys.argv[1].split(",")] if len(sys.argv) > 1 else [256 << 20]
+labels = sys.argv[2].split(",") if len(sys.argv) > 2 else ["mxfp4", "nvfp4"]
+parts = sys.argv[3] if len(sys.argv) > 3 else "store"
 dev = "cuda"
 copy = copy_bandwidth(dev)
-print(f"copy {copy:.0f} GB/s, {n_el / 2**20:.0f}M elements", flush=True)
+print(f"copy {copy:.0f} GB/s", flush=True)
 
-STORE = [(dict(), None), (dict(), (64, 4)), (dict(), (32, 4)), (dict(), (16, 4))]
-if len(sys.argv) > 3 and sys.argv[3] == "host":
+# (variant, config): the pre-chunk kernel (block tiles, div_rn codecs), its fast codecs, then the one-row-per-thread
+# chunked path (default) with other register caps / warps
+STORE = [(dict(CHUNKED=False, FAST=False), None), (dict(CHUNKED=False), None), (dict(), None),
+         (dict(maxnreg=128), None), (dict(), (256, 8)), (dict(), (64, 2))]
+if parts not in ("store", "all"):
     STORE = []
-DEQ = [(dict(), None), (dict(), (64, 4))]
-if len(sys.argv) > 3 and sys.argv[3] == "host":
-    DEQ = []
+DEQ = [(dict(), None)] if parts in ("dequant", "all") else []
+HOST = parts in ("host", "all")
 
-for label in sys.argv[2].split(",") if len(sys.argv) > 2 else ("mxfp4", "nvfp4"):
+for n_el, label in [(n, lb) for n in sizes for lb in labels]:
     fmt = get_format(label)
     tokens = n_el // DIM
     g = torch.Generator(device=dev).manual_seed(1)
@@ -50,7 +55,7 @@ for label in sys.argv[2].split(",") if len(sys.argv) > 2 else ("mxfp4", "nvfp4")
     cache = PagedCache.allocate(fmt, pages, PAGE, 1, DIM, device=dev)
     _, g_dec = cache_scales(ref)
     kw = dict(page_size=PAGE, page_stride=cache.data.stride(0), head_stride=cache.data.stride(1), g_dec=g_dec)
-    print(f"== {fmt.label}: store {st_bytes / 1e6:.0f} MB, dequant {dq_bytes / 1e6:.0f} MB", flush=True)
+    print(f"== {n_el / 2**20:.0f}M {fmt.label}: store {st_bytes / 1e6:.0f} MB, dequant {dq_bytes / 1e6:.0f} MB", flush=True)
     for var, cfg in STORE:
         t0 = time.time()
         try:
@@ -83,7 +88,7 @@ for label in sys.argv[2].split(",") if len(sys.argv) > 2 else ("mxfp4", "nvfp4")
     # host cost: the public entry points launched eagerly vs the same in a CUDA graph
     f1 = lambda: store(ref, x, slots, validate=False)  # noqa: E731
     f2 = lambda: gather_dequantize(ref, slots, torch.bfloat16, validate=False, out=out)  # noqa: E731
-    for name, f in (("store()", f1), ("gather_dequantize()", f2)):
+    for name, f in (("store()", f1), ("gather_dequantize()", f2)) if HOST else ():
         e, gr = time_fn(f, dev), time_fn(f, dev, cuda_graph=True)
         print(f"host    {fmt.label:12s} {name:22s} eager {e * 1e6:8.1f} us, graph {gr * 1e6:8.1f} us", flush=True)
     del x, slots, ref, cache, want, out

@@ -131,6 +131,23 @@ def load_blocks(x_ptr, x_off, live, D: tl.constexpr, BLOCK: tl.constexpr, NBP: t
     return xb
 
 
+@triton.jit
+def quantize_blocks4(xb, g_dec, g_enc, SCALE: tl.constexpr, RULE: tl.constexpr, RECIPE: tl.constexpr,
+                     NATIVE_FP8: tl.constexpr, FAST: tl.constexpr, low7):
+    """fp32 [R, NB, BLOCK] -> (codes int32 [R, NB, BLOCK], scale bytes uint8 [R, NB]) by the format's block codec."""
+    if SCALE == SCALE_E8M0:
+        if FAST:
+            codes, sbytes = kc.mxfp4_quantize_block_fast(xb, RULE, low7)
+        else:
+            codes, sbytes = kc.mxfp4_quantize_block(xb, RULE, low7)
+    else:
+        if FAST:
+            codes, sbytes = kc.nvfp4_quantize_block_fast(xb, g_dec, g_enc, RECIPE, NATIVE_FP8, low7)
+        else:
+            codes, sbytes = kc.nvfp4_quantize_block(xb, g_dec, g_enc, RECIPE, NATIVE_FP8, low7)
+    return codes, sbytes
+
+
 # ----------------------------------------------------------------------------------------------------------- kernel
 @triton.jit(do_not_specialize=["low7"])
 def _store_kernel(
@@ -165,6 +182,8 @@ def _store_kernel(
     VEC: tl.constexpr,  # x elements per 16 bytes (8 for bf16 / fp16, 4 for fp32)
     WORDS: tl.constexpr,  # 4-bit formats: payload as int32 words (every row offset a multiple of 4 bytes)
     BLOCK_R: tl.constexpr,  # tokens per program
+    FAST: tl.constexpr = True,  # 4-bit formats: the *_quantize_block_fast codecs (fewer ops per block)
+    CHUNKED: tl.constexpr = False,  # 4-bit formats, D % 32 == 0, WORDS: one row per thread, 32 elements at a time
 ):
     # grid: (token tiles, heads); one program = BLOCK_R tokens of one head, no integer division per row
     tok = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -173,15 +192,34 @@ def _store_kernel(
                                   PAGED, PAGE, PB, SB)
     x_off = tok.to(tl.int64) * stride_xt + head * stride_xh
     # dead rows (slot -1, tail) are not read: skipped tokens cost no bandwidth
-    if BITS == 4:
+    if BITS == 4 and CHUNKED:
+        # one thread = one row (BLOCK_R = 32 x num_warps), 32 elements (16 payload bytes) at a time: the codes of a
+        # chunk are already a 16-byte vector of the row in the thread that stores it, so payload and scale bytes go
+        # out without a shared-memory layout conversion, and the row's slot and addresses are computed once per thread
+        # for the whole row. The next chunk is loaded before this one is stored (the compiler may not move loads
+        # above stores that could alias them).
+        NBC: tl.constexpr = 32 // BLOCK
+        wcols = tl.arange(0, 4)
+        scols = tl.arange(0, NBC)
+        wrow = (payload_ptr + pay).to(tl.pointer_type(tl.int32))
+        wmask = tl.broadcast_to(live[:, None], (BLOCK_R, 4))
+        smask = tl.broadcast_to(live[:, None], (BLOCK_R, NBC))
+        xb = load_blocks(x_ptr, x_off, live, 32, BLOCK, NBC, VEC)  # [BLOCK_R, NBC, BLOCK] fp32
+        for c in tl.static_range(D // 32):
+            if c + 1 < D // 32:
+                xn = load_blocks(x_ptr, x_off + (c + 1) * 32, live, 32, BLOCK, NBC, VEC)
+            codes, sbytes = quantize_blocks4(xb, g_dec, g_enc, SCALE, RULE, RECIPE, NATIVE_FP8, FAST, low7)
+            words = kc.pack_nibble_words(tl.reshape(codes, [BLOCK_R, 32]), BLOCK_R, 32)
+            tl.store(wrow[:, None] + (c * 4 + wcols)[None, :], words, mask=wmask)
+            tl.store(scale_ptr + sc[:, None] + (c * NBC + scols)[None, :], sbytes, mask=smask)
+            if c + 1 < D // 32:
+                xb = xn
+    elif BITS == 4:
         # whole blocks per thread (see load_blocks; a coalesced row tile with the block amax as a shuffle reduction
         # measured 72 % / 65 % of copy for mxfp4 / nvfp4 on the H200 against 82 % / 74 %: it repeats the per-block
         # scale work on every lane of a block)
         xb = load_blocks(x_ptr, x_off, live, D, BLOCK, DP // BLOCK, VEC)  # [BLOCK_R, DP / BLOCK, BLOCK] fp32
-        if SCALE == SCALE_E8M0:
-            codes, sbytes = kc.mxfp4_quantize_block(xb, RULE, low7)
-        else:
-            codes, sbytes = kc.nvfp4_quantize_block(xb, g_dec, g_enc, RECIPE, NATIVE_FP8, low7)
+        codes, sbytes = quantize_blocks4(xb, g_dec, g_enc, SCALE, RULE, RECIPE, NATIVE_FP8, FAST, low7)
         if WORDS:
             # 8 codes -> one int32 word per lane, 4-byte stores of whole payload rows (PB and every row offset are
             # multiples of 4: checked by the launcher)
@@ -251,20 +289,33 @@ LAUNCH_CONFIGS = {32: (128, 4), 64: (64, 4), 128: (32, 4), 256: (16, 4), 512: (8
 BLOCK_FORMAT_CONFIGS = {32: (256, 4), 64: (128, 4), 128: (64, 4), 256: (32, 4), 512: (16, 4), 1024: (8, 8)}
 
 
-def launch_config(dp: int, bits: int, config: tuple[int, int] | None = None, block: int = 32
-                  ) -> tuple[int, int]:
+def launch_config(dp: int, bits: int, config: tuple[int, int] | None = None, block: int = 32,
+                  chunked: bool = False) -> tuple[int, int]:
     """(BLOCK_R, num_warps) for rows of `dp` (padded) elements of a `bits`-bit payload (4-bit: `block` elements per
-    scale); `config` overrides."""
+    scale); `chunked`: the one-row-per-thread 4-bit path (BLOCK_R = 32 x num_warps); `config` overrides."""
     if config is not None:
         return config
     if INTERPRET:
         return max(1, min(8, 1024 // dp)), 4
+    if chunked:
+        return 32 * CHUNK_WARPS, CHUNK_WARPS
     table, elements = (BLOCK_FORMAT_CONFIGS, 8192) if bits == 4 else (LAUNCH_CONFIGS, 4096)
     rows, warps = table.get(dp, (max(1, elements // dp), 4 if dp < 1024 else 8))
     if bits == 4 and block < 32:
         # nvfp4: the same 2 blocks per thread as mxfp4 (H200, 256M elements: 32 x 4 tiles 74 % of copy, 64 x 4 72 %)
         rows = max(1, rows * block // 32)
     return rows, warps
+
+
+# One-row-per-thread 4-bit path (`CHUNKED`): warps per program (BLOCK_R = 32 x this) and the nvfp4 register cap.
+CHUNK_WARPS = 4
+CHUNK_NV_MAXNREG = 96
+
+
+@functools.lru_cache(maxsize=64)
+def capped_registers(device: torch.device) -> bool:
+    """Whether launches on `device` take the `maxnreg` option (compiled CUDA; ROCm has no such option)."""
+    return not INTERPRET and device.type == "cuda" and torch.version.cuda is not None
 
 
 def check_floating(x: torch.Tensor, name: str) -> None:
@@ -324,12 +375,18 @@ def launch_store(x3: torch.Tensor, slots: torch.Tensor | None, payload: torch.Te
     if T * H == 0:
         return
     dp = next_pow2(D)
-    block_r, num_warps = launch_config(dp, fmt.spec.payload_bits, config, fmt.block or 32)
     g_dec, g_enc = outer_scales(g_dec)
     paged = slots is not None
     pb = fmt.payload_bytes(D)
-    opts = dict(WORDS=word_aligned(payload, pb, page_stride, head_stride))
+    words = word_aligned(payload, pb, page_stride, head_stride)
+    bits = fmt.spec.payload_bits
+    opts = dict(WORDS=words, CHUNKED=bits == 4 and D % 32 == 0 and words)
     opts.update(variant or {})
+    block_r, num_warps = launch_config(dp, bits, config, fmt.block or 32, opts["CHUNKED"])
+    if opts["CHUNKED"] and fmt.block == 16 and "maxnreg" not in opts and capped_registers(x3.device):
+        # nvfp4 rows: 125 registers uncapped (4 programs per SM); 96 keeps 5 with 2 spill instructions off the
+        # hot path (sm_90 SASS)
+        opts["maxnreg"] = CHUNK_NV_MAXNREG
     grid = (triton.cdiv(T, block_r), H)
     _store_kernel[grid](
         x3, slots if paged else payload, payload, scales if scales is not None else payload, T, H, 7,
