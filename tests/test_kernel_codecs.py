@@ -482,3 +482,135 @@ def test_e4m3_decode_to_native_gpu(device):
     f16, f32 = run_decode(1, b, native=True)
     assert_same(f16, e4m3_decode(b).half(), "e4m3_decode_to native F16")
     assert_same(f32, e4m3_decode(b), "e4m3_decode_to native fp32")
+
+
+# ---------------------------------------------------------------------------------- store engineer: fast helpers
+# mx_rceil_exponent, mxfp4_quantize_block_fast, nvfp4_quantize_block_fast (kernels/codecs.py, end).
+
+
+@triton.jit
+def _rceil_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(out_ptr + offs, kc.mx_rceil_exponent(tl.load(x_ptr + offs, mask=mask)), mask=mask)
+@triton.jit
+def _fast_block_kernel(x_ptr, payload_ptr, scale_ptr, n_rows, g_dec, g_enc, D: tl.constexpr, BS: tl.constexpr,
+                       RULE: tl.constexpr, RECIPE: tl.constexpr, NATIVE: tl.constexpr, BLOCK_R: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows[:, None] < n_rows
+    cols = tl.arange(0, D)
+    half = tl.arange(0, D // 2)
+    x = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=rmask, other=0.0)
+    xb = tl.reshape(x, [BLOCK_R, D // BS, BS])
+    if BS == 32:
+        codes, scale = kc.mxfp4_quantize_block_fast(xb, RULE)
+    else:
+        codes, scale = kc.nvfp4_quantize_block_fast(xb, g_dec, g_enc, RECIPE, NATIVE)
+    packed = kc.pack_nibbles(tl.reshape(codes, [BLOCK_R, D]), BLOCK_R, D)
+    tl.store(payload_ptr + rows[:, None] * (D // 2) + half[None, :], packed, mask=rmask)
+    nb = tl.arange(0, D // BS)
+    tl.store(scale_ptr + rows[:, None] * (D // BS) + nb[None, :], scale, mask=rmask)
+
+
+def rceil_formula(a32: np.ndarray) -> np.ndarray:
+    """mx_rceil_exponent in numpy (int64 so that the bias add cannot overflow)."""
+    bits = a32.view(np.int32).astype(np.int64)
+    e = np.maximum((bits + (0x3FFFFF - (129 << 23))) >> 23, -127)
+    return np.where(bits == 0x01400001, -127, e)
+
+
+def bit_range(lo: int, hi: int) -> np.ndarray:
+    return np.arange(lo, hi, dtype=np.uint32).view(np.float32)
+
+
+def test_mx_rceil_formula_exhaustive_low_range():
+    """mx_rceil_exponent's formula == mx_exponent(RCEIL) (torch) on every fp32 below 2**-123 (all subnormal quotients
+    and the 0x01400001 exception), a whole normal binade, the top binade and random bit patterns."""
+    g = np.random.default_rng(SEED)
+    rand = g.integers(0, 0x7F800000, 1 << 20, dtype=np.uint32).view(np.float32)
+    for a in (bit_range(0, 0x02000000), bit_range(0x3F800000, 0x40000000), bit_range(0x7F000000, 0x7F800000), rand):
+        want = fc.mx_exponent(torch.from_numpy(a.copy()), ScaleRule.RCEIL).numpy()
+        got = rceil_formula(a)
+        bad = np.nonzero(got != want)[0]
+        assert not len(bad), f"rceil formula: {len(bad)} differ, first amax bits {a[bad[0]:bad[0] + 1].view(np.uint32)}"
+    # without the exception the formula is wrong at exactly that amax
+    a = np.array([0x01400001], dtype=np.uint32).view(np.float32)
+    assert fc.mx_exponent(torch.from_numpy(a), ScaleRule.RCEIL).item() == -127
+    assert ((a.view(np.int32).astype(np.int64) + (0x3FFFFF - (129 << 23))) >> 23).item() == -126
+
+
+def fast_probe_values(device: str, n: int) -> torch.Tensor:
+    """Non-negative finite fp32 probes for the fast helpers: fp32_values' magnitudes plus the rceil boundary region."""
+    x = fp32_values(n, device).abs()
+    edge = torch.from_numpy(bit_range(0x013FFFF0, 0x01400010).copy())
+    six = torch.tensor([6.0 * 2.0**k for k in range(-126, 126, 7)])
+    six = torch.cat([six, torch.nextafter(six, torch.tensor(0.0)), torch.nextafter(six, torch.tensor(1e38))])
+    return torch.cat([x, edge.to(device), six.to(device), torch.tensor([0.0, 3.4028234663852886e38], device=device)])
+
+
+def run_rceil(x: torch.Tensor) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty(x.numel(), dtype=torch.int32, device=x.device)
+    _rceil_kernel[(triton.cdiv(x.numel(), BLOCK),)](x, out, x.numel(), BLOCK=BLOCK)
+    return out
+
+
+def check_fast_helpers(device: str, n: int) -> None:
+    x = fast_probe_values(device, n)
+    got = run_rceil(x)
+    want = fc.mx_exponent(x.cpu(), ScaleRule.RCEIL)
+    assert same_bits(got, want), f"mx_rceil_exponent: {first_diff(got, want)}"
+
+
+def check_fast_blocks(device: str, n_rows: int, block_r: int, native: bool = False) -> None:
+    """The fast block quantizers == the torch codecs, every rule / recipe / outer scale (as check_blocks)."""
+    x = block_rows(n_rows, device)
+    bad = []
+
+    def run(bs, **kw):
+        n, d = x.shape
+        payload = torch.empty(n, d // 2, dtype=torch.uint8, device=x.device)
+        scales = torch.empty(n, d // bs, dtype=torch.uint8, device=x.device)
+        _fast_block_kernel[(triton.cdiv(n, block_r),)](x, payload, scales, n, kw.get("g_dec", 1.0),
+                                                       kw.get("g_enc", 1.0), D=d, BS=bs, RULE=kw.get("rule", 0),
+                                                       RECIPE=kw.get("recipe", 0), NATIVE=native, BLOCK_R=block_r)
+        return payload, scales
+
+    for rule in ScaleRule:
+        q = get_format("mxfp4", scale_rule=rule).quantize(x)
+        payload, scales = run(32, rule=int(rule))
+        if not (same_bits(payload, q.payload) and same_bits(scales, q.scales)):
+            bad.append(f"mxfp4 {rule.name}: payload {first_diff(payload, q.payload)}; scales "
+                       f"{first_diff(scales, q.scales)}")
+    for recipe in NvRecipe:
+        for outer in ("1", "auto"):
+            q = get_format("nvfp4", recipe=recipe, outer_scale=outer).quantize(x)
+            g_dec = torch.tensor(q.outer_scale, dtype=torch.float32)
+            payload, scales = run(16, recipe=int(recipe), g_dec=float(g_dec), g_enc=float(1.0 / g_dec))
+            if not (same_bits(payload, q.payload) and same_bits(scales, q.scales)):
+                bad.append(f"nvfp4 {recipe.name} {outer}: payload {first_diff(payload, q.payload)}; scales "
+                           f"{first_diff(scales, q.scales)}")
+    assert not bad, "\n".join(bad)
+
+
+def test_fast_helpers(device):
+    check_fast_helpers(device, 1 << 12)
+
+
+def test_fast_block_quantizers(device):
+    check_fast_blocks(device, 24, block_r=16)
+
+
+@pytest.mark.gpu
+def test_fast_helpers_gpu(device):
+    """Compiled mx_rceil_exponent on the probes and on every fp32 below 2**-123 (the subnormal-quotient range)."""
+    check_fast_helpers(device, 1 << 22)
+    a = torch.from_numpy(bit_range(0, 0x02000000).copy())
+    got = run_rceil(a.to(device))
+    assert same_bits(got, fc.mx_exponent(a, ScaleRule.RCEIL)), f"mx_rceil_exponent: {first_diff(got, a)}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("native", [False, True])
+def test_fast_block_quantizers_gpu(device, native):
+    check_fast_blocks(device, 1 << 15, block_r=64, native=native)
