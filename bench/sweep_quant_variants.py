@@ -25,10 +25,10 @@ dev = "cuda"
 copy = copy_bandwidth(dev)
 print(f"copy {copy:.0f} GB/s", flush=True)
 
-# (variant, config): the pre-chunk kernel (block tiles, div_rn codecs), its fast codecs, then the one-row-per-thread
-# chunked path (default) with other register caps / warps
+# (variant, config): the block-tile kernel (CHUNKED off) with the original and the fast codecs, then the
+# one-row-per-thread path (default) with a register cap, other warps per program, the original codecs
 STORE = [(dict(CHUNKED=False, FAST=False), None), (dict(CHUNKED=False), None), (dict(), None),
-         (dict(maxnreg=128), None), (dict(), (256, 8)), (dict(), (64, 2))]
+         (dict(maxnreg=128), None), (dict(), (256, 8)), (dict(), (64, 2)), (dict(FAST=False), None)]
 if parts not in ("store", "all"):
     STORE = []
 DEQ = [(dict(), None)] if parts in ("dequant", "all") else []

@@ -559,7 +559,12 @@ def nvfp4_quantize_block_fast(x, g_dec, g_enc, RECIPE: tl.constexpr, NATIVE: tl.
     when the quotient is subnormal, and an amax that small matters with a large `auto` outer scale.)"""
     amax = tl.max(tl.abs(x), axis=2)
     amax_6 = tl.math.div_rn(amax, tl.full(amax.shape, E2M1_MAX, tl.float32))
-    scale = e4m3_encode(amax_6 * g_enc, NATIVE)
+    v = amax_6 * g_enc
+    scale = e4m3_encode(v, NATIVE)
+    # the stored byte is 0 exactly when v <= 2**-10 (half the smallest E4M3 subnormal; the tie rounds to even, 0): the
+    # zero-scale rule from v, not from the byte (with NATIVE, `byte == 0` gave wrong codes on the H200 in a test
+    # kernel whose blocks span several lanes, while the bytes themselves were right)
+    zero = v <= 0.0009765625
     if NATIVE:
         s = scale.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
@@ -572,5 +577,5 @@ def nvfp4_quantize_block_fast(x, g_dec, g_enc, RECIPE: tl.constexpr, NATIVE: tl.
         y = tl.math.div_rn(x, tl.broadcast_to(denom[:, :, None], x.shape))
     else:
         y = tl.math.div_rn(x, tl.broadcast_to(amax_6[:, :, None], x.shape))
-    codes = tl.where((scale == 0)[:, :, None], 0, e2m1_encode(y, True, low))
+    codes = tl.where(zero[:, :, None], 0, e2m1_encode(y, True, low))
     return codes, scale

@@ -352,6 +352,27 @@ def test_quantize_gpu_large(fmt, device):
     check_planes(fmt, spread_values((1 << 15, 4, 128), SEED + 13, torch.float16).to(device))
 
 
+FP4_FORMATS = [f for f in FORMATS if f.spec.payload_bits == 4]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FP4_FORMATS, ids=lambda f: f.label)
+def test_store_gpu_fp4_paths(fmt, device, monkeypatch):
+    """The 4-bit store's two layouts at real sizes: one row per thread (chunk_codes) at head dims 64 and 256 (2 and 8
+    chunks; 128 is test_store_gpu_large), and the block-tile path (CHUNKED off) at 128, bf16 into 128-token pages."""
+    from kvtool.kernels import store as store_mod
+
+    seed = SEED + 21
+    n, pages, page_size = 1 << 15, (1 << 15) * 5 // 4 // 128, 128
+    slots = slot_mapping(n, pages * page_size, page_size, seed).to(device)
+    for dim in (64, 256):
+        x = spread_values((n, 2, dim), seed + dim, torch.bfloat16).to(device)
+        check_store(fmt, x, slots, pages, page_size, seed, validate=False)
+    monkeypatch.setattr(store_mod, "DEFAULT_VARIANT", {"CHUNKED": False})
+    x = spread_values((n, 2, 128), seed + 3, torch.bfloat16).to(device)
+    check_store(fmt, x, slots, pages, page_size, seed, validate=False)
+
+
 # ------------------------------------------------------------------------------------------------ bench plumbing
 def test_bench_quant_parsing_and_goals():
     from kvtool.bench.common import BenchReport, BenchRow
