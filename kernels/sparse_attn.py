@@ -66,7 +66,9 @@ _SCALE_CODE = {"none": 0, "fp32-tensor": 0, "fp32-row": 1, "e4m3": 2, "e8m0": 3}
 LOG2E = 1.4426950408889634
 E2M1_UNIT = 2.0**14  # e2m1_words_f16 returns value * 2**-14
 DEFAULT_TILE = 64  # tokens per tile on the GPU (launch_plan)
-DEFAULT_LAZY_L = True  # softmax denominators reduced once after the loop (see _attend)
+# H200, batch 256, M3 shape (us per layer): lazy sums nvfp4 77.2 -> 73.6, mxfp4 89.2 -> 84.2, fp8 52.7 -> 50.3, but
+# bf16 72.1 -> 88.5 (its hi + lo P dots need the registers), so fp16-dot formats only; joint max mxfp4 84.2 -> 82.0
+DEFAULT_LAZY_L = True  # softmax denominators reduced once after the loop, for fp16-dot formats (see _attend)
 DEFAULT_JOINT = True  # E8M0 V factors through the softmax max (see _attend)
 
 
@@ -182,7 +184,9 @@ def _attend(q, acc, m_i, l_i, mv_i, kp, ks, vp, vs, valid, qk_scale, D: tl.const
       instead of two per tile, and no tile max of the V factors); acc is kept relative to mv_i (the kernel moves
       it to m_i's reference after the loop). Exact: e_v is an integer, every factor a power of two."""
     ROWSCALE: tl.constexpr = (SCALE == SCALE_ROW) or (SCALE == SCALE_E8M0)  # a per-token factor (see _decode)
-    k, k_rs = _decode(kp, ks, D, T, ELEM, SCALE, QBLOCK, NATIVE_FP8, F16, PAIRED)
+    PAIRED_K: tl.constexpr = PAIRED >= 1
+    PAIRED_V: tl.constexpr = PAIRED == 1
+    k, k_rs = _decode(kp, ks, D, T, ELEM, SCALE, QBLOCK, NATIVE_FP8, F16, PAIRED_K)
     qk = tl.dot(q, tl.trans(_dot_operand(k, F16, FP32_DOT)))
     if ROWSCALE:
         qk = qk * k_rs[None, :]
@@ -204,7 +208,7 @@ def _attend(q, acc, m_i, l_i, mv_i, kp, ks, vp, vs, valid, qk_scale, D: tl.const
         l_i = l_i * alpha[:, None] + p
     else:
         l_i = l_i * alpha + tl.sum(p, axis=1)
-    v, v_rs = _decode(vp, vs, D, T, ELEM, SCALE, QBLOCK, NATIVE_FP8, F16, PAIRED)
+    v, v_rs = _decode(vp, vs, D, T, ELEM, SCALE, QBLOCK, NATIVE_FP8, F16, PAIRED_V)
     v = _dot_operand(v, F16, FP32_DOT)
     if JOINT:
         mv_safe = tl.where(mv_new == -float("inf"), 0.0, mv_new)
@@ -255,7 +259,8 @@ def _sparse_attn_kernel(
     P_SPLIT: tl.constexpr,  # P as hi + lo parts (two P.V dots) instead of one rounding
     PREFETCH: tl.constexpr,  # hand pipelining: 2 loads of tile i + 1 and lookups of tile i + 2 overlap tile i; 1
                              # lookups of tile i + 1 only; 0 none
-    PAIRED: tl.constexpr,  # E2M1 tiles in PAIRED column order (q loaded and the output stored in that order too)
+    PAIRED: tl.constexpr,  # E2M1 tiles in PAIRED column order: 1 K and V (q loaded and the output stored in that
+                           # order too), 2 K only (q in that order), 0 neither
     LAZY_L: tl.constexpr,  # softmax denominators as per-column partial sums, reduced after the loop (see _attend)
     JOINT: tl.constexpr,  # E8M0 V factors through one joint max with the softmax max (see _attend)
 ):
@@ -273,11 +278,14 @@ def _sparse_attn_kernel(
 
     g = tl.arange(0, BLOCK_G)
     gmask = g < G
+    q_cols = tl.arange(0, D)
+    if PAIRED >= 1:
+        q_cols = kc.paired_cols(q_cols)  # q in the K tiles' column order
     cols = tl.arange(0, D)
-    if PAIRED:
-        cols = kc.paired_cols(cols)  # q, the accumulator and the output in the tiles' column order
+    if PAIRED == 1:
+        cols = kc.paired_cols(cols)  # the accumulator and the output in the V tiles' column order
     q_rows = q_ptr + row.to(tl.int64) * stride_qr + (h * G + g)[:, None] * stride_qh
-    q = _dot_operand(tl.load(q_rows + cols[None, :], mask=gmask[:, None], other=0.0), F16, FP32_DOT)
+    q = _dot_operand(tl.load(q_rows + q_cols[None, :], mask=gmask[:, None], other=0.0), F16, FP32_DOT)
     acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], -float("inf"), dtype=tl.float32)
     mv_i = tl.full([BLOCK_G], -float("inf"), dtype=tl.float32)  # JOINT: running max of s + e_v
@@ -469,7 +477,9 @@ def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_
     tw = max(t, 32) if e2m1 else t
     if prefetch not in (0, 1, 2):
         raise KernelArgumentError(f"prefetch must be 0, 1, 2 (or a bool), got {prefetch}")
-    paired = e2m1 and bool(paired)
+    if paired not in (None, False, True, "k"):
+        raise KernelArgumentError(f"paired must be a bool or 'k' (K tiles only), got {paired!r}")
+    paired = 0 if not e2m1 or not paired else 2 if paired == "k" else 1
     if num_stages is None:
         num_stages = {2: 1, 1: 3, 0: 2}[prefetch]  # 1: the lookups ahead let Triton's copies run a tile ahead
     if tw != t:
@@ -513,7 +523,7 @@ def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_
         QBLOCK=max(fmt.block, 1), PB=fmt.payload_bytes(d), TILES=tiles_per_split,
         DECODE=decode, SPLIT=splits > 1, NATIVE_FP8=bool(native_fp8), FP32_DOT=interp, F16=f16,
         P_SPLIT=(not f16) if precise_p is None else bool(precise_p), PREFETCH=prefetch, PAIRED=paired,
-        LAZY_L=DEFAULT_LAZY_L if lazy_l is None else bool(lazy_l),
+        LAZY_L=(DEFAULT_LAZY_L and f16) if lazy_l is None else bool(lazy_l),
         JOINT=fmt.scale_element == "e8m0" and (DEFAULT_JOINT if joint_max is None else bool(joint_max)),
         num_warps=warps, num_stages=num_stages, **launch_opts,
     )
@@ -536,7 +546,7 @@ def sparse_decode(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, blo
                   num_splits: int | None = None, *, tile_tokens: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None, native_fp8: bool | None = None,
                   out_dtype: torch.dtype = torch.bfloat16, precise_p: bool | None = None,
-                  prefetch: int | bool | None = None, paired: bool | None = None,
+                  prefetch: int | bool | None = None, paired: bool | str | None = None,
                   maxnreg: int | None = None, lazy_l: bool | None = None,
                   joint_max: bool | None = None) -> torch.Tensor:
     """One decode step of sparse attention for B requests.
@@ -554,7 +564,8 @@ def sparse_decode(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, blo
     num_stages default 3: Triton's pipeliner keeps one tile's K/V copies in flight), 0 (False) none (default for
     bf16; num_stages 2); maxnreg: register cap per thread on CUDA (default 128 for quantized formats with 4 warps,
     0 = none); warps are capped at tile / 8, see `launch_plan`; paired: E2M1 decoded in PAIRED order (fewer
-    integer ops, but slower on the H200; default off), see `kc.e2m1_words_paired`). No host synchronization, so it
+    integer ops, but slower on the H200; default off), True for K and V, "k" for K only, see
+    `kc.e2m1_words_paired`). No host synchronization, so it
     can be captured in a CUDA graph."""
     _check_q(q)
     b, hq, d = q.shape
@@ -572,7 +583,7 @@ def sparse_prefill(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, bl
                    scale: float | None = None, num_splits: int | None = None, *, tile_tokens: int | None = None,
                    num_warps: int | None = None, num_stages: int | None = None, native_fp8: bool | None = None,
                    out_dtype: torch.dtype = torch.bfloat16, precise_p: bool | None = None,
-                   prefetch: int | bool | None = None, paired: bool | None = None,
+                   prefetch: int | bool | None = None, paired: bool | str | None = None,
                    maxnreg: int | None = None, lazy_l: bool | None = None,
                    joint_max: bool | None = None) -> torch.Tensor:
     """Sparse attention for N query rows of any requests (prefill, chunked prefill, speculative verify).

@@ -134,8 +134,9 @@ def test_prefetch_and_pipeliner_loops_agree(fmt):
         outs = [sparse_decode(q, kc, vc, table, ctx, ids, 32, num_splits=splits, prefetch=pf, out_dtype=torch.float32)
                 for pf in (2, 1, 0)]
         if fmt in ("nvfp4", "mxfp4-floor"):
-            outs.append(sparse_decode(q, kc, vc, table, ctx, ids, 32, num_splits=splits, paired=True,
-                                      out_dtype=torch.float32))
+            for paired in (True, "k"):  # K and V tiles, or K tiles only, in PAIRED column order
+                outs.append(sparse_decode(q, kc, vc, table, ctx, ids, 32, num_splits=splits, paired=paired,
+                                          out_dtype=torch.float32))
         for out in outs:
             check_close(out, ref)
             assert value_metrics(out, outs[0]).max_rel <= 1e-6
@@ -216,6 +217,8 @@ def test_argument_errors():
         sparse_decode(q[:, :3], kc, vc, table, ctx, ids, 32)  # 3 query heads for 2 KV heads
     with pytest.raises(KernelArgumentError):
         sparse_decode(q, kc, vc, table, ctx, ids, 32, out_dtype=torch.float16)
+    with pytest.raises(KernelArgumentError):
+        sparse_decode(q, kc, vc, table, ctx, ids, 32, paired="v")  # True, False or "k"
 
 
 # --------------------------------------------------------------------------------------------- GPU, real sizes
@@ -299,6 +302,25 @@ def test_gpu_tiles_and_warps(fmt):
                             paired=paired, out_dtype=torch.float32)
         m = value_metrics(out, ref)
         assert m.max_rel <= 2e-3, (tile, warps, prefetch, paired, m)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "fp8-token", "fp8"])
+def test_gpu_warp_variants(fmt):
+    """The launch variants measured for the H200 defaults (2 warps per program, 1 warp with 32-token tiles, 2 stages
+    under a 168-register cap, PAIRED K only or K and V, lazy sums and the joint max off) at M3's shape."""
+    q, kc, vc, table, ctx, ids = make_decode(fmt, [5, 300, 1000, 4000, 20000], M3["hq"], M3["hkv"], M3["d"],
+                                             M3["page"], M3["bs"], M3["topk"], seed=13)
+    ref = paged_sparse_decode_ref(q, kc, vc, table, ctx, ids, 128)
+    configs = [dict(num_warps=2), dict(num_warps=2, num_stages=2, maxnreg=168), dict(tile_tokens=32, num_warps=2),
+               dict(tile_tokens=32, num_warps=1), dict(tile_tokens=32, num_warps=1, num_stages=2),
+               dict(num_warps=2, num_splits=1), dict(lazy_l=False, joint_max=False)]
+    if fmt in ("nvfp4", "mxfp4"):
+        configs += [dict(num_warps=2, paired=True), dict(num_warps=2, paired="k"), dict(paired="k")]
+    for cfg in configs:
+        out = sparse_decode(q, kc, vc, table, ctx, ids, 128, out_dtype=torch.float32, **cfg)
+        m = value_metrics(out, ref)
+        assert m.max_rel <= 2e-3 and m.rel_l2 <= 2e-3, (cfg, m)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4-floor", "fp8-token", "bf16"])
