@@ -363,3 +363,19 @@ def test_mxfp4_v_scales_far_apart(joint):
         out = sparse_decode(q, kc, vc, table, ctx, ids, 16, num_splits=splits, joint_max=joint, out_dtype=torch.float32)
         for b in range(3):
             check_close(out[b], ref[b])
+
+
+def test_bench_goals_compare_per_layer():
+    """`kvtool bench attn` runs each format for enough layers to exceed L2 (8 nvfp4 layers vs 5 fp8 layers at batch
+    64), so "nvfp4 faster than fp8" compares time per layer, not per case."""
+    from kvtool.bench.attn import _goals
+    from kvtool.bench.common import BenchReport, BenchRow
+
+    rows = [BenchRow("batch 64", "triton nvfp4-rcp", 200.0, 1, 1.0, 0.3),  # 25 us per layer (8 layers)
+            BenchRow("batch 64", "triton fp8-unit", 150.0, 1, 1.0, 0.5),  # 30 us per layer (5 layers)
+            BenchRow("batch 256", "triton nvfp4-rcp", 100.0, 1, 1.0, 0.71)]
+    rep = BenchReport("t", "d", "", "", "", 1.0, rows)
+    goals = {g["goal"]: g for g in _goals(rep, (64, 256), {"batch 64 nvfp4-rcp": 8, "batch 64 fp8-unit": 5})}
+    g = goals["nvfp4 faster than fp8-unit per layer at batch 64"]
+    assert g["met"] and g["value"] == 1.2
+    assert goals["nvfp4-rcp >= 70 % of copy at batch 256"]["met"]
