@@ -13,7 +13,7 @@ import torch
 from kvtool.bench.common import copy_bandwidth, time_fn
 from kvtool.formats import get_format
 from kvtool.kernels.dequant import launch_dequant
-from kvtool.kernels.store import cache_scales, launch_store, store
+from kvtool.kernels.store import cache_scales, launch_config, launch_store, store
 from kvtool.kernels.dequant import gather_dequantize
 from kvtool.paged import PagedCache
 
@@ -25,10 +25,9 @@ dev = "cuda"
 copy = copy_bandwidth(dev)
 print(f"copy {copy:.0f} GB/s", flush=True)
 
-# (variant, config): the block-tile kernel (CHUNKED off) with the original and the fast codecs, then the
-# one-row-per-thread path (default) with a register cap, other warps per program, the original codecs
-STORE = [(dict(CHUNKED=False, FAST=False), None), (dict(CHUNKED=False), None), (dict(), None),
-         (dict(maxnreg=128), None), (dict(), (256, 8)), (dict(), (64, 2)), (dict(FAST=False), None)]
+# (variant, config): both block codecs (FAST: kernels/store.py FAST_CODECS) at the default tiles and at 2x / 0.5x rows
+STORE = [(dict(FAST=False), None), (dict(FAST=True), None), (dict(FAST=False), "x2"), (dict(FAST=True), "x2"),
+         (dict(FAST=False), "x0.5"), (dict(FAST=True), "x0.5")]
 if parts not in ("store", "all"):
     STORE = []
 DEQ = [(dict(), None)] if parts in ("dequant", "all") else []
@@ -57,6 +56,9 @@ for n_el, label in [(n, lb) for n in sizes for lb in labels]:
     kw = dict(page_size=PAGE, page_stride=cache.data.stride(0), head_stride=cache.data.stride(1), g_dec=g_dec)
     print(f"== {n_el / 2**20:.0f}M {fmt.label}: store {st_bytes / 1e6:.0f} MB, dequant {dq_bytes / 1e6:.0f} MB", flush=True)
     for var, cfg in STORE:
+        if isinstance(cfg, str):  # rows per program scaled from the default config
+            rows, warps = launch_config(DIM, fmt.spec.payload_bits, None, fmt.block or 32)
+            cfg = (max(1, int(rows * float(cfg[1:]))), warps)
         t0 = time.time()
         try:
             cache.data.zero_()

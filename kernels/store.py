@@ -14,13 +14,16 @@ Design for bandwidth (the work is memory bound only if the integer pipe keeps up
 - slot math per row in int32 (page = slot // PAGE, PAGE a constexpr: a shift for powers of two), byte offsets in
   int64 so caches and inputs past 2 GiB work.
 
-Measured on the H200 (CUDA-graph replay, bf16 [tokens, 1, 128] into shuffled 128-token pages, 256M elements,
-copy 4218-4235 GB/s; bench/sweep_quant_variants.py): mxfp4-rceil store 84.9 % of copy (64 x 4 tiles; 66 % before
-the int32-word payload, the one-op sign merge and the fused zero-block add), nvfp4-rcp 73.7 % (32 x 4; 56-58 %
-before). The store is bound by instruction issue, not memory: sm_90 SASS has 16.6 (mxfp4) / 19.6 (nvfp4)
-instructions per element (64 x 4), about 3 fp32 fma-pipe + 3 min/max + 3 integer ops of them the E2M1 encoder;
-nvfp4 adds two IEEE divisions per 16-element block and a code select. Tiles: 2 blocks per thread is best (mxfp4
-64 x 4: 84.9 %, 32 x 4: 83.0 %, 16 x 4: 65 %; nvfp4 32 x 4: 73.7 %, 64 x 4 (4 blocks): 67.3 %).
+Measured on the H200 (CUDA-graph replay, bf16 [tokens, 1, 128] into shuffled 128-token pages, copy 4141-4156 GB/s;
+bench/sweep_quant_variants.py, 2026-11-29 ~09:50 UTC), % of copy at 64M / 256M / 1G elements: nvfp4-rcp 73.9 / 77.9 /
+78.6 (fast codec: FAST_CODECS), mxfp4-rceil 79.6 / 86.3 / 79.0 (original codec). The store is bound by instruction
+issue, not memory: sm_90 SASS main path per element (64 x 4 mxfp4 / 32 x 4 nvfp4 tiles, 16-byte aligned inputs)
+14.8 (mxfp4) / 19.7 (nvfp4; 20.3 before the fast codec), of which about 11 the per-element encoder (bf16 decode, |x|
+max, [nvfp4: x * 1/S], 3 fma + 3 min/max, sign shift + merge, nibble pack) and 3-4 per-row addressing and the
+shared-memory layout conversion for coalesced stores, spread over 32-64 elements per thread.
+Tried and measured slower (kept out): one row per thread in 32-element chunks (12.8 / 15.7-16.0 instructions per
+element) with direct 16-byte stores per lane (mxfp4 64-70 %, nvfp4 55-63 %) or joined into one coalesced row store
+(mxfp4 71-83 %, nvfp4 50-57 %); 4 blocks per thread for nvfp4 (64 x 4: 128 registers).
 """
 
 from __future__ import annotations
@@ -148,26 +151,6 @@ def quantize_blocks4(xb, g_dec, g_enc, SCALE: tl.constexpr, RULE: tl.constexpr, 
     return codes, sbytes
 
 
-@triton.jit
-def chunk_codes(x_ptr, x_off, live, C: tl.constexpr, g_dec, g_enc, low7, SCALE: tl.constexpr, RULE: tl.constexpr,
-                RECIPE: tl.constexpr, NATIVE_FP8: tl.constexpr, FAST: tl.constexpr, BLOCK: tl.constexpr,
-                VEC: tl.constexpr):
-    """Elements 32 C .. 32 C + 31 of the rows at `x_off` [R] -> (payload words int32 [R, 4], scale bytes uint8
-    [R, 32 / BLOCK]), each row in one thread (load_blocks)."""
-    R: tl.constexpr = x_off.shape[0]
-    xb = load_blocks(x_ptr, x_off + C * 32, live, 32, BLOCK, 32 // BLOCK, VEC)  # [R, 32 / BLOCK, BLOCK] fp32
-    codes, sbytes = quantize_blocks4(xb, g_dec, g_enc, SCALE, RULE, RECIPE, NATIVE_FP8, FAST, low7)
-    return kc.pack_nibble_words(tl.reshape(codes, [R, 32]), R, 32), sbytes
-
-
-@triton.jit
-def cat_cols(a, b):
-    """[R, W] and [R, W] -> [R, 2 W] (a's columns first), joined in registers."""
-    R: tl.constexpr = a.shape[0]
-    W: tl.constexpr = a.shape[1]
-    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), [R, 2 * W])
-
-
 # ----------------------------------------------------------------------------------------------------------- kernel
 @triton.jit(do_not_specialize=["low7"])
 def _store_kernel(
@@ -202,8 +185,7 @@ def _store_kernel(
     VEC: tl.constexpr,  # x elements per 16 bytes (8 for bf16 / fp16, 4 for fp32)
     WORDS: tl.constexpr,  # 4-bit formats: payload as int32 words (every row offset a multiple of 4 bytes)
     BLOCK_R: tl.constexpr,  # tokens per program
-    FAST: tl.constexpr = True,  # 4-bit formats: the *_quantize_block_fast codecs (fewer ops per block)
-    CHUNKED: tl.constexpr = False,  # 4-bit formats, D in 32 x {1, 2, 4, 8}, WORDS: one row per thread (chunk_codes)
+    FAST: tl.constexpr = True,  # 4-bit formats: the *_quantize_block_fast codecs (see FAST_CODECS)
 ):
     # grid: (token tiles, heads); one program = BLOCK_R tokens of one head, no integer division per row
     tok = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -212,41 +194,7 @@ def _store_kernel(
                                   PAGED, PAGE, PB, SB)
     x_off = tok.to(tl.int64) * stride_xt + head * stride_xh
     # dead rows (slot -1, tail) are not read: skipped tokens cost no bandwidth
-    if BITS == 4 and CHUNKED:
-        # one thread = one row (BLOCK_R = 32 x num_warps), encoded 32 elements at a time (registers stay small, the
-        # block scale work runs once per block), the chunks' payload words and scale bytes joined in registers into
-        # the whole row; then one store of the row, which the compiler lays out coalesced (through shared memory:
-        # 16-byte stores of one row per lane, without that conversion, measured 62-69 % of copy on the H200).
-        NC: tl.constexpr = D // 32
-        w, sb = chunk_codes(x_ptr, x_off, live, 0, g_dec, g_enc, low7, SCALE, RULE, RECIPE, NATIVE_FP8, FAST,
-                            BLOCK, VEC)
-        if NC >= 2:
-            w1, s1 = chunk_codes(x_ptr, x_off, live, 1, g_dec, g_enc, low7, SCALE, RULE, RECIPE, NATIVE_FP8, FAST,
-                                 BLOCK, VEC)
-            w, sb = cat_cols(w, w1), cat_cols(sb, s1)
-        if NC >= 4:
-            w2, s2 = chunk_codes(x_ptr, x_off, live, 2, g_dec, g_enc, low7, SCALE, RULE, RECIPE, NATIVE_FP8, FAST,
-                                 BLOCK, VEC)
-            w3, s3 = chunk_codes(x_ptr, x_off, live, 3, g_dec, g_enc, low7, SCALE, RULE, RECIPE, NATIVE_FP8, FAST,
-                                 BLOCK, VEC)
-            w, sb = cat_cols(w, cat_cols(w2, w3)), cat_cols(sb, cat_cols(s2, s3))
-        if NC >= 8:
-            w4, s4 = chunk_codes(x_ptr, x_off, live, 4, g_dec, g_enc, low7, SCALE, RULE, RECIPE, NATIVE_FP8, FAST,
-                                 BLOCK, VEC)
-            w5, s5 = chunk_codes(x_ptr, x_off, live, 5, g_dec, g_enc, low7, SCALE, RULE, RECIPE, NATIVE_FP8, FAST,
-                                 BLOCK, VEC)
-            w6, s6 = chunk_codes(x_ptr, x_off, live, 6, g_dec, g_enc, low7, SCALE, RULE, RECIPE, NATIVE_FP8, FAST,
-                                 BLOCK, VEC)
-            w7, s7 = chunk_codes(x_ptr, x_off, live, 7, g_dec, g_enc, low7, SCALE, RULE, RECIPE, NATIVE_FP8, FAST,
-                                 BLOCK, VEC)
-            w = cat_cols(w, cat_cols(cat_cols(w4, w5), cat_cols(w6, w7)))
-            sb = cat_cols(sb, cat_cols(cat_cols(s4, s5), cat_cols(s6, s7)))
-        wcols = tl.arange(0, D // 8)
-        wrow = (payload_ptr + pay).to(tl.pointer_type(tl.int32))
-        tl.store(wrow[:, None] + wcols[None, :], w, mask=row_mask(live, wcols, D // 8, D // 8))
-        scols = tl.arange(0, D // BLOCK)
-        tl.store(scale_ptr + sc[:, None] + scols[None, :], sb, mask=row_mask(live, scols, D // BLOCK, D // BLOCK))
-    elif BITS == 4:
+    if BITS == 4:
         # whole blocks per thread (see load_blocks; a coalesced row tile with the block amax as a shuffle reduction
         # measured 72 % / 65 % of copy for mxfp4 / nvfp4 on the H200 against 82 % / 74 %: it repeats the per-block
         # scale work on every lane of a block)
@@ -321,16 +269,14 @@ LAUNCH_CONFIGS = {32: (128, 4), 64: (64, 4), 128: (32, 4), 256: (16, 4), 512: (8
 BLOCK_FORMAT_CONFIGS = {32: (256, 4), 64: (128, 4), 128: (64, 4), 256: (32, 4), 512: (16, 4), 1024: (8, 8)}
 
 
-def launch_config(dp: int, bits: int, config: tuple[int, int] | None = None, block: int = 32,
-                  chunked: bool = False) -> tuple[int, int]:
+def launch_config(dp: int, bits: int, config: tuple[int, int] | None = None, block: int = 32
+                  ) -> tuple[int, int]:
     """(BLOCK_R, num_warps) for rows of `dp` (padded) elements of a `bits`-bit payload (4-bit: `block` elements per
-    scale); `chunked`: the one-row-per-thread 4-bit path (BLOCK_R = 32 x num_warps); `config` overrides."""
+    scale); `config` overrides."""
     if config is not None:
         return config
     if INTERPRET:
         return max(1, min(8, 1024 // dp)), 4
-    if chunked:
-        return 32 * CHUNK_WARPS, CHUNK_WARPS
     table, elements = (BLOCK_FORMAT_CONFIGS, 8192) if bits == 4 else (LAUNCH_CONFIGS, 4096)
     rows, warps = table.get(dp, (max(1, elements // dp), 4 if dp < 1024 else 8))
     if bits == 4 and block < 32:
@@ -339,17 +285,15 @@ def launch_config(dp: int, bits: int, config: tuple[int, int] | None = None, blo
     return rows, warps
 
 
-# One-row-per-thread 4-bit path (`CHUNKED`): warps per program (BLOCK_R = 32 x this) and the nvfp4 register cap.
-CHUNK_WARPS = 4
-CHUNK_NV_MAXNREG = None
-# Kernel constexpr overrides for every launch (tests set {"CHUNKED": False} to check the block-tile path on the GPU).
+# Block codec per scale element: the *_quantize_block_fast helpers (same bytes) or the originals. H200, bf16 [T, 1, 128]
+# into shuffled 128-token pages, CUDA-graph replay, % of copy at 64M / 256M / 1G elements (two runs each,
+# bench/sweep_quant_variants.py): nvfp4-rcp fast 72.9-73.9 / 76.8-77.9 / 77.3-78.6, original 71.7-71.9 / 74.9-75.4 /
+# 73.6-73.8; mxfp4-rceil fast 77.2-78.5 / 83.6-83.8 / 84.4-85.1, original 79.6-80.9 / 86.3 / 78.5-79.0 (the fast
+# rceil codec has no division and uses 56 registers instead of 80; why that costs 2.5 points at 64M-256M and gains 6 at
+# 1G is not known). `variant={"FAST": ...}` overrides.
+FAST_CODECS = {"e4m3": True, "e8m0": False}
+# Kernel constexpr overrides for every launch (tests set {"FAST": ...} to run both codecs through the public store).
 DEFAULT_VARIANT: dict = {}
-
-
-@functools.lru_cache(maxsize=64)
-def capped_registers(device: torch.device) -> bool:
-    """Whether launches on `device` take the `maxnreg` option (compiled CUDA; ROCm has no such option)."""
-    return not INTERPRET and device.type == "cuda" and torch.version.cuda is not None
 
 
 def check_floating(x: torch.Tensor, name: str) -> None:
@@ -412,15 +356,12 @@ def launch_store(x3: torch.Tensor, slots: torch.Tensor | None, payload: torch.Te
     g_dec, g_enc = outer_scales(g_dec)
     paged = slots is not None
     pb = fmt.payload_bytes(D)
-    words = word_aligned(payload, pb, page_stride, head_stride)
     bits = fmt.spec.payload_bits
-    opts = dict(WORDS=words, CHUNKED=bits == 4 and D in (32, 64, 128, 256) and words)
+    opts = dict(WORDS=word_aligned(payload, pb, page_stride, head_stride),
+                FAST=FAST_CODECS.get(fmt.scale_element, False))
     opts.update(DEFAULT_VARIANT)
     opts.update(variant or {})
-    block_r, num_warps = launch_config(dp, bits, config, fmt.block or 32, opts["CHUNKED"])
-    if opts["CHUNKED"] and fmt.block == 16 and CHUNK_NV_MAXNREG and "maxnreg" not in opts \
-            and capped_registers(x3.device):
-        opts["maxnreg"] = CHUNK_NV_MAXNREG
+    block_r, num_warps = launch_config(dp, bits, config, fmt.block or 32)
     grid = (triton.cdiv(T, block_r), H)
     _store_kernel[grid](
         x3, slots if paged else payload, payload, scales if scales is not None else payload, T, H, 7,

@@ -356,21 +356,32 @@ FP4_FORMATS = [f for f in FORMATS if f.spec.payload_bits == 4]
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fast", [True, False], ids=["fast-codec", "codec"])
 @pytest.mark.parametrize("fmt", FP4_FORMATS, ids=lambda f: f.label)
-def test_store_gpu_fp4_paths(fmt, device, monkeypatch):
-    """The 4-bit store's two layouts at real sizes: one row per thread (chunk_codes) at head dims 64 and 256 (2 and 8
-    chunks; 128 is test_store_gpu_large), and the block-tile path (CHUNKED off) at 128, bf16 into 128-token pages."""
+def test_store_gpu_fp4_codecs(fmt, fast, device, monkeypatch):
+    """Both 4-bit block codecs (kernels/store.py FAST_CODECS picks one per format) through the public store at real
+    sizes: head dims 64 and 256, bf16 into 128-token pages, 20 % of tokens skipped."""
     from kvtool.kernels import store as store_mod
 
+    monkeypatch.setattr(store_mod, "DEFAULT_VARIANT", {"FAST": fast})
     seed = SEED + 21
     n, pages, page_size = 1 << 15, (1 << 15) * 5 // 4 // 128, 128
     slots = slot_mapping(n, pages * page_size, page_size, seed).to(device)
     for dim in (64, 256):
         x = spread_values((n, 2, dim), seed + dim, torch.bfloat16).to(device)
         check_store(fmt, x, slots, pages, page_size, seed, validate=False)
-    monkeypatch.setattr(store_mod, "DEFAULT_VARIANT", {"CHUNKED": False})
-    x = spread_values((n, 2, 128), seed + 3, torch.bfloat16).to(device)
-    check_store(fmt, x, slots, pages, page_size, seed, validate=False)
+
+
+def test_store_both_codecs(device, monkeypatch):
+    """Interpreter sizes: the codec FAST_CODECS does not pick for each 4-bit family, through the public store."""
+    from kvtool.kernels import store as store_mod
+
+    for label in ("mxfp4-rceil", "mxfp4-floor", "nvfp4-rcp-auto", "nvfp4-unrounded"):
+        fmt = get_format(label)
+        monkeypatch.setattr(store_mod, "DEFAULT_VARIANT", {"FAST": not store_mod.FAST_CODECS[fmt.scale_element]})
+        x = spread_values((40, 2, 64), SEED + 31, torch.bfloat16).to(device)
+        slots = slot_mapping(40, 3 * 32, 32, SEED + 31).to(device)
+        check_store(fmt, x, slots, 3, 32, SEED + 31)
 
 
 # ------------------------------------------------------------------------------------------------ bench plumbing
