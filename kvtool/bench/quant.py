@@ -19,8 +19,10 @@ payload and scales written). Fractions are of the device-to-device copy bandwidt
 
 Goals (H200): store and dequant >= 85 % of copy for nvfp4 and mxfp4 at >= 64M elements, and >= 20x the eager codec.
 Measured on the H200 (08:31 / 08:37 UTC, bench/sweep_quant_variants.py, CUDA graph, 256M elements, copy 4218 GB/s):
-store mxfp4-rceil 84.9 %, nvfp4-rcp 73.7 %; dequant to bf16 mxfp4 93.9 %, nvfp4 93.8 %. At 64M the graph rows are
-the kernel (store 54 / 62 us, dequant 46 / 47 us for mxfp4 / nvfp4) and the eager rows add ~40 us of launch path.
+dequant to bf16 mxfp4 93.9 %, nvfp4 93.8 %. Store, ~09:50 UTC (copy 4141-4156 GB/s), % of copy at 64M / 256M / 1G:
+mxfp4-rceil 79.6 / 86.3 / 79.0, nvfp4-rcp 73.9 / 77.9 / 78.6 (goal not met; see kernels/store.py). At 64M the graph
+rows are the kernel (store 53 / 58 us, dequant 46 / 47 us for mxfp4 / nvfp4) and the eager rows add ~40 us of launch
+path.
 """
 
 from __future__ import annotations
