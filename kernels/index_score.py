@@ -19,15 +19,27 @@ How it aims to stay bandwidth-bound (H200, batch 64 x 150K: ~706 MB of FP4 keys,
   instead of ~6); the query is loaded in the same four orders and the four quarter dots chain into one accumulator.
   Head dims below 128 decode bytes instead (`kc.fp4_bytes`, even / odd elements, two dots): their word tiles got
   layouts with lanes holding copies of each other, and D = 64 gave wrong selections on the H200 (Triton 3.6).
+- POST_SCALE (default where the rows fit one 16-row dot: mxfp4 at D = 128 with up to 4 heads, nvfp4 with up to 2):
+  block scales are applied after the dot instead of on each decoded element. The query operand is block-diagonal,
+  Q' [D, (block, row)] (column b MP + r = row r on block b's elements, 0 elsewhere), so one chain of dots of the
+  undecorated E2M1 quarters gives every (token, block, row) partial score; each is multiplied by its token's fp32
+  block scale and the blocks are summed (`_post_scale`): no per-element multiply, no relative-exponent trick for
+  mxfp4 (E8M0 2**e applied in fp32). For mxfp4 the 4 blocks x 4 heads fill the 16 rows a dot is padded to anyway;
+  nvfp4 at 4 heads (8 blocks, 32 rows) measured slower than scaling the elements, so it keeps that path.
 - fp8 keys use the hardware e4m3 -> fp16 conversion where it exists (CUDA sm_89+), else an integer decode.
 - the next tile's loads overlap this tile's math: either the compiler's cp.async pipeline (5 stages: the page lookup,
   then the payload, one tile ahead) or a register double buffer (PREFETCH); the autotuner picks per format.
-Offline SASS (sm_90, 4 warps, decode top-k; per thread and 128-token tile = 128 elements): nvfp4 ~640 instructions
-(decode ~270 integer + 64 HMUL2), mxfp4 ~810-1000, fp8 (native) ~510, bf16 ~410. Measured on the H200 (batch
-64 x 150K, 2026-11-29): the FP4 scorer is issue-bound, not bandwidth-bound (nvfp4 block scores 315 us, 0.52 of
-copy bandwidth, against fp8 353 us at 0.83 and bf16 651 us at 0.90; the 5-stage nvfp4 loop body is ~840 SASS
-instructions per 128-token tile, incl. E4M3 scale bytes loaded one by one and passed through shared memory; mxfp4
-~1080), see bench/RESULTS.md.
+Offline SASS (sm_90, 4 warps, 5 stages, decode block scores, with the 16-byte divisibility the launcher's
+specialization gives pointers / page_bytes / query strides; loop body per thread and 128-token tile = 128 elements):
+nvfp4 ~630 instructions (decode ~240 integer + 64 HMUL2; post-scaled at 4 heads ~590), mxfp4 ~980 before
+POST_SCALE, ~595 with it, fp8 (native) ~480. Without the divisibility hints the payload loads split into 4-byte
+copies (nvfp4 ~840, mxfp4 ~1080: the earlier counts). Of the post-scaled mxfp4 loop, ~240 are the E2M1 decode (4
+integer ops per word and quarter), ~28 wgmma, ~60 scale decode / multiply / block sum, ~60 block max (shuffles and a
+cross-warp reduction through shared memory, 3 barriers), the rest page lookup, addresses and pipeline bookkeeping.
+Measured on the H200 (batch 64 x 150K, 2026-11-29 09:57 UTC, copy 4182 GB/s): the FP4 scorer is issue-bound, not
+bandwidth-bound: block scores nvfp4 331 us (0.50 of copy; 315 us in the earlier run), mxfp4 308 us post-scaled
+(0.51; 496 us before), fp8 354 us (0.83); see bench/RESULTS.md. tl.dot_scaled (e2m1 x bf16) was looked at offline:
+on sm_90 it decodes through shared memory with byte loads (~875 SASS per tile for the bare loop), no gain.
 
 Exactness (why the kernel equals the reference on the dequantized cache up to fp32 accumulation order):
 - bf16 caches: bf16 keys x bf16 queries, exact products, fp32 accumulation.
@@ -40,6 +52,9 @@ Exactness (why the kernel equals the reference on the dequantized cache up to fp
 - mxfp4 scales 2**e span fp32's range, so each token's block factors are taken relative to its largest scale,
   2**(e - emax + 14) in fp16, and the token's score is multiplied by 2**(emax - 14) in fp32. Exact unless a token's
   block exponents span more than 23 binades (then the tiny blocks lose at most one fp16 subnormal step).
+- POST_SCALE: the partial score of each block (exact products, fp32 sums) is multiplied by the fp32 block scale
+  (E4M3 value or 2**e, exact) with one fp32 rounding, and the blocks are summed in fp32: the same sum in another
+  fp32 order (within `kvtool.indexer.accumulation_tolerance`).
 - fp8 `token` row scales, fp8 `tensor` scales and the nvfp4 outer scale multiply the fp32 score.
 - Under the Triton interpreter (which mangles bf16/fp16 dots) the same values are dotted in fp32.
 NaN codes (E4M3 0x7F/0xFF, E8M0 255) decode to NaN as in torch; a NaN token score makes its block NaN, ranked -1e30.
@@ -206,12 +221,11 @@ def _page_of(bt_row, t0, t_lim, num_pages, PAGE: tl.constexpr):
 @triton.jit
 def _fetch(data_ptr, pg, t0, t_lim, page_bytes, D: tl.constexpr, TILE_T: tl.constexpr, PAGE: tl.constexpr,
            PB: tl.constexpr, SB: tl.constexpr, PAYLOAD_BITS: tl.constexpr, SCALE_KIND: tl.constexpr,
-           SCALE_BLOCK: tl.constexpr, FP4_WORDS: tl.constexpr, POST_SCALE: tl.constexpr,
-           PAYLOAD_ONLY: tl.constexpr = False):
+           SCALE_BLOCK: tl.constexpr, FP4_WORDS: tl.constexpr, POST_SCALE: tl.constexpr):
     """Issue the loads of one key tile (tokens t0 .. t0 + TILE_T, all in page pg; token r's payload at byte
     r PB of the page's payload plane, its scales at r SB of the scale plane): (payload, scales) as stored: int16
-    [T, D] (bf16), uint8 [T, D] (e4m3), uint32 words [T, D/8] (packed E2M1); scales as `_fetch_scales` gives them
-    (fp32 zeros [T] with PAYLOAD_ONLY). Tokens at or past t_lim, or of page -1, read as 0 and touch no memory."""
+    [T, D] (bf16), uint8 [T, D] (e4m3), uint32 words [T, D/8] (packed E2M1); scales as `_fetch_scales` gives them.
+    Tokens at or past t_lim, or of page -1, read as 0 and touch no memory."""
     r = tl.arange(0, TILE_T)
     ok = ((t0 + r) < t_lim) & (pg >= 0)
     pay = tl.maximum(pg, 0).to(tl.int64) * page_bytes + (t0 % PAGE) * PB
@@ -225,11 +239,8 @@ def _fetch(data_ptr, pg, t0, t_lim, page_bytes, D: tl.constexpr, TILE_T: tl.cons
         ptrs = data_ptr.to(tl.pointer_type(tl.uint32)) + pay // 4 + r[:, None] * (PB // 4) \
             + tl.arange(0, D // 8)[None, :]
     payload = tl.load(ptrs, mask=ok[:, None], other=0)
-    if PAYLOAD_ONLY:
-        scales = tl.zeros([TILE_T], tl.float32)
-    else:
-        scales = _fetch_scales(data_ptr, pg, t0, t_lim, page_bytes, D, TILE_T, PAGE, PB, SB, PAYLOAD_BITS,
-                               SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE)
+    scales = _fetch_scales(data_ptr, pg, t0, t_lim, page_bytes, D, TILE_T, PAGE, PB, SB, PAYLOAD_BITS, SCALE_KIND,
+                           SCALE_BLOCK, FP4_WORDS, POST_SCALE)
     return payload, scales
 
 
@@ -357,14 +368,15 @@ def _tile_step(j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, p
                PAYLOAD_BITS: tl.constexpr, SCALE_KIND: tl.constexpr, SCALE_BLOCK: tl.constexpr, BS: tl.constexpr,
                TILE_T: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, MODE: tl.constexpr,
                NATIVE_FP8: tl.constexpr, PREFETCH: tl.constexpr, ONE_POS: tl.constexpr, FP4_WORDS: tl.constexpr,
-               POST_SCALE: tl.constexpr, NSBP: tl.constexpr, SCALE_AHEAD: tl.constexpr, DOT_F32: tl.constexpr):
+               POST_SCALE: tl.constexpr, NSBP: tl.constexpr, DOT_F32: tl.constexpr):
     """Tile j of the program (tokens blk0 BS + j TILE_T ..). PREFETCH: it was fetched into (payload, scales) from
     page pg by the previous step; first issue the loads of tile j + 1 (page pg_next) and the page lookup of tile
     j + 2, so that memory works while this tile decodes and multiplies (a register double buffer). Otherwise fetch
     it here and let the compiler's software pipeline (num_stages) run the loads ahead. Then score it, fold it into
     the block maximum bmax, and finish the block at its last tile. Returns (payload, scales, pg, pg_next, bmax,
-    state) for the next step (passed through unchanged without PREFETCH; SCALE_AHEAD carries the scales and page
-    lookups ahead either way)."""
+    state) for the next step (passed through unchanged without PREFETCH). POST_SCALE block scales load in the step
+    (not pipelined by the compiler, which runs only dot-operand loads ahead; carrying them one tile ahead in
+    registers measured slower on the H200: nvfp4 / mxfp4 368 / 345 us against 359 / 339 us score+topk)."""
     TPB: tl.constexpr = BS // TILE_T
     t0 = blk0 * BS + j * TILE_T
     t = t0 + tl.arange(0, TILE_T)
@@ -373,16 +385,6 @@ def _tile_step(j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, p
         payload, scales = _fetch(data_ptr, pg_next, t0 + TILE_T, t_lim, page_bytes, D, TILE_T, PAGE, PB, SB,
                                  PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE)
         pg = pg_next
-        pg_next = _page_of(bt_row, t0 + 2 * TILE_T, t_lim, num_pages, PAGE)
-    elif SCALE_AHEAD:
-        # the compiler's pipeline runs only loads that feed a dot ahead; the block scales feed the multiply after
-        # it, so they are fetched one tile ahead here (page lookups two ahead), the payload by the pipeline
-        cur_pg = _page_of(bt_row, t0, t_lim, num_pages, PAGE)
-        cur_pay, unused = _fetch(data_ptr, cur_pg, t0, t_lim, page_bytes, D, TILE_T, PAGE, PB, SB, PAYLOAD_BITS,
-                                 SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE, True)
-        cur_sc = scales
-        scales = _fetch_scales(data_ptr, pg_next, t0 + TILE_T, t_lim, page_bytes, D, TILE_T, PAGE, PB, SB,
-                               PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE)
         pg_next = _page_of(bt_row, t0 + 2 * TILE_T, t_lim, num_pages, PAGE)
     else:
         cur_pg = _page_of(bt_row, t0, t_lim, num_pages, PAGE)
@@ -443,7 +445,6 @@ def _index_score_kernel(
     FP4_WORDS: tl.constexpr,  # FP4: decode uint32 words in quarters (else bytes; see `kc.fp4_bytes`)
     POST_SCALE: tl.constexpr,  # FP4 words: block scales applied after the dot (block-diagonal query, `_post_scale`)
     NSBP: tl.constexpr,  # POST_SCALE: scale blocks per token (dot rows MP NSBP); else 1
-    SCALE_AHEAD: tl.constexpr,  # POST_SCALE without PREFETCH: block scales fetched one tile ahead (`_tile_step`)
     PREFETCH: tl.constexpr,  # register double buffer of the next tile (else: the compiler's pipelining)
     DOT_F32: tl.constexpr,  # interpreter: dot in fp32
 ):
@@ -475,9 +476,6 @@ def _index_score_kernel(
     pg = _page_of(bt_row, blk0 * BS, t_lim, num_pages, PAGE)
     payload, scales = _fetch(data_ptr, pg, blk0 * BS, t_lim if PREFETCH else 0, page_bytes, D, TILE_T, PAGE, PB, SB,
                              PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE)
-    if SCALE_AHEAD and not PREFETCH:  # the first tile's scales (see `_tile_step`)
-        scales = _fetch_scales(data_ptr, pg, blk0 * BS, t_lim, page_bytes, D, TILE_T, PAGE, PB, SB, PAYLOAD_BITS,
-                               SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE)
     pg_next = _page_of(bt_row, blk0 * BS + TILE_T, t_lim, num_pages, PAGE)
     if DOT_F32:
         # the interpreter cannot take a loaded scalar as a loop bound: run every step, skip the empty ones
@@ -487,14 +485,14 @@ def _index_score_kernel(
                     j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, pos, valid, bt_row,
                     data_ptr, qa, qb, qc, qd, colscale, out_ptr, out_row, row_ok, n_out, num_pages, page_bytes, D,
                     PAGE, PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, BS, TILE_T, INIT, LOCAL, MODE, NATIVE_FP8,
-                    PREFETCH, QT == 1, FP4_WORDS, POST_SCALE, NSBP, SCALE_AHEAD, DOT_F32)
+                    PREFETCH, QT == 1, FP4_WORDS, POST_SCALE, NSBP, DOT_F32)
     else:
         for j in range(0, n_tiles):
             payload, scales, pg, pg_next, bmax, state = _tile_step(
                 j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, pos, valid, bt_row,
                 data_ptr, qa, qb, qc, qd, colscale, out_ptr, out_row, row_ok, n_out, num_pages, page_bytes, D,
                 PAGE, PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, BS, TILE_T, INIT, LOCAL, MODE, NATIVE_FP8,
-                PREFETCH, QT == 1, FP4_WORDS, POST_SCALE, NSBP, SCALE_AHEAD, DOT_F32)
+                PREFETCH, QT == 1, FP4_WORDS, POST_SCALE, NSBP, DOT_F32)
     if MODE == MODE_TOPK:
         ids = tl.broadcast_to((blk0 + col)[None, :], [MP, CH])
         avail = (col[None, :] < n_iter) & (ids < valid[:, None])
@@ -519,14 +517,18 @@ def _configs():
 
 _tuned_kernel = triton.autotune(
     configs=_configs(), key=["PAYLOAD_BITS", "SCALE_KIND", "D", "BS", "MP", "CH", "MODE", "HI", "NATIVE_FP8",
-                             "FP4_WORDS", "POST_SCALE", "SCALE_AHEAD"]
+                             "FP4_WORDS", "POST_SCALE"]
 )(_index_score_kernel)
 LAUNCH_OPTIONS = ("chunk_blocks", "q_tile", "prefetch", "native_fp8", "num_warps", "num_stages", "fp4_words",
-                  "in_kernel_topk", "post_scale", "scales_ahead")
+                  "in_kernel_topk", "post_scale")
 
 
-# Most dot rows (queries x heads x scale blocks) for POST_SCALE (decode: 4 heads x 8 nvfp4 blocks = 32): past it the
-# block-diagonal query costs more tensor-core work and accumulator registers than the scaling it saves.
+# Dot rows (queries x heads x scale blocks) of POST_SCALE launches: by default only where the block-diagonal query
+# fits the 16 rows a dot is padded to anyway (mxfp4 at D = 128 with up to 4 heads, nvfp4 with up to 2); with more rows
+# the wider dot and accumulator cost more than the per-element scaling saves (H200, batch 64 x 150K, 4 heads,
+# score+topk: mxfp4 339 us post-scaled (16 rows) vs 516 us; nvfp4 359 us post-scaled (32 rows) vs 345 us).
+# post_scale=True forces it up to POST_SCALE_ROWS rows (tests, sweeps).
+POST_SCALE_DEFAULT_ROWS = 16
 POST_SCALE_ROWS = 64
 
 # Smallest head dim for the FP4 word decode (`kc.fp4_quarter`): at D = 64 the H200 gave wrong selections (see the
@@ -600,8 +602,10 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
     decode; default for head dims >= 128), in_kernel_topk (top-k: each program keeps candidates in registers and a
     merge kernel picks, instead of the default two passes: block scores, then `select_from_block_scores`; the
     block scores are 4 bytes per block and head, about 0.2 % of an FP4 cache's bytes; H200, nvfp4, batch 64 x 150K,
-    64-block programs: two passes 358 us, in-kernel 381 us), and prefetch / num_warps / num_stages (a fixed launch
-    instead of the autotuned one)."""
+    64-block programs: two passes 358 us, in-kernel 381 us), post_scale (FP4 words: block scales applied to the
+    partial scores of a block-diagonal query after the dot; default where its dot rows fit 16, see
+    POST_SCALE_DEFAULT_ROWS), and prefetch / num_warps / num_stages (a fixed launch instead of
+    the autotuned one)."""
     bad = set(options) - set(LAUNCH_OPTIONS)
     if bad:
         raise KernelArgumentError(f"index scorer: unknown launch options {sorted(bad)} (known: {LAUNCH_OPTIONS})")
@@ -628,7 +632,7 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
         raise KernelArgumentError(f"index scorer: post_scale needs the FP4 word decode and at most "
                                   f"{POST_SCALE_ROWS} dot rows (query tile x heads x scale blocks), got "
                                   f"{qt * hip * nsb if words else 'no word decode'}")
-    post = post_ok if post is None else bool(post)
+    post = (words and qt * hip * nsb <= POST_SCALE_DEFAULT_ROWS) if post is None else bool(post)
     nsbp = nsb if post else 1
     # rows of scores: a dot needs 16 rows (padded); POST_SCALE dots MP NSBP rows
     mp = max(16 // nsbp, qt * hip)
@@ -665,8 +669,7 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
                       CH=ch, KC=kc_, INIT=cfg.init_blocks, LOCAL=cfg.local_blocks,
                       HIGHER_ID=cfg.tie_rule != "lower-id", MODE=kmode,
                       NATIVE_FP8=native_fp8(iq4.device) if native is None else bool(native),
-                      FP4_WORDS=words, POST_SCALE=post, NSBP=nsbp, DOT_F32=INTERPRET,
-                      SCALE_AHEAD=post and options.get("scales_ahead", True) is not False)
+                      FP4_WORDS=words, POST_SCALE=post, NSBP=nsbp, DOT_F32=INTERPRET)
         grid = (bsz * n_qtiles, splits)
         warps = max_warps(consts["TILE_T"], mp * nsbp)
         fixed = [k for k in ("prefetch", "num_warps", "num_stages") if options.get(k) is not None]

@@ -273,7 +273,6 @@ def test_decode_edge_case_keys(label, fp4_words):
 
 # ------------------------------------------------------------------------------------------ FP4 post-scaled dot
 POST_VARIANTS = {"scale-in-decode": {"post_scale": False}, "post": {"post_scale": True},
-                 "post-scales-inline": {"post_scale": True, "scales_ahead": False},
                  "post-prefetch": {"post_scale": True, "prefetch": True}}
 
 
@@ -281,9 +280,9 @@ POST_VARIANTS = {"scale-in-decode": {"post_scale": False}, "post": {"post_scale"
 @pytest.mark.parametrize("label", ["nvfp4", "nvfp4-auto", "mxfp4", "mxfp4-floor"])
 def test_decode_post_scale_variants(label, variant):
     """The FP4 word decode with block scales on the decoded elements and with POST_SCALE (partial scores of the
-    block-diagonal query, then the block scales): ragged contexts over page and tile edges, an empty row, tiles ahead
-    of the last (scales fetched one tile ahead read nothing past t_lim), forced blocks, 2-block programs merged, and
-    one program over the whole context."""
+    block-diagonal query, then the block scales; by default for mxfp4 at 4 heads, forced here for nvfp4 too):
+    ragged contexts over page and tile edges, an empty row, forced blocks, 2-block programs merged, and one program
+    over the whole context."""
     opts = POST_VARIANTS[variant]
     ctx = [1, 31, 32, 33, 0, 129, 200]
     cache, table, cl, _ = make_cache(label, ctx, page=16, seed=40)

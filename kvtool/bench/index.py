@@ -40,23 +40,33 @@ DEFAULT_CONTEXTS = (8192, 32768, 150_000)
 DEFAULT_PREFILL = (4096, 32768)
 L2_TARGET_BYTES = 150e6  # three times the H200's 50 MB L2
 MAX_LAYERS = 57  # M3's sparse layers
-# --sweep: fixed launches at the goal shape (name, kernels.index_score launch options). Dropped after the first H200
+# --sweep: launch variants at the goal shape (name, kernels.index_score launch options). Dropped after the first H200
 # run (2026-11-29, nvfp4 score+topk, 377 us autotuned): chunk=128 444 us, prefetch w8 626 us, pipelined s5 w8 461 us;
 # the FP4 byte decode (fp4_words=False) is ~2.5x the SASS of the word decode at D = 128, so it is not swept.
+# FP4 decode variants (post_scale: block scales after the dot, forced also where it is not the default; num_warps=1:
+# one warp per 128-token tile, mma.sync instead of wgmma, no cross-warp block max) run for FP4 formats only.
+# H200, 2026-11-29 09:57 UTC, score+topk us (nvfp4 / mxfp4): post-scaled 359 / 339 (with the scales loaded one tile
+# ahead in registers, a variant since removed: 368 / 345), scale-in-decode 345 / 516; nvfp4 scale-in-decode w1 s3
+# 337 (not checked for correctness on the GPU; not a default).
 SWEEP = (
-    ("chunk=16", {"chunk_blocks": 16}), ("chunk=32", {"chunk_blocks": 32}),
-    ("in-kernel top-k", {"in_kernel_topk": True}), ("in-kernel top-k chunk=16", {"in_kernel_topk": True,
-                                                                                 "chunk_blocks": 16}),
+    ("chunk=16", {"chunk_blocks": 16}), ("chunk=64", {"chunk_blocks": 64}),
+    ("in-kernel top-k", {"in_kernel_topk": True}),
     ("prefetch w4", {"prefetch": True, "num_warps": 4}),
     ("pipelined s3", {"prefetch": False, "num_stages": 3}), ("pipelined s5", {"prefetch": False, "num_stages": 5}),
     ("portable fp8", {"native_fp8": False}),
+    ("scale-in-decode", {"post_scale": False}), ("post", {"post_scale": True}),
+    ("scale-in-decode w1 s3", {"post_scale": False, "num_warps": 1, "num_stages": 3, "prefetch": False}),
 )
+FP4_ONLY = ("post_scale",)
 
 
 def _sweep_applies(options: dict, fmt) -> bool:
-    """Variants that change nothing for a format are skipped: the fp8 decode option needs E4M3 bytes."""
+    """Variants that change nothing for a format are skipped: the fp8 decode option needs E4M3 bytes, the FP4 decode
+    options FP4 keys."""
     if "native_fp8" in options:
         return fmt.scale_element == "e4m3" or fmt.family == "fp8"
+    if any(k in options for k in FP4_ONLY) or options.get("num_warps") == 1:
+        return fmt.spec.payload_bits == 4
     return True
 
 
