@@ -37,8 +37,10 @@ copies (nvfp4 ~840, mxfp4 ~1080: the earlier counts). Of the post-scaled mxfp4 l
 integer ops per word and quarter), ~28 wgmma, ~60 scale decode / multiply / block sum, ~60 block max (shuffles and a
 cross-warp reduction through shared memory, 3 barriers), the rest page lookup, addresses and pipeline bookkeeping.
 Measured on the H200 (batch 64 x 150K, 2026-11-29 09:57 UTC, copy 4182 GB/s): the FP4 scorer is issue-bound, not
-bandwidth-bound: block scores nvfp4 331 us (0.50 of copy; 315 us in the earlier run), mxfp4 308 us post-scaled
-(0.51; 496 us before), fp8 354 us (0.83); see bench/RESULTS.md. tl.dot_scaled (e2m1 x bf16) was looked at offline:
+bandwidth-bound: block scores nvfp4 331 us (0.50 of copy; 315 us in the earlier run; that run's default was the
+post-scaled 32-row variant, now off for nvfp4), mxfp4 308 us post-scaled (0.51, with its scales then loaded one tile
+ahead; 496 us before), fp8 354 us (0.83); score+topk with the defaults as now: nvfp4 345 us, mxfp4 339 us, fp8 370
+us; see bench/RESULTS.md. tl.dot_scaled (e2m1 x bf16) was looked at offline:
 on sm_90 it decodes through shared memory with byte loads (~875 SASS per tile for the bare loop), no gain.
 
 Exactness (why the kernel equals the reference on the dequantized cache up to fp32 accumulation order):
