@@ -33,6 +33,24 @@ format paid ~4.5 us per tile. PREFETCH=1 (quantized default) loads tile i + 1's 
 stages, keeps one tile's copies in flight; with a 128-register cap (4 programs per SM) fp8 went 42 -> 58 % of copy at
 batch 256. E2M1 tiles of 16 tokens are decoded 32 wide (see `_launch`).
 
+Tuning round 2 (H200, M3 shape, batch 256, us per layer, 2026-11-29 09:48 and 10:00 UTC): the softmax denominators
+as per-column sums reduced after the loop (LAZY_L: 5 instead of 8 barriers per tile) nvfp4 77.2 -> 73.6, fp8
+52.7 -> 50.3 (bf16 got slower, so fp16-dot formats only); the E8M0 joint max (JOINT) mxfp4 84.2 -> 82.0; 2 warps
+per program (`launch_plan`) nvfp4 74.1 -> 69.3 (25.7 % of copy), mxfp4 83.0 -> 75.5 (22.3 %), fp8 50.9 -> 48.0
+(65.1 %); at batch 64 2 warps with 8 splits nvfp4 31.2 -> 25.8. Tried and slower: a 96- or 168-register cap, 2
+stages, 32- or 128-token tiles, 1 warp with 32-token tiles, PAIRED order (K and V, or K only). Where the time goes
+(ncu, nvfp4 batch 256, 4 warps): one instruction issued every 2 cycles per scheduler with 3.2 of its 4 resident warps
+active (25 % occupancy, limited by registers and shared memory); per issued instruction a warp waits 6.35 cycles:
+shared memory 1.96 (short scoreboard 1.09 + MIO throttle 0.87: q re-read from shared memory by every warp for every
+tile, K/V words and scales read after the async copies, the decoded V tile and P through shared memory for the
+P.V dot, the row-max reduction), ALU pipe 0.59, fixed latency 0.57, barriers 0.51, global loads 0.46. SASS per
+64-token tile and warp (4 warps): nvfp4 899 instructions, about 550 of them the E2M1 decode (3 integer ops per
+element plus packing and the fp16 scale multiply), fp8 697, bf16 470; at 2 warps nvfp4 1518 per warp (3036 per
+tile instead of 3596). Issuing one instruction per cycle, these counts alone would take nvfp4 to about 63 % (4
+warps) or 75 % (2 warps) of copy; measured 24-26 %, so the stalls come first (mostly shared-memory round trips),
+then the decode's instruction count (PAIRED's 2 ops per element did not pay off here). Launch tuning cannot reach
+the 70 % goal.
+
 Masking: tokens after the query position, tiles of -1 selection slots and pages that are -1 are never loaded (masked
 loads give 0, then the score is -inf), so stale or non-finite bytes outside the selection never leak into the output.
 A row with no visible token returns zeros. Non-finite values at visible tokens (only a bf16 cache can hold them) give
@@ -66,6 +84,7 @@ _SCALE_CODE = {"none": 0, "fp32-tensor": 0, "fp32-row": 1, "e4m3": 2, "e8m0": 3}
 LOG2E = 1.4426950408889634
 E2M1_UNIT = 2.0**14  # e2m1_words_f16 returns value * 2**-14
 DEFAULT_TILE = 64  # tokens per tile on the GPU (launch_plan)
+RESIDENT = 4  # programs per SM of the default quantized launch (2 warps: ~240 registers, 41 KB shared memory)
 # H200, batch 256, M3 shape (us per layer): lazy sums nvfp4 77.2 -> 73.6, mxfp4 89.2 -> 84.2, fp8 52.7 -> 50.3, but
 # bf16 72.1 -> 88.5 (its hi + lo P dots need the registers), so fp16-dot formats only; joint max mxfp4 84.2 -> 82.0
 DEFAULT_LAZY_L = True  # softmax denominators reduced once after the loop, for fp16-dot formats (see _attend)
@@ -420,27 +439,38 @@ def _check_int(name: str, t: torch.Tensor, shape: tuple, device) -> None:
 
 def launch_plan(rows: int, num_kv_heads: int, topk: int, block_size: int, page_size: int, device: torch.device,
                 num_splits: int | None = None, tile_tokens: int | None = None,
-                num_warps: int | None = None) -> tuple[int, int, int, int]:
-    """(tokens per tile, splits, tiles per split, warps) the launchers use. Default splits: about two programs per
-    SM (rows x KV heads x splits), never more than the tiles; 1 off the GPU. Default tile: on the GPU 64 tokens
+                num_warps: int | None = None, quantized: bool = False,
+                sms: int | None = None) -> tuple[int, int, int, int]:
+    """(tokens per tile, splits, tiles per split, warps) the launchers use. Default tile: on the GPU 64 tokens
     (`DEFAULT_TILE`), in the interpreter whole pages (up to 128), since it pays per operation rather than per
-    element. Warps (default 4) are capped at tile / 8 (the score dot [16, T] spreads its T columns over the warps 8
-    at a time; beyond that warps only hold copies)."""
+    element. Default splits and warps on the GPU (`sms` SMs, queried when None; off the GPU 1 split):
+    - quantized formats (fp16 dots) with enough tiles to fill every SM's `RESIDENT` programs: 2 warps per program
+      and splits = RESIDENT x SMs // (rows x KV heads), one wave. H200, M3 shape, us per layer: batch 256 (2
+      splits) nvfp4 74.1 -> 69.3, mxfp4 83.0 -> 75.5, fp8 50.9 -> 48.0 against 4 warps; batch 64 nvfp4 31.2 (4
+      warps, 5 splits) -> 25.8 (2 warps, 8 splits), while 2 warps with 5 splits gave 34.1;
+    - otherwise (bf16, or too few tiles: batch 16 and below at M3's shape, not re-measured) 4 warps and about two
+      programs per SM, never more splits than tiles.
+    Warps are capped at tile / 8 (the score dot [16, T] spreads its T columns over the warps 8 at a time; beyond
+    that warps only hold copies)."""
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     t = min(tile_tokens or (128 if interp else DEFAULT_TILE), page_size)
     if page_size % t or (t < 16 and not interp):
         raise KernelArgumentError(f"a tile of {t} tokens must divide the page size {page_size} and be >= 16")
     n_tiles = topk * (block_size // t)
+    programs = max(1, rows * num_kv_heads)
+    if sms is None and torch.device(device).type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    fill = quantized and sms is not None and programs * n_tiles >= RESIDENT * sms
     if num_splits is None:
         splits = 1
-        if torch.device(device).type == "cuda":
-            sms = torch.cuda.get_device_properties(device).multi_processor_count
-            splits = max(1, min(n_tiles, math.ceil(2 * sms / max(1, rows * num_kv_heads))))
+        if sms is not None:
+            splits = RESIDENT * sms // programs if fill else math.ceil(2 * sms / programs)
+            splits = max(1, min(n_tiles, splits))
     else:
         splits = int(num_splits)
     if splits < 1:
         raise KernelArgumentError(f"num_splits must be >= 1, got {splits}")
-    warps = int(num_warps or 4)
+    warps = int(num_warps or (2 if fill else 4))
     if warps < 1 or warps & (warps - 1):
         raise KernelArgumentError(f"num_warps must be a power of two, got {warps}")
     warps = max(1, min(warps, t // 8))
@@ -466,7 +496,7 @@ def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_
     f16 = uses_fp16_dots(fmt)
     e2m1 = fmt.element is not None and fmt.element.name == "e2m1"
     t, splits, tiles_per_split, warps = launch_plan(rows, hkv, topk, block_size, k_cache.page_size, q.device,
-                                                    num_splits, tile_tokens, num_warps)
+                                                    num_splits, tile_tokens, num_warps, quantized=f16)
     # bf16 tiles feed the dots as loaded, which Triton's pipeliner handles (copies straight to shared memory)
     if prefetch is None:
         prefetch = 1 if f16 else 0
@@ -484,7 +514,9 @@ def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_
         num_stages = {2: 1, 1: 3, 0: 2}[prefetch]  # 1: the lookups ahead let Triton's copies run a tile ahead
     if tw != t:
         warps = max(1, min(int(num_warps or 4), tw // 8))
-    if maxnreg is None:  # 4 programs of 4 warps per SM (65536 registers); ptxas may spill a few bytes
+    # 4-warp programs: 4 per SM (65536 registers; ptxas may spill a few bytes); 2-warp programs run uncapped (~240
+    # registers, still 4 per SM; a 168 cap with 2 stages was slower on the H200)
+    if maxnreg is None:
         maxnreg = 128 if f16 and warps == 4 else 0
     launch_opts = {"maxnreg": int(maxnreg)} if maxnreg and q.device.type == "cuda" and torch.version.cuda else {}
     if fmt.element is not None and fmt.element.name == "e2m1" and any(
@@ -563,10 +595,11 @@ def sparse_decode(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, blo
     hand-pipelined loop (num_stages default 1), 1 page lookups one tile ahead (default for quantized formats;
     num_stages default 3: Triton's pipeliner keeps one tile's K/V copies in flight), 0 (False) none (default for
     bf16; num_stages 2); maxnreg: register cap per thread on CUDA (default 128 for quantized formats with 4 warps,
-    0 = none); warps are capped at tile / 8, see `launch_plan`; paired: E2M1 decoded in PAIRED order (fewer
+    0 = none); warps (default 2 or 4) and splits: see `launch_plan`; paired: E2M1 decoded in PAIRED order (fewer
     integer ops, but slower on the H200; default off), True for K and V, "k" for K only, see
-    `kc.e2m1_words_paired`). No host synchronization, so it
-    can be captured in a CUDA graph."""
+    `kc.e2m1_words_paired`; lazy_l: softmax denominators as per-column sums reduced after the loop (default on for
+    quantized formats); joint_max: E8M0 V factors through the softmax max (default on), see `_attend`). No host
+    synchronization, so it can be captured in a CUDA graph."""
     _check_q(q)
     b, hq, d = q.shape
     _check_caches(k_cache, v_cache, q, hq, d, block_size)

@@ -173,10 +173,11 @@ def run_attn_bench(batches=DEFAULT_BATCHES, formats=DEFAULT_FORMATS, context: in
             step = steps[(batch, name)] = _Step(name, batch, context, layers, device, gen)
             label = step.fmt.label
             if run_kernel:
-                t, splits, _, _ = launch_plan(batch, GEOMETRY["num_kv_heads"], GEOMETRY["topk"], GEOMETRY["block_size"],
-                                           GEOMETRY["page_size"], torch.device(device))
+                t, splits, _, warps = launch_plan(batch, GEOMETRY["num_kv_heads"], GEOMETRY["topk"],
+                                                  GEOMETRY["block_size"], GEOMETRY["page_size"], torch.device(device),
+                                                  quantized=step.fmt.element is not None)
                 cases.append(BenchCase(f"triton {label}", step.kernel(), step.bytes, group,
-                                       f"{how} x {layers} layers; tile {t}, splits {splits}",
+                                       f"{how} x {layers} layers; tile {t}, splits {splits}, warps {warps}",
                                        cuda_graph=device.startswith("cuda")))
                 for vname, options in SWEEP if sweep else ():
                     if "native_fp8" in options and step.fmt.scale_element == "e8m0":  # no E4M3 to convert
