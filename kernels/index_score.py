@@ -23,7 +23,7 @@ How it aims to stay bandwidth-bound (H200, batch 64 x 150K: ~706 MB of FP4 keys,
   block scales are applied after the dot instead of on each decoded element. The query operand is block-diagonal,
   Q' [D, (block, row)] (column b MP + r = row r on block b's elements, 0 elsewhere), so one chain of dots of the
   undecorated E2M1 quarters gives every (token, block, row) partial score; each is multiplied by its token's fp32
-  block scale and the blocks are summed (`_post_scale`): no per-element multiply, no relative-exponent trick for
+  block scale and the blocks are summed (`tiles.post_scale`): no per-element multiply, no relative-exponent trick for
   mxfp4 (E8M0 2**e applied in fp32). For mxfp4 the 4 blocks x 4 heads fill the 16 rows a dot is padded to anyway;
   nvfp4 at 4 heads (8 blocks, 32 rows) measured slower than scaling the elements, so it keeps that path.
 - fp8 keys use the hardware e4m3 -> fp16 conversion where it exists (CUDA sm_89+), else an integer decode.
@@ -71,7 +71,8 @@ import triton
 import triton.language as tl
 
 from kvtool.errors import KernelArgumentError
-from kvtool.kernels import codecs as kc
+from kvtool.kernels import index_tiles as tiles
+from kvtool.kernels.index_tiles import SCALE_KIND
 from kvtool.kernels.store import native_fp8
 from kvtool.kernels.topk import MAX_SELECT_BLOCKS, merge_candidates, pick_next, select_from_block_scores
 
@@ -84,11 +85,6 @@ INIT_SCORE = tl.constexpr(1e30)  # kvtool.indexer.INIT_SCORE
 LOCAL_SCORE = tl.constexpr(1e29)  # kvtool.indexer.LOCAL_SCORE
 NAN_RANK = tl.constexpr(-1e30)  # kvtool.indexer.NAN_RANK
 
-# Format.scale_element -> the kernel's SCALE_KIND constexpr (whole-tensor scales arrive as the runtime `gscale`).
-SCALE_KIND = {"none": 0, "fp32-tensor": 0, "fp32-row": 1, "e4m3": 2, "e8m0": 3}
-SK_ROW = tl.constexpr(1)
-SK_E4M3 = tl.constexpr(2)
-SK_E8M0 = tl.constexpr(3)
 
 
 # --------------------------------------------------------------------------------------------------------- helpers
@@ -107,243 +103,6 @@ def _col_nanmax(s, INTERP: tl.constexpr):
         return tl.where(has_nan, float("nan"), tl.max(s, axis=0))
     else:
         return tl.reduce(s, 0, _nanmax)
-
-
-@triton.jit
-def _to_dot(x, DOT_F32: tl.constexpr):
-    """fp32 values already exact in fp16 -> the dot operand type (fp16; fp32 under the interpreter)."""
-    x16 = x.to(tl.float16)
-    if DOT_F32:
-        return x16.to(tl.float32)
-    else:
-        return x16
-
-
-@triton.jit
-def _pow2_up_down(amax):
-    """Per row: (2**a, 2**-a) with amax * 2**a in [2**14, 2**15) (a clamped to +-126), by exponent bits."""
-    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    a = tl.minimum(tl.maximum(14 - e, -126), 126)
-    return kc.exp2_int(a), kc.exp2_int(-a)
-
-
-@triton.jit
-def _q_operand(q_ptr, q_off, row_ok, up, idx, DOT_F32: tl.constexpr):
-    """Query rows [MP] at element indices idx [K] (bf16), times 2**a per row, as a dot B operand [K, MP]."""
-    q = tl.load(q_ptr + q_off[:, None] + idx[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    return tl.trans(_to_dot(q * up[:, None], DOT_F32))
-
-
-@triton.jit
-def _q_blockdiag(q_ptr, q_off, row_ok, up, idx, NSBP: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-                 DOT_F32: tl.constexpr):
-    """The block-diagonal query operand of POST_SCALE launches: [K, MP NSBP], column b MP + r holds row r's elements
-    idx [K] (times 2**a) where they lie in scale block b (idx // SCALE_BLOCK == b), else 0. One dot with undecorated
-    E2M1 keys then gives every (block, row) partial score; the block scales multiply those (`_post_scale`)."""
-    MP: tl.constexpr = up.shape[0]
-    c = tl.arange(0, NSBP * MP)
-    bb = c // MP
-    q_off2 = tl.reshape(tl.broadcast_to(q_off[None, :], [NSBP, MP]), [NSBP * MP])
-    ok2 = tl.reshape(tl.broadcast_to(row_ok[None, :], [NSBP, MP]), [NSBP * MP])
-    up2 = tl.reshape(tl.broadcast_to(up[None, :], [NSBP, MP]), [NSBP * MP])
-    inblk = (idx[None, :] // SCALE_BLOCK) == bb[:, None]
-    q = tl.load(q_ptr + q_off2[:, None] + idx[None, :], mask=ok2[:, None] & inblk, other=0.0).to(tl.float32)
-    return tl.trans(_to_dot(q * up2[:, None], DOT_F32))
-
-
-@triton.jit
-def _load_query(q_ptr, q_off, row_ok, gscale, D: tl.constexpr, PAYLOAD_BITS: tl.constexpr, NATIVE_FP8: tl.constexpr,
-                FP4_WORDS: tl.constexpr, POST_SCALE: tl.constexpr, NSBP: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-                DOT_F32: tl.constexpr):
-    """Rows [MP] of bf16 queries -> (four dot B operands, column scale [MP] fp32). bf16 caches: the bf16 rows [D, MP]
-    (four times the same). fp8: fp16 rows times 2**a. FP4: the four element orders of `kc.fp4_quarter` ([D/4, MP]
-    each: column c of quarter K is element 8 (c // 2) + K + 4 (c % 2)), or without FP4_WORDS the even and odd
-    elements of `kc.fp4_bytes` ([D/2, MP] each, twice); with POST_SCALE the quarters block-diagonal
-    ([D/4, MP NSBP], see `_q_blockdiag`). The column scale undoes 2**a and carries
-    the whole-tensor factor and the fixed power of two of the key decode (2**8 portable fp8, 2**14 FP4)."""
-    c = tl.arange(0, D)
-    if PAYLOAD_BITS == 16:
-        q = tl.load(q_ptr + q_off[:, None] + c[None, :], mask=row_ok[:, None], other=0.0)
-        if DOT_F32:
-            q = q.to(tl.float32)
-        colscale = tl.full(row_ok.shape, 1.0, tl.float32) * gscale
-        return tl.trans(q), tl.trans(q), tl.trans(q), tl.trans(q), colscale
-    elif PAYLOAD_BITS == 8:
-        q = tl.load(q_ptr + q_off[:, None] + c[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-        up, down = _pow2_up_down(tl.max(tl.abs(q), axis=1))
-        qa = tl.trans(_to_dot(q * up[:, None], DOT_F32))
-        return qa, qa, qa, qa, down * (gscale if NATIVE_FP8 else gscale * 256.0)
-    else:
-        q = tl.load(q_ptr + q_off[:, None] + c[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-        up, down = _pow2_up_down(tl.max(tl.abs(q), axis=1))
-        if POST_SCALE:
-            cq = tl.arange(0, D // 4)
-            idx = 8 * (cq // 2) + 4 * (cq % 2)
-            qa = _q_blockdiag(q_ptr, q_off, row_ok, up, idx, NSBP, SCALE_BLOCK, DOT_F32)
-            qb = _q_blockdiag(q_ptr, q_off, row_ok, up, idx + 1, NSBP, SCALE_BLOCK, DOT_F32)
-            qc = _q_blockdiag(q_ptr, q_off, row_ok, up, idx + 2, NSBP, SCALE_BLOCK, DOT_F32)
-            qd = _q_blockdiag(q_ptr, q_off, row_ok, up, idx + 3, NSBP, SCALE_BLOCK, DOT_F32)
-        elif FP4_WORDS:
-            cq = tl.arange(0, D // 4)
-            idx = 8 * (cq // 2) + 4 * (cq % 2)
-            qa = _q_operand(q_ptr, q_off, row_ok, up, idx, DOT_F32)
-            qb = _q_operand(q_ptr, q_off, row_ok, up, idx + 1, DOT_F32)
-            qc = _q_operand(q_ptr, q_off, row_ok, up, idx + 2, DOT_F32)
-            qd = _q_operand(q_ptr, q_off, row_ok, up, idx + 3, DOT_F32)
-        else:  # even and odd elements (the compiled code wants one return with one type per branch)
-            ev = 2 * tl.arange(0, D // 2)
-            qa = _q_operand(q_ptr, q_off, row_ok, up, ev, DOT_F32)
-            qb = _q_operand(q_ptr, q_off, row_ok, up, ev + 1, DOT_F32)
-            qc, qd = qa, qb
-        return qa, qb, qc, qd, down * (gscale * 16384.0)
-
-
-@triton.jit
-def _scaled(x, f16, TILE_T: tl.constexpr, NSB: tl.constexpr):
-    """fp16 [T, C] times a per-(token, scale block) fp16 factor f16 [T, NSB] (block b = columns b C/NSB ..)."""
-    C: tl.constexpr = x.shape[1]
-    return tl.reshape(tl.reshape(x, [TILE_T, NSB, C // NSB]) * f16[:, :, None], [TILE_T, C])
-
-
-@triton.jit
-def _f32_operand(x, DOT_F32: tl.constexpr):
-    if DOT_F32:
-        return x.to(tl.float32)
-    else:
-        return x
-
-
-@triton.jit
-def _page_of(bt_row, t0, t_lim, num_pages, PAGE: tl.constexpr):
-    """Page id of the tile starting at token t0, or -1 (at or past t_lim, or a -1 / out-of-range table entry)."""
-    pg = tl.load(bt_row + t0 // PAGE, mask=t0 < t_lim, other=-1)
-    return tl.where((pg >= 0) & (pg < num_pages), pg, -1)
-
-
-@triton.jit
-def _fetch(data_ptr, pg, t0, t_lim, page_bytes, D: tl.constexpr, TILE_T: tl.constexpr, PAGE: tl.constexpr,
-           PB: tl.constexpr, SB: tl.constexpr, PAYLOAD_BITS: tl.constexpr, SCALE_KIND: tl.constexpr,
-           SCALE_BLOCK: tl.constexpr, FP4_WORDS: tl.constexpr, POST_SCALE: tl.constexpr):
-    """Issue the loads of one key tile (tokens t0 .. t0 + TILE_T, all in page pg; token r's payload at byte
-    r PB of the page's payload plane, its scales at r SB of the scale plane): (payload, scales) as stored: int16
-    [T, D] (bf16), uint8 [T, D] (e4m3), uint32 words [T, D/8] (packed E2M1); scales as `_fetch_scales` gives them.
-    Tokens at or past t_lim, or of page -1, read as 0 and touch no memory."""
-    r = tl.arange(0, TILE_T)
-    ok = ((t0 + r) < t_lim) & (pg >= 0)
-    pay = tl.maximum(pg, 0).to(tl.int64) * page_bytes + (t0 % PAGE) * PB
-    if PAYLOAD_BITS == 16:
-        ptrs = data_ptr.to(tl.pointer_type(tl.int16)) + pay // 2 + r[:, None] * (PB // 2) + tl.arange(0, D)[None, :]
-    elif PAYLOAD_BITS == 8:
-        ptrs = data_ptr + pay + r[:, None] * PB + tl.arange(0, D)[None, :]
-    elif not FP4_WORDS:
-        ptrs = data_ptr + pay + r[:, None] * PB + tl.arange(0, D // 2)[None, :]
-    else:
-        ptrs = data_ptr.to(tl.pointer_type(tl.uint32)) + pay // 4 + r[:, None] * (PB // 4) \
-            + tl.arange(0, D // 8)[None, :]
-    payload = tl.load(ptrs, mask=ok[:, None], other=0)
-    scales = _fetch_scales(data_ptr, pg, t0, t_lim, page_bytes, D, TILE_T, PAGE, PB, SB, PAYLOAD_BITS, SCALE_KIND,
-                           SCALE_BLOCK, FP4_WORDS, POST_SCALE)
-    return payload, scales
-
-
-@triton.jit
-def _fetch_scales(data_ptr, pg, t0, t_lim, page_bytes, D: tl.constexpr, TILE_T: tl.constexpr, PAGE: tl.constexpr,
-                  PB: tl.constexpr, SB: tl.constexpr, PAYLOAD_BITS: tl.constexpr, SCALE_KIND: tl.constexpr,
-                  SCALE_BLOCK: tl.constexpr, FP4_WORDS: tl.constexpr, POST_SCALE: tl.constexpr):
-    """The scales of one key tile (see `_fetch`) as stored: uint8 [T, D/block] block scales, one uint32 word [T] of
-    four E8M0 bytes (mxfp4 with four blocks per token, without POST_SCALE), fp32 [T] row scales, or fp32 zeros [T]
-    when there are none. FP4 without FP4_WORDS: the block scale of every payload byte, uint8 [T, D/2] (gathered: no
-    reshape needed to apply it)."""
-    r = tl.arange(0, TILE_T)
-    ok = ((t0 + r) < t_lim) & (pg >= 0)
-    sc = tl.maximum(pg, 0).to(tl.int64) * page_bytes + PAGE * PB + (t0 % PAGE) * SB
-    if SCALE_KIND == SK_ROW:
-        scales = tl.load(data_ptr.to(tl.pointer_type(tl.float32)) + sc // 4 + r, mask=ok, other=1.0)
-    elif (PAYLOAD_BITS == 4) & (not FP4_WORDS):
-        blk = tl.arange(0, D // 2) // (SCALE_BLOCK // 2)
-        scales = tl.load(data_ptr + sc + r[:, None] * SB + blk[None, :], mask=ok[:, None], other=0)
-    elif (SCALE_KIND == SK_E8M0) & (D // SCALE_BLOCK == 4) & (not POST_SCALE):  # four E8M0 bytes in one word
-        scales = tl.load(data_ptr.to(tl.pointer_type(tl.uint32)) + sc // 4 + r, mask=ok, other=0)
-    elif SCALE_KIND >= SK_E4M3:
-        scales = tl.load(data_ptr + sc + r[:, None] * SB + tl.arange(0, D // SCALE_BLOCK)[None, :],
-                         mask=ok[:, None], other=0)
-    else:
-        scales = tl.zeros([TILE_T], tl.float32)
-    return scales
-
-
-@triton.jit
-def _post_scale(acc, scales, TILE_T: tl.constexpr, NSBP: tl.constexpr, SCALE_KIND: tl.constexpr,
-                NATIVE_FP8: tl.constexpr):
-    """Partial scores fp32 [T, NSBP MP] (column b MP + r: row r over scale block b) times the tokens' block scales
-    (uint8 [T, NSBP] E4M3 or E8M0, decoded to fp32, NaN codes to NaN), summed over the blocks: fp32 [T, MP]."""
-    MP: tl.constexpr = acc.shape[1] // NSBP
-    if SCALE_KIND == SK_E4M3:
-        f = kc.e4m3_decode_any(scales, NATIVE_FP8)
-    else:
-        f = kc.e8m0_decode_any(scales)
-    return tl.sum(tl.reshape(acc, [TILE_T, NSBP, MP]) * f[:, :, None], axis=1)
-
-
-@triton.jit
-def _tile_dot(payload, scales, qa, qb, qc, qd, D: tl.constexpr, TILE_T: tl.constexpr, PAYLOAD_BITS: tl.constexpr,
-              SCALE_KIND: tl.constexpr, SCALE_BLOCK: tl.constexpr, NATIVE_FP8: tl.constexpr,
-              FP4_WORDS: tl.constexpr, POST_SCALE: tl.constexpr, NSBP: tl.constexpr, DOT_F32: tl.constexpr):
-    """Decode one fetched key tile and dot it with the query rows: fp32 [TILE_T, MP], times any per-token factor
-    (fp8 row scale, mxfp4 2**emax), before the column scale."""
-    if PAYLOAD_BITS == 16:
-        if DOT_F32:
-            k = (payload.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-        else:
-            k = payload.to(tl.bfloat16, bitcast=True)
-        acc = tl.dot(k, qa)
-    elif PAYLOAD_BITS == 8:
-        if NATIVE_FP8:  # hardware e4m3 -> fp16 (two per instruction; NaN codes give NaN)
-            k = payload.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        else:  # the value times 2**-8 (the column scale holds 2**8)
-            k = kc.e4m3_decode_f16(payload, False)
-        acc = tl.dot(_f32_operand(k, DOT_F32), qa)
-    elif POST_SCALE:  # undecorated E2M1 quarters x the block-diagonal query, then the block scales
-        NW_: tl.constexpr = D // 8
-        acc = tl.dot(_f32_operand(kc.fp4_quarter(payload, 0, TILE_T, NW_), DOT_F32), qa)
-        acc = tl.dot(_f32_operand(kc.fp4_quarter(payload, 1, TILE_T, NW_), DOT_F32), qb, acc)
-        acc = tl.dot(_f32_operand(kc.fp4_quarter(payload, 2, TILE_T, NW_), DOT_F32), qc, acc)
-        acc = tl.dot(_f32_operand(kc.fp4_quarter(payload, 3, TILE_T, NW_), DOT_F32), qd, acc)
-        acc = _post_scale(acc, scales, TILE_T, NSBP, SCALE_KIND, NATIVE_FP8)
-    elif not FP4_WORDS:  # bytes: even and odd elements, each block scale gathered per byte [T, D/2]
-        even, odd = kc.fp4_bytes(payload)
-        if SCALE_KIND == SK_E4M3:
-            if NATIVE_FP8:
-                f16 = scales.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-            else:
-                f16 = kc.e4m3_decode_f16(scales)
-        else:  # the same factors as the word path, from the gathered bytes
-            f16, rowfac = kc.e8m0_tile_factors(scales)
-        acc = tl.dot(_f32_operand(even * f16, DOT_F32), qa)
-        acc = tl.dot(_f32_operand(odd * f16, DOT_F32), qb, acc)
-        if SCALE_KIND == SK_E8M0:
-            acc = acc * rowfac[:, None]
-    else:
-        NW: tl.constexpr = D // 8  # uint32 words per token
-        NSB: tl.constexpr = D // SCALE_BLOCK  # scale blocks per token
-        if SCALE_KIND == SK_E4M3:
-            if NATIVE_FP8:
-                f16 = scales.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-            else:
-                f16 = kc.e4m3_decode_f16(scales)
-        elif NSB == 4:
-            f16, rowfac = kc.e8m0_word_factors(scales)
-        else:
-            f16, rowfac = kc.e8m0_tile_factors(scales)
-        acc = tl.dot(_f32_operand(_scaled(kc.fp4_quarter(payload, 0, TILE_T, NW), f16, TILE_T, NSB), DOT_F32), qa)
-        acc = tl.dot(_f32_operand(_scaled(kc.fp4_quarter(payload, 1, TILE_T, NW), f16, TILE_T, NSB), DOT_F32), qb, acc)
-        acc = tl.dot(_f32_operand(_scaled(kc.fp4_quarter(payload, 2, TILE_T, NW), f16, TILE_T, NSB), DOT_F32), qc, acc)
-        acc = tl.dot(_f32_operand(_scaled(kc.fp4_quarter(payload, 3, TILE_T, NW), f16, TILE_T, NSB), DOT_F32), qd, acc)
-        if SCALE_KIND == SK_E8M0:
-            acc = acc * rowfac[:, None]
-    if SCALE_KIND == SK_ROW:
-        acc = acc * scales[:, None]
-    return acc
 
 
 @triton.jit
@@ -384,16 +143,16 @@ def _tile_step(j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, p
     t = t0 + tl.arange(0, TILE_T)
     if PREFETCH:
         cur_pay, cur_sc, cur_pg = payload, scales, pg
-        payload, scales = _fetch(data_ptr, pg_next, t0 + TILE_T, t_lim, page_bytes, D, TILE_T, PAGE, PB, SB,
-                                 PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE)
+        payload, scales = tiles.fetch(data_ptr, pg_next, t0 + TILE_T, t_lim, page_bytes, D, TILE_T, PAGE, PB, SB,
+                                      PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE)
         pg = pg_next
-        pg_next = _page_of(bt_row, t0 + 2 * TILE_T, t_lim, num_pages, PAGE)
+        pg_next = tiles.page_of(bt_row, t0 + 2 * TILE_T, t_lim, num_pages, PAGE)
     else:
-        cur_pg = _page_of(bt_row, t0, t_lim, num_pages, PAGE)
-        cur_pay, cur_sc = _fetch(data_ptr, cur_pg, t0, t_lim, page_bytes, D, TILE_T, PAGE, PB, SB, PAYLOAD_BITS,
-                                 SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE)
-    acc = _tile_dot(cur_pay, cur_sc, qa, qb, qc, qd, D, TILE_T, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, NATIVE_FP8,
-                    FP4_WORDS, POST_SCALE, NSBP, DOT_F32)
+        cur_pg = tiles.page_of(bt_row, t0, t_lim, num_pages, PAGE)
+        cur_pay, cur_sc = tiles.fetch(data_ptr, cur_pg, t0, t_lim, page_bytes, D, TILE_T, PAGE, PB, SB,
+                                      PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE)
+    acc = tiles.tile_dot(cur_pay, cur_sc, qa, qb, qc, qd, D, TILE_T, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK,
+                         NATIVE_FP8, FP4_WORDS, POST_SCALE, NSBP, DOT_F32)
     if ONE_POS:  # decode: every row sits at ctx - 1, so "t <= pos" is "t < t_lim"
         keep = ((t < t_lim) & (cur_pg >= 0))[:, None]
     else:
@@ -445,7 +204,7 @@ def _index_score_kernel(
     MODE: tl.constexpr,  # MODE_TOKENS | MODE_BLOCKS | MODE_TOPK
     NATIVE_FP8: tl.constexpr,  # hardware e4m3 -> fp16 conversion (CUDA sm_89+)
     FP4_WORDS: tl.constexpr,  # FP4: decode uint32 words in quarters (else bytes; see `kc.fp4_bytes`)
-    POST_SCALE: tl.constexpr,  # FP4 words: block scales applied after the dot (block-diagonal query, `_post_scale`)
+    POST_SCALE: tl.constexpr,  # FP4 words: block scales applied after the dot (block-diagonal query; tiles.post_scale)
     NSBP: tl.constexpr,  # POST_SCALE: scale blocks per token (dot rows MP NSBP); else 1
     PREFETCH: tl.constexpr,  # register double buffer of the next tile (else: the compiler's pipelining)
     DOT_F32: tl.constexpr,  # interpreter: dot in fp32
@@ -465,8 +224,8 @@ def _index_score_kernel(
     blk0 = split * CH
     n_iter = tl.minimum((tile_pos + BS) // BS - blk0, CH)  # (tile_pos // BS + 1), also right for tile_pos = -1
     q_off = b.to(tl.int64) * stride_qb + qi.to(tl.int64) * stride_qq + h * stride_qh
-    qa, qb, qc, qd, colscale = _load_query(q_ptr, q_off, row_ok, gscale, D, PAYLOAD_BITS, NATIVE_FP8, FP4_WORDS,
-                                           POST_SCALE, NSBP, SCALE_BLOCK, DOT_F32)
+    qa, qb, qc, qd, colscale = tiles.load_query(q_ptr, q_off, row_ok, gscale, D, PAYLOAD_BITS, NATIVE_FP8,
+                                                FP4_WORDS, POST_SCALE, NSBP, SCALE_BLOCK, DOT_F32)
     out_row = ((b * Q + qi) * HI + h).to(tl.int64) * n_out
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     col = tl.arange(0, CH)
@@ -475,10 +234,10 @@ def _index_score_kernel(
     TPB: tl.constexpr = BS // TILE_T
     n_tiles = n_iter * TPB
     t_lim = tl.minimum(t_end, (blk0 + tl.maximum(n_iter, 0)) * BS)  # this program's tokens end here
-    pg = _page_of(bt_row, blk0 * BS, t_lim, num_pages, PAGE)
-    payload, scales = _fetch(data_ptr, pg, blk0 * BS, t_lim if PREFETCH else 0, page_bytes, D, TILE_T, PAGE, PB, SB,
-                             PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE)
-    pg_next = _page_of(bt_row, blk0 * BS + TILE_T, t_lim, num_pages, PAGE)
+    pg = tiles.page_of(bt_row, blk0 * BS, t_lim, num_pages, PAGE)
+    payload, scales = tiles.fetch(data_ptr, pg, blk0 * BS, t_lim if PREFETCH else 0, page_bytes, D, TILE_T, PAGE,
+                                  PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE)
+    pg_next = tiles.page_of(bt_row, blk0 * BS + TILE_T, t_lim, num_pages, PAGE)
     if DOT_F32:
         # the interpreter cannot take a loaded scalar as a loop bound: run every step, skip the empty ones
         for j in range(0, CH * TPB):
