@@ -16,7 +16,7 @@ quantized format (bf16 for bf16), in element order:
   output needs no permutation. NVFP4 block scales multiply in fp16 exactly (code * scale has <= 5 significant bits).
   MXFP4 scales 2**e leave fp16's range, so each token is normalized by its largest block (2**e_tok, applied in fp32
   to the score column for K and to the probability column for V); the remaining 2**(e - e_tok) is exact in fp16
-  while a token's blocks lie within 2**9 of each other (see `_decode`).
+  while a token's blocks lie within 2**9 of each other (see `tiles.decode`).
 - E4M3 (fp8): `e4m3_decode` by bits (portable, tested), or the hardware fp8 conversion behind `native_fp8`
   (CUDA capability >= 8.9 only); E4M3 values are exact in fp16. Per-token fp32 scales multiply score columns (K)
   and probability columns (V, over the tile's largest so that P stays within fp16's range).
@@ -67,17 +67,11 @@ import triton
 import triton.language as tl
 
 from kvtool.errors import KernelArgumentError
+from kvtool.kernels import attn_tiles as tiles
 from kvtool.kernels import codecs as kc
+from kvtool.kernels.attn_tiles import SCALE_E8M0, SCALE_ROW
 from kvtool.paged import PagedCache
 
-# Element and scale kinds (constexpr codes). The launcher maps Format fields onto them (formats are data).
-ELEM_BF16 = tl.constexpr(0)
-ELEM_E4M3 = tl.constexpr(1)
-ELEM_E2M1 = tl.constexpr(2)
-SCALE_NONE = tl.constexpr(0)  # no per-token scale (a whole-tensor scale, if any, is a folded scalar)
-SCALE_ROW = tl.constexpr(1)  # one fp32 per (token, head)
-SCALE_E4M3 = tl.constexpr(2)  # one E4M3 byte per BLOCK elements
-SCALE_E8M0 = tl.constexpr(3)  # one E8M0 byte per BLOCK elements
 
 _ELEMENT_CODE = {"bf16": 0, "e4m3": 1, "e2m1": 2}
 _SCALE_CODE = {"none": 0, "fp32-tensor": 0, "fp32-row": 1, "e4m3": 2, "e8m0": 3}
@@ -91,101 +85,13 @@ DEFAULT_LAZY_L = True  # softmax denominators reduced once after the loop, for f
 DEFAULT_JOINT = True  # E8M0 V factors through the softmax max (see _attend)
 
 
-# ------------------------------------------------------------------------------------------------- tile decoding
-@triton.jit
-def _dot_operand(x, F16: tl.constexpr, FP32_DOT: tl.constexpr):
-    """Round to the dot dtype (fp16 or bf16); in the interpreter carry the rounded values as fp32."""
-    if F16:
-        y = x.to(tl.float16)
-    else:
-        y = x.to(tl.bfloat16)
-    if FP32_DOT:
-        y = y.to(tl.float32)
-    return y
-
-
+# ------------------------------------------------------------------------------------------- host-side helpers
 def paired_order(d: int) -> torch.Tensor:
     """The PAIRED column order of `kc.e2m1_words_paired` as an index tensor [d] (column -> element), for tests."""
     c = torch.arange(d)
     r = c % 8
     return c - r + ((r & 1) << 2) + (r & 2) + (r >> 2)
 
-
-@triton.jit
-def _meta(ids_row, table_row, i, i_end, pos, TPB: tl.constexpr, BS: tl.constexpr, T: tl.constexpr, P: tl.constexpr):
-    """Tile i of a row's selection (tiles at or past i_end are dead) -> (s0 its first token, live, page). A dead
-    tile (past the end, a -1 slot, wholly after the query, or a -1 page) has live False and page -1."""
-    bid = tl.load(ids_row + i // TPB, mask=i < i_end, other=-1)
-    s0 = bid * BS + (i % TPB) * T  # all T tokens share one page: T divides P
-    live = (bid >= 0) & (s0 <= pos)
-    page = tl.load(table_row + s0 // P, mask=live, other=-1)
-    return s0, live & (page >= 0), page
-
-
-@triton.jit
-def _load_raw(ptr, page, s0, live, pos, h, stride_p, stride_h, P: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
-              TW: tl.constexpr, PB: tl.constexpr, ELEM: tl.constexpr, SCALE: tl.constexpr, QBLOCK: tl.constexpr):
-    """Issue the loads of one K or V tile, as stored: (payload, scales, valid [T]). payload: int32 words [T, D/8]
-    (E2M1, 4 packed bytes each), uint8 [T, D] (E4M3) or bf16 [T, D]; scales: uint8 [T, D/QBLOCK] (block scales),
-    fp32 [T] (fp8 `token`) or an unused fp32 [T]. Tokens after the query or of a dead tile are masked: they read
-    as 0 and touch no memory. `ptr` is the cache's uint8 data (a bf16 view for bf16)."""
-    tile = tl.arange(0, TW)  # TW >= T: columns T.. (E2M1 16-token tiles padded to 32) are masked, never loaded
-    valid = live & (tile < T) & (s0 + tile <= pos)
-    off = s0 % P + tile
-    base = tl.maximum(page, 0).to(tl.int64) * stride_p + h * stride_h  # bytes
-    scales = tl.zeros([T], tl.float32)
-    if ELEM == ELEM_E2M1:
-        W: tl.constexpr = D // 8  # int32 words per token
-        NB: tl.constexpr = D // QBLOCK
-        wp = ptr.to(tl.pointer_type(tl.int32)) + base // 4  # slabs and payload rows are 4-byte aligned
-        payload = tl.load(wp + off[:, None] * W + tl.arange(0, W)[None, :], mask=valid[:, None], other=0)
-        scales = tl.load(ptr + base + P * (D // 2) + off[:, None] * NB + tl.arange(0, NB)[None, :],
-                         mask=valid[:, None], other=0)
-    elif ELEM == ELEM_E4M3:
-        payload = tl.load(ptr + base + off[:, None] * D + tl.arange(0, D)[None, :], mask=valid[:, None], other=0)
-        if SCALE == SCALE_ROW:
-            sp = ptr.to(tl.pointer_type(tl.float32)) + (base + P * PB) // 4
-            scales = tl.load(sp + off, mask=valid, other=0.0)
-    else:
-        payload = tl.load(ptr + base // 2 + off[:, None] * D + tl.arange(0, D)[None, :], mask=valid[:, None],
-                          other=0.0)
-    return payload, scales, valid
-
-
-@triton.jit
-def _decode(payload, scales, D: tl.constexpr, T: tl.constexpr, ELEM: tl.constexpr, SCALE: tl.constexpr,
-            QBLOCK: tl.constexpr, NATIVE_FP8: tl.constexpr, F16: tl.constexpr, PAIRED: tl.constexpr):
-    """A tile as loaded by `_load_raw` -> (x [T, D] in element order, masked tokens 0; rs [T] fp32 per-token factor).
-    x is fp16 with F16, else fp32 (bf16 as loaded for bf16); the dequantized value of token t is x[t] * rs[t] (times
-    the launcher's folded scalars). PAIRED (E2M1): x's columns in `kc.e2m1_words_paired` order.
-    - E2M1 values carry 2**-14 (e2m1_words_f16; the launcher folds 2**14 into the scalars). With E4M3 block scales
-      the fp16 product code * 2**-14 * scale is exact (<= 5 significant bits, on the fp16 grid down to 2**-24).
-    - With E8M0 block scales 2**e, each token is normalized by its largest block, 2**e_tok (rs): blocks multiply by
-      2**(e - e_tok) in fp16, exact while a token's blocks lie within 2**9 of its largest; smaller blocks round on
-      fp16's subnormal grid (absolute error <= 2**(e_tok - 11), about 1e-4 of the token's largest value).
-    - fp8 `token` scales come back as rs; E4M3 values are exact in fp16."""
-    rs = tl.full([T], 1.0, tl.float32)  # unused unless a per-token factor applies
-    if ELEM == ELEM_E2M1:
-        NB: tl.constexpr = D // QBLOCK
-        if SCALE == SCALE_E4M3:
-            s = kc.e4m3_decode_to(scales, NATIVE_FP8, True)  # fp16, exact
-        else:
-            e = scales.to(tl.int32) - 127  # E8M0 exponents
-            e_tok = tl.max(e, axis=1)
-            s = kc.pow2_f16(e - e_tok[:, None])
-            rs = kc.exp2_int(e_tok)
-        if PAIRED:
-            x = kc.e2m1_words_paired(payload, T, D // 8)
-        else:
-            x = kc.e2m1_words_f16(payload, T, D // 8)
-        x = tl.reshape(tl.reshape(x, [T, NB, QBLOCK]) * s[:, :, None], [T, D])
-    elif ELEM == ELEM_E4M3:
-        x = kc.e4m3_decode_to(payload, NATIVE_FP8, F16)
-        if SCALE == SCALE_ROW:
-            rs = scales
-    else:
-        x = payload
-    return x, rs
 
 
 @triton.jit
@@ -202,11 +108,11 @@ def _attend(q, acc, m_i, l_i, mv_i, kp, ks, vp, vs, valid, qk_scale, D: tl.const
       with mv_i the running max of s + e_v, reduced in the same cross-warp reduction as the softmax max m_i (one
       instead of two per tile, and no tile max of the V factors); acc is kept relative to mv_i (the kernel moves
       it to m_i's reference after the loop). Exact: e_v is an integer, every factor a power of two."""
-    ROWSCALE: tl.constexpr = (SCALE == SCALE_ROW) or (SCALE == SCALE_E8M0)  # a per-token factor (see _decode)
+    ROWSCALE: tl.constexpr = (SCALE == SCALE_ROW) or (SCALE == SCALE_E8M0)  # a per-token factor (see tiles.decode)
     PAIRED_K: tl.constexpr = PAIRED >= 1
     PAIRED_V: tl.constexpr = PAIRED == 1
-    k, k_rs = _decode(kp, ks, D, T, ELEM, SCALE, QBLOCK, NATIVE_FP8, F16, PAIRED_K)
-    qk = tl.dot(q, tl.trans(_dot_operand(k, F16, FP32_DOT)))
+    k, k_rs = tiles.decode(kp, ks, D, T, ELEM, SCALE, QBLOCK, NATIVE_FP8, F16, PAIRED_K)
+    qk = tl.dot(q, tl.trans(tiles.dot_operand(k, F16, FP32_DOT)))
     if ROWSCALE:
         qk = qk * k_rs[None, :]
     s = tl.where(valid[None, :], qk * qk_scale, -float("inf"))
@@ -227,30 +133,30 @@ def _attend(q, acc, m_i, l_i, mv_i, kp, ks, vp, vs, valid, qk_scale, D: tl.const
         l_i = l_i * alpha[:, None] + p
     else:
         l_i = l_i * alpha + tl.sum(p, axis=1)
-    v, v_rs = _decode(vp, vs, D, T, ELEM, SCALE, QBLOCK, NATIVE_FP8, F16, PAIRED_V)
-    v = _dot_operand(v, F16, FP32_DOT)
+    v, v_rs = tiles.decode(vp, vs, D, T, ELEM, SCALE, QBLOCK, NATIVE_FP8, F16, PAIRED_V)
+    v = tiles.dot_operand(v, F16, FP32_DOT)
     if JOINT:
         mv_safe = tl.where(mv_new == -float("inf"), 0.0, mv_new)
         p = tl.exp2(sv - mv_safe[:, None])  # <= 1; v (decoded over each token's largest block) times this is exact
-        p_hi = _dot_operand(p, F16, FP32_DOT)
+        p_hi = tiles.dot_operand(p, F16, FP32_DOT)
         acc = tl.dot(p_hi, v, acc * tl.exp2(mv_i - mv_safe)[:, None])
         if P_SPLIT:
-            acc = tl.dot(_dot_operand(p - p_hi.to(tl.float32), F16, FP32_DOT), v, acc)
+            acc = tl.dot(tiles.dot_operand(p - p_hi.to(tl.float32), F16, FP32_DOT), v, acc)
     elif ROWSCALE:
         # per-token V factors go into P, over the tile's largest so that P stays in [0, 1] (fp16 range)
         rv_max = tl.max(v_rs, axis=0)
         rv_max = tl.where(rv_max > 0, rv_max, 1.0)
         p = p * (v_rs / rv_max)[None, :]
-        p_hi = _dot_operand(p, F16, FP32_DOT)
+        p_hi = tiles.dot_operand(p, F16, FP32_DOT)
         pv = tl.dot(p_hi, v)
         if P_SPLIT:
-            pv = tl.dot(_dot_operand(p - p_hi.to(tl.float32), F16, FP32_DOT), v, pv)
+            pv = tl.dot(tiles.dot_operand(p - p_hi.to(tl.float32), F16, FP32_DOT), v, pv)
         acc = acc * alpha[:, None] + pv * rv_max
     else:
-        p_hi = _dot_operand(p, F16, FP32_DOT)
+        p_hi = tiles.dot_operand(p, F16, FP32_DOT)
         acc = tl.dot(p_hi, v, acc * alpha[:, None])
         if P_SPLIT:
-            acc = tl.dot(_dot_operand(p - p_hi.to(tl.float32), F16, FP32_DOT), v, acc)
+            acc = tl.dot(tiles.dot_operand(p - p_hi.to(tl.float32), F16, FP32_DOT), v, acc)
     return acc, m_new, l_i, mv_new
 
 
@@ -304,7 +210,7 @@ def _sparse_attn_kernel(
     if PAIRED == 1:
         cols = kc.paired_cols(cols)  # the accumulator and the output in the V tiles' column order
     q_rows = q_ptr + row.to(tl.int64) * stride_qr + (h * G + g)[:, None] * stride_qh
-    q = _dot_operand(tl.load(q_rows + q_cols[None, :], mask=gmask[:, None], other=0.0), F16, FP32_DOT)
+    q = tiles.dot_operand(tl.load(q_rows + q_cols[None, :], mask=gmask[:, None], other=0.0), F16, FP32_DOT)
     acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], -float("inf"), dtype=tl.float32)
     mv_i = tl.full([BLOCK_G], -float("inf"), dtype=tl.float32)  # JOINT: running max of s + e_v
@@ -320,18 +226,18 @@ def _sparse_attn_kernel(
     if PREFETCH == 2:
         # software pipeline by hand: while tile i is computed, the K/V loads of tile i + 1 are in flight and the
         # (block id -> page) lookups of tile i + 2 too, so no load latency sits on the loop's critical path
-        s0, live, page = _meta(ids_row, table_row, t_begin, t_end, pos, TPB, BS, T, P)
-        s0_n, live_n, page_n = _meta(ids_row, table_row, t_begin + 1, t_end, pos, TPB, BS, T, P)
-        kp, ks, valid = _load_raw(k_ptr, page, s0, live, pos, h, stride_kp, stride_kh, P, D, T, TW, PB, ELEM, SCALE,
-                                  QBLOCK)
-        vp, vs, valid = _load_raw(v_ptr, page, s0, live, pos, h, stride_vp, stride_vh, P, D, T, TW, PB, ELEM, SCALE,
-                                  QBLOCK)
+        s0, live, page = tiles.tile_meta(ids_row, table_row, t_begin, t_end, pos, TPB, BS, T, P)
+        s0_n, live_n, page_n = tiles.tile_meta(ids_row, table_row, t_begin + 1, t_end, pos, TPB, BS, T, P)
+        kp, ks, valid = tiles.load_raw(k_ptr, page, s0, live, pos, h, stride_kp, stride_kh, P, D, T, TW, PB, ELEM,
+                                            SCALE, QBLOCK)
+        vp, vs, valid = tiles.load_raw(v_ptr, page, s0, live, pos, h, stride_vp, stride_vh, P, D, T, TW, PB, ELEM,
+                                            SCALE, QBLOCK)
         for it in range(TILES):
-            kp_n, ks_n, valid_n = _load_raw(k_ptr, page_n, s0_n, live_n, pos, h, stride_kp, stride_kh, P, D, T, TW, PB,
-                                            ELEM, SCALE, QBLOCK)
-            vp_n, vs_n, valid_n = _load_raw(v_ptr, page_n, s0_n, live_n, pos, h, stride_vp, stride_vh, P, D, T, TW, PB,
-                                            ELEM, SCALE, QBLOCK)
-            s0_n2, live_n2, page_n2 = _meta(ids_row, table_row, t_begin + it + 2, t_end, pos, TPB, BS, T, P)
+            kp_n, ks_n, valid_n = tiles.load_raw(k_ptr, page_n, s0_n, live_n, pos, h, stride_kp, stride_kh, P, D, T,
+                                                 TW, PB, ELEM, SCALE, QBLOCK)
+            vp_n, vs_n, valid_n = tiles.load_raw(v_ptr, page_n, s0_n, live_n, pos, h, stride_vp, stride_vh, P, D, T,
+                                                 TW, PB, ELEM, SCALE, QBLOCK)
+            s0_n2, live_n2, page_n2 = tiles.tile_meta(ids_row, table_row, t_begin + it + 2, t_end, pos, TPB, BS, T, P)
             acc, m_i, l_i, mv_i = _attend(q, acc, m_i, l_i, mv_i, kp, ks, vp, vs, valid, qk_scale, D, TW, ELEM,
                                           SCALE, QBLOCK, NATIVE_FP8, FP32_DOT, F16, P_SPLIT, PAIRED, LAZY_L,
                                           JOINT)
@@ -340,24 +246,24 @@ def _sparse_attn_kernel(
     elif PREFETCH == 1:
         # lookups only: tile i + 1's (block id -> page) loads are in flight during tile i; its K/V loads are issued
         # in its own iteration (where Triton's pipeliner, num_stages >= 2, may move them earlier)
-        s0_n, live_n, page_n = _meta(ids_row, table_row, t_begin, t_end, pos, TPB, BS, T, P)
+        s0_n, live_n, page_n = tiles.tile_meta(ids_row, table_row, t_begin, t_end, pos, TPB, BS, T, P)
         for it in range(TILES):
             s0, live, page = s0_n, live_n, page_n
-            s0_n, live_n, page_n = _meta(ids_row, table_row, t_begin + it + 1, t_end, pos, TPB, BS, T, P)
-            kp, ks, valid = _load_raw(k_ptr, page, s0, live, pos, h, stride_kp, stride_kh, P, D, T, TW, PB, ELEM,
-                                      SCALE, QBLOCK)
-            vp, vs, valid = _load_raw(v_ptr, page, s0, live, pos, h, stride_vp, stride_vh, P, D, T, TW, PB, ELEM,
-                                      SCALE, QBLOCK)
+            s0_n, live_n, page_n = tiles.tile_meta(ids_row, table_row, t_begin + it + 1, t_end, pos, TPB, BS, T, P)
+            kp, ks, valid = tiles.load_raw(k_ptr, page, s0, live, pos, h, stride_kp, stride_kh, P, D, T, TW, PB, ELEM,
+                                           SCALE, QBLOCK)
+            vp, vs, valid = tiles.load_raw(v_ptr, page, s0, live, pos, h, stride_vp, stride_vh, P, D, T, TW, PB, ELEM,
+                                           SCALE, QBLOCK)
             acc, m_i, l_i, mv_i = _attend(q, acc, m_i, l_i, mv_i, kp, ks, vp, vs, valid, qk_scale, D, TW, ELEM,
                                           SCALE, QBLOCK, NATIVE_FP8, FP32_DOT, F16, P_SPLIT, PAIRED, LAZY_L,
                                           JOINT)
     else:
         for it in range(TILES):  # the last split may run past the end: masked
-            s0, live, page = _meta(ids_row, table_row, t_begin + it, t_end, pos, TPB, BS, T, P)
-            kp, ks, valid = _load_raw(k_ptr, page, s0, live, pos, h, stride_kp, stride_kh, P, D, T, TW, PB, ELEM,
-                                      SCALE, QBLOCK)
-            vp, vs, valid = _load_raw(v_ptr, page, s0, live, pos, h, stride_vp, stride_vh, P, D, T, TW, PB, ELEM,
-                                      SCALE, QBLOCK)
+            s0, live, page = tiles.tile_meta(ids_row, table_row, t_begin + it, t_end, pos, TPB, BS, T, P)
+            kp, ks, valid = tiles.load_raw(k_ptr, page, s0, live, pos, h, stride_kp, stride_kh, P, D, T, TW, PB, ELEM,
+                                           SCALE, QBLOCK)
+            vp, vs, valid = tiles.load_raw(v_ptr, page, s0, live, pos, h, stride_vp, stride_vh, P, D, T, TW, PB, ELEM,
+                                           SCALE, QBLOCK)
             acc, m_i, l_i, mv_i = _attend(q, acc, m_i, l_i, mv_i, kp, ks, vp, vs, valid, qk_scale, D, TW, ELEM,
                                           SCALE, QBLOCK, NATIVE_FP8, FP32_DOT, F16, P_SPLIT, PAIRED, LAZY_L,
                                           JOINT)
@@ -480,7 +386,7 @@ def launch_plan(rows: int, num_kv_heads: int, topk: int, block_size: int, page_s
 
 def uses_fp16_dots(fmt) -> bool:
     """The kernel runs fp16 dots for every quantized format (their tiles are exact in fp16 once whole-tensor and
-    per-token factors are taken out, see `_decode`), and bf16 dots for bf16 (whose range fp16 lacks)."""
+    per-token factors are taken out, see `tiles.decode`), and bf16 dots for bf16 (whose range fp16 lacks)."""
     return fmt.element is not None
 
 
