@@ -137,6 +137,50 @@ def test_select_from_block_scores_matches_the_reference():
                 assert torch.equal(got[i, j], want), (rule, i, j)
 
 
+
+def _check_select(scores: torch.Tensor, pos: torch.Tensor, bs: int, topk: int) -> None:
+    """select_from_block_scores on `DEVICE` == kvtool.indexer.select_topk, row by row, for both tie rules."""
+    from kvtool.indexer import select_topk
+
+    b, q = pos.shape
+    for rule in ("higher-id", "lower-id"):
+        cfg = IndexerConfig(block_size=bs, topk=topk, tie_rule=rule)
+        got = select_from_block_scores(scores.to(DEVICE), pos.to(DEVICE), bs, topk, rule != "lower-id").cpu()
+        want = torch.stack([torch.stack([select_topk(scores[i, j][:, None], pos[i, j:j + 1], cfg)[:, 0]
+                                         for j in range(q)]) for i in range(b)])
+        want[pos < 0] = -1
+        assert torch.equal(got, want), rule
+
+
+def test_select_orders_signed_zeros_subnormals_and_extremes():
+    """The packed (key, id) order: -0 ties +0 (the reference compares floats), subnormals of both signs, the
+    largest finite values, +-inf, forced 1e30 / 1e29 and NaN (ranked -1e30, below -1e29 but above -inf)."""
+    vals = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1e-39, -1e-39, 3.4e38, -3.4e38, math.inf, -math.inf, 1e30, 1e29,
+                         math.nan, -1e29, -1e30, 1.0, -1.0, 1.0000001, 0.9999999])
+    g = torch.Generator().manual_seed(5)
+    nb = 41
+    scores = vals[torch.randint(0, len(vals), (2, 3, 2, nb), generator=g)]
+    scores[0, 0, 0] = -0.0
+    scores[0, 0, 0, ::3] = 0.0  # a row of signed zeros only: ids decide
+    scores[0, 0, 1] = -math.inf  # a row of -inf only: still selectable, by id
+    pos = torch.tensor([[nb * 4 - 1, 17, 0], [-1, nb * 4 - 1, 63]], dtype=torch.int32)
+    _check_select(scores, pos, 4, 9)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nb", [1172, 2048, 2049, 16384])
+def test_select_gpu_wide_rows(nb):
+    """M3-size rows (150K tokens = 1172 blocks, the 2048 / 2049 warp boundary, the 16384-block maximum) with many
+    near-ties (scores on a coarse grid), 64 x 4 rows against the reference."""
+    g = torch.Generator().manual_seed(nb)
+    scores = (torch.randn(8, 1, 4, nb, generator=g) * 4).round() / 4
+    scores[..., 0] = 1e30
+    scores[..., -1] = 1e29
+    pos = torch.randint(0, nb * 128, (8, 1), generator=g, dtype=torch.int32)
+    pos[0, 0] = nb * 128 - 1
+    _check_select(scores, pos, 128, 16)
+
+
 # --------------------------------------------------------------------------------------------------------- decode
 @pytest.mark.parametrize("label", FORMATS)
 def test_decode_ragged_small_blocks(label):
