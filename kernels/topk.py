@@ -19,7 +19,6 @@ from kvtool.errors import KernelArgumentError
 NO_ID = tl.constexpr(-1)  # "no block": padding of the output and of candidate lists
 INT32_MAX = tl.constexpr(2147483647)
 NAN_RANK = tl.constexpr(-1e30)  # kvtool.indexer.NAN_RANK: the key a NaN block score is ranked by
-INT64_MIN = tl.constexpr(-9223372036854775808)  # "not available" in packed_rank's order (below every key)
 
 
 @triton.jit
@@ -67,33 +66,6 @@ def _merge_kernel(
 
 
 @triton.jit
-def packed_rank(keys, ids, avail, HIGHER_ID: tl.constexpr):
-    """keys fp32 [R, N] (no NaN), ids int32 [R, N] (>= 0, unique per row), avail bool [R, N] -> int64 [R, N] whose
-    integer order is the selection order (key descending, then id by the tie rule), INT64_MIN where not available.
-    One max per selection step then finds the next block, where `pick_next` needs two (key, then id); each cross-warp
-    max is a shared-memory round trip with barriers, and 16 steps of them made the select pass latency-bound."""
-    k = tl.where(keys == 0.0, 0.0, keys)  # -0 ties +0, as in the reference's float compare
-    bits = k.to(tl.int32, bitcast=True)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # monotonic in the value: negative floats' magnitude bits flipped
-    if HIGHER_ID:
-        tie = ids
-    else:
-        tie = 0x7FFFFFFF - ids
-    return tl.where(avail, (ordered.to(tl.int64) << 32) | tie.to(tl.int64), INT64_MIN)
-
-
-@triton.jit
-def packed_id(best, HIGHER_ID: tl.constexpr):
-    """The block id of a `packed_rank` value (int64 [R]) -> int32 [R], -1 for INT64_MIN (nothing available)."""
-    lo = (best & 0xFFFFFFFF).to(tl.int32)
-    if HIGHER_ID:
-        bid = lo
-    else:
-        bid = 0x7FFFFFFF - lo
-    return tl.where(best == INT64_MIN, NO_ID, bid)
-
-
-@triton.jit
 def _select_kernel(
     score_ptr,  # fp32 [rows, NB]: block scores, forced blocks applied (MODE_BLOCKS of kernels/index_score.py)
     pos_ptr,  # int32 [rows // HI]: the query position of each row group (-1 = padding)
@@ -112,11 +84,10 @@ def _select_kernel(
     avail = row_ok[:, None] & (c[None, :] < valid[:, None]) & (c[None, :] < NB)
     keys = tl.load(score_ptr + r[:, None].to(tl.int64) * NB + c[None, :], mask=avail, other=float("-inf"))
     keys = tl.where(keys != keys, NAN_RANK, keys)
-    packed = packed_rank(keys, tl.broadcast_to(c[None, :], [ROWS, NC]), avail, HIGHER_ID)
+    ids = tl.broadcast_to(c[None, :], [ROWS, NC])
     for j in tl.static_range(TOPK):
-        best = tl.max(packed, axis=1)
-        tl.store(out_ptr + r.to(tl.int64) * TOPK + j, packed_id(best, HIGHER_ID), mask=row_ok)
-        packed = tl.where(packed == best[:, None], INT64_MIN, packed)  # ids are unique: removes exactly the pick
+        _, best_id, avail = pick_next(keys, ids, avail, HIGHER_ID)
+        tl.store(out_ptr + r.to(tl.int64) * TOPK + j, best_id, mask=row_ok)
 
 
 MAX_SELECT_BLOCKS = 16384  # widest block-score row select_from_block_scores takes (2M tokens at 128-token blocks)
@@ -142,10 +113,10 @@ def select_from_block_scores(scores: torch.Tensor, pos: torch.Tensor, block_size
     if rows == 0:
         return out
     nc = triton.next_power_of_2(max(nb, 2))
-    # One row per program and one warp per 2048 blocks: up to 2048 blocks (256K tokens) a row's 16 selection steps
-    # reduce with warp shuffles only (no shared memory, no barrier); rows are independent programs, all resident.
-    _select_kernel[(rows,)](scores, pos, out, rows, hi, nb, block_size, NC=nc, TOPK=topk, ROWS=1,
-                            HIGHER_ID=higher_id, num_warps=max(1, min(8, nc // 2048)))
+    per = max(1, min(16, 4096 // nc))
+    per = 1 << (per.bit_length() - 1)
+    _select_kernel[(triton.cdiv(rows, per),)](scores, pos, out, rows, hi, nb, block_size, NC=nc, TOPK=topk,
+                                              ROWS=per, HIGHER_ID=higher_id, num_warps=4 if nc <= 2048 else 8)
     return out
 
 
