@@ -16,6 +16,11 @@ from kvtool.errors import KvtoolError
 BACKENDS = ("auto", "torch", "triton")
 
 
+def interpreting() -> bool:
+    """True when Triton kernels run in the interpreter (TRITON_INTERPRET=1: CPU tensors, as in the tests)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def resolve_backend(backend: str, device: torch.device | str) -> str:
     """Return "torch" or "triton" for work on `device`."""
     if backend not in BACKENDS:
@@ -23,9 +28,18 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
     on_cuda = torch.device(device).type == "cuda"
     if backend == "auto":
         return "triton" if on_cuda else "torch"
-    if backend == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if backend == "triton" and not on_cuda and not interpreting():
         raise KvtoolError("the triton backend needs a CUDA device (or TRITON_INTERPRET=1 for the interpreter)")
     return backend
+
+
+def resolve_check_backend(backend: str, device: torch.device) -> tuple[str, str]:
+    """The backend of a kernel check (verify-topk, verify-attn) and its report label: as resolve_backend, except that
+    under the interpreter on CPU `auto` checks the kernel ("triton-interpreter"), since checking it is the point."""
+    if backend == "auto" and device.type == "cpu" and interpreting():
+        backend = "triton"
+    resolved = resolve_backend(backend, device)
+    return resolved, ("triton-interpreter" if resolved == "triton" and device.type == "cpu" else resolved)
 
 
 def resolve_device(device: str) -> torch.device:

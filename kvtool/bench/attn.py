@@ -19,12 +19,12 @@ Goals (H200): >= 70 % of the copy bandwidth at batch 256 for nvfp4 and mxfp4; nv
 from __future__ import annotations
 
 import math
-import os
 from typing import Callable
 
 import torch
 
 from kvtool.attention import random_block_selection
+from kvtool.backend import interpreting
 from kvtool.bench.common import BenchCase, BenchReport, run_cases
 from kvtool.formats import get_format
 from kvtool.paged import PagedCache
@@ -161,7 +161,7 @@ def run_attn_bench(batches=DEFAULT_BATCHES, formats=DEFAULT_FORMATS, context: in
 
     gen = torch.Generator().manual_seed(seed)
     how = "graph" if device.startswith("cuda") else "eager"
-    run_kernel = device.startswith("cuda") or os.environ.get("TRITON_INTERPRET") == "1"
+    run_kernel = device.startswith("cuda") or interpreting()
     cases: list[BenchCase] = []
     steps: dict[tuple[int, str], _Step] = {}
     for batch in batches:

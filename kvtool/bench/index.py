@@ -23,11 +23,11 @@ time <= 0.62x FP8 time; score+topk within 1.1x of score alone (`report.extra["go
 from __future__ import annotations
 
 import math
-import os
 from typing import Callable
 
 import torch
 
+from kvtool.backend import interpreting
 from kvtool.bench.common import BenchCase, BenchReport, run_cases
 from kvtool.formats import get_format
 from kvtool.indexer import IndexerConfig, apply_forced, select_topk
@@ -192,7 +192,7 @@ def run_index_bench(batches=DEFAULT_BATCHES, contexts=DEFAULT_CONTEXTS, prefill=
     gen = torch.Generator().manual_seed(seed)
     on_cuda = device.startswith("cuda")
     how = "graph" if on_cuda else "eager"
-    run_kernel = on_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    run_kernel = on_cuda or interpreting()
     cases: list[BenchCase] = []
     for batch in batches:
         for context in contexts:

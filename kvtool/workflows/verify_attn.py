@@ -22,7 +22,6 @@ Inputs:
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -34,7 +33,7 @@ from kvtool.attention import (
     random_block_selection,
     sparse_attention_ref,
 )
-from kvtool.backend import resolve_backend
+from kvtool.backend import resolve_check_backend
 from kvtool.errors import InputError
 from kvtool.formats import Format, get_format
 from kvtool.metrics import ValueAccumulator, ValueMetrics
@@ -129,15 +128,6 @@ def parse_context_lens(text: str | None, batch: int, gen: torch.Generator, max_l
 
 
 # ------------------------------------------------------------------------------------------------------ the runner
-def _resolve(backend: str, device: torch.device) -> tuple[str, str]:
-    """(backend, label). Under TRITON_INTERPRET=1 on CPU, `auto` means the kernel in the interpreter."""
-    if backend == "auto" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
-        backend = "triton"
-    resolved = resolve_backend(backend, device)
-    label = "triton-interpreter" if resolved == "triton" and device.type == "cpu" else resolved
-    return resolved, label
-
-
 class _Scores:
     """Per-format accumulators for the overall rows."""
 
@@ -201,7 +191,7 @@ def verify_attn_synthetic(formats: list[str], *, batch: int = 4, context_lens: s
     docstring. Returns the report (per-format rows under layer 'synthetic' and 'all')."""
     geo = {**M3_TP4, **(geometry or {})}
     dev = torch.device(device)
-    backend, label = _resolve(backend, dev)
+    backend, label = resolve_check_backend(backend, dev)
     gen = torch.Generator().manual_seed(seed)
     lens = parse_context_lens(context_lens, batch, gen)
     fmts = [get_format(f) for f in formats]
@@ -241,7 +231,7 @@ def verify_attn_file(path: Path, formats: list[str], *, layers: list[int] | None
     from kvtool.workflows.capture import read_capture
 
     dev = torch.device(device)
-    backend, label = _resolve(backend, dev)
+    backend, label = resolve_check_backend(backend, dev)
     meta, tensors = read_capture(Path(path))
     cfg = IndexerConfig(block_size=int(meta.get("block_size", 128)), topk=int(meta.get("topk", 16)),
                         init_blocks=int(meta.get("init", 0)), local_blocks=int(meta.get("local", 1)))

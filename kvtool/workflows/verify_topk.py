@@ -23,14 +23,13 @@ Inputs:
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from kvtool.backend import resolve_backend
+from kvtool.backend import resolve_check_backend
 from kvtool.errors import InputError
 from kvtool.formats import Format, QTensor, get_format
 from kvtool.indexer import (
@@ -138,14 +137,6 @@ def synthetic_index_keys(n: int, dim: int, gen: torch.Generator) -> torch.Tensor
 
 
 # ------------------------------------------------------------------------------------------------------ the runner
-def _resolve(backend: str, device: torch.device) -> tuple[str, str]:
-    """(backend, label). Under TRITON_INTERPRET=1 on CPU, `auto` means the kernel in the interpreter."""
-    if backend == "auto" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
-        backend = "triton"
-    resolved = resolve_backend(backend, device)
-    return resolved, ("triton-interpreter" if resolved == "triton" and device.type == "cpu" else resolved)
-
-
 def _score_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     """max |got - ref| over blocks finite and unforced in ref; inf when the NaN / +-inf patterns differ."""
     got, ref = got.float().cpu(), ref.float().cpu()
@@ -237,7 +228,7 @@ def verify_topk_synthetic(formats: list[str], *, batch: int = 4, context_lens: s
 
     cfg = cfg or IndexerConfig()
     dev = torch.device(device)
-    backend, label = _resolve(backend, dev)
+    backend, label = resolve_check_backend(backend, dev)
     gen = torch.Generator().manual_seed(seed)
     lens = parse_context_lens(context_lens, batch, gen)
     hi, d = M3_DECODE["index_heads"], M3_DECODE["head_dim"]
@@ -280,7 +271,7 @@ def verify_topk_capture(path: Path, formats: list[str], *, layers: list[int] | N
     from kvtool.workflows.capture import read_capture
 
     dev = torch.device(device)
-    backend, label = _resolve(backend, dev)
+    backend, label = resolve_check_backend(backend, dev)
     meta, tensors = read_capture(Path(path))
     cfg = _file_cfg(meta, block_size, topk, tie_rule)
     found = sorted({int(k.split(".")[1]) for k in tensors if k.startswith("layers.") and k.endswith(".index_k")})
@@ -326,7 +317,7 @@ def verify_topk_files(cache_path: Path, query_path: Path, formats: list[str], *,
     from kvtool.readers import open_input
 
     dev = torch.device(device)
-    backend, label = _resolve(backend, dev)
+    backend, label = resolve_check_backend(backend, dev)
     cfg = _file_cfg({}, block_size, topk, tie_rule)
     page = page_size or cfg.block_size
     report = VerifyTopkReport(f"{cache_path} + {query_path}", str(dev), label, _cfg_dict(cfg, page_size=page), [],
