@@ -17,33 +17,14 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from typer.testing import CliRunner
 
-from kvtool.cli import app
+from cli_helpers import kv, kv_json, one_line_error
+
 from kvtool.container import read_header
 from kvtool.formats import get_format
 
 ROOT = Path(__file__).resolve().parent.parent
 FIX = ROOT / "fixtures" / "synthetic_cache.safetensors"
-runner = CliRunner()
-
-
-def kv(*args: str):
-    return runner.invoke(app, [str(a) for a in args])
-
-
-def kv_json(*args: str) -> dict:
-    result = kv(*args, "--json")
-    assert result.exit_code == 0, result.output
-    return json.loads(result.stdout)
-
-
-def one_line_error(result, words: str) -> None:
-    """Exit 2 with exactly one `error:` line on stderr that contains `words`, and no traceback."""
-    assert result.exit_code == 2, result.output
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], result.stderr
-    assert "Traceback" not in result.output
 
 
 def run_module(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

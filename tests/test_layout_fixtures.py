@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from typer.testing import CliRunner
 
-from kvtool.cli import app
+from cli_helpers import kv, kv_json, one_line_error
+
 from kvtool.formats import get_format
 from kvtool.layouts import read_layout, write_layout
 
@@ -28,24 +28,6 @@ VLLM = FIXTURES / "vllm_mxfp4_k.bin"
 TRT = FIXTURES / "trtllm_nvfp4_kv.bin"
 VLLM_GEO = "format=mxfp4,page=128,heads=2,dim=128,tokens=256"
 TRT_GEO = "format=nvfp4,page=32,heads=2,dim=128,tokens=256"
-runner = CliRunner()
-
-
-def kv(*args):
-    return runner.invoke(app, [str(a) for a in args])
-
-
-def ok_json(*args) -> dict:
-    result = kv(*args, "--json")
-    assert result.exit_code == 0, result.output
-    return json.loads(result.stdout)
-
-
-def one_line_error(result, words: str) -> None:
-    assert result.exit_code == 2, result.output
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], result.stderr
-    assert not result.stdout
 
 
 def same_bytes(a, b) -> bool:
@@ -114,12 +96,12 @@ def test_readme_inspect_dump_in_a_real_process():
 def test_inspect_warns_on_a_wrong_geometry_of_the_same_size(dump, layout, good, wrong):
     right = kv("inspect", dump, "--layout", layout, "--geometry", good)
     assert right.exit_code == 0 and "warning" not in right.stderr, right.output
-    assert ok_json("inspect", dump, "--layout", layout, "--geometry", good)["warnings"] == []
+    assert kv_json("inspect", dump, "--layout", layout, "--geometry", good)["warnings"] == []
     bad = kv("inspect", dump, "--layout", layout, "--geometry", wrong)  # same byte count: no size error
     assert bad.exit_code == 0, bad.output
     assert "warning: " in bad.stderr and "wrong layout or geometry?" in bad.stderr
     assert "x " in bad.stdout or "k " in bad.stdout  # the table still goes to stdout
-    warnings = ok_json("inspect", dump, "--layout", layout, "--geometry", wrong)["warnings"]
+    warnings = kv_json("inspect", dump, "--layout", layout, "--geometry", wrong)["warnings"]
     assert warnings and all("wrong layout or geometry?" in w for w in warnings)
 
 
@@ -127,13 +109,13 @@ def test_readme_convert_dump_to_planes_is_a_kvtool_file(tmp_path):
     """kvtool convert fixtures/vllm_mxfp4_k.bin -o /tmp/k.planes.safetensors --from-layout vllm-mxfp4-page
     --to-layout planes --geometry ..."""
     out = tmp_path / "k.planes.safetensors"
-    report = ok_json("convert", VLLM, "-o", out, "--from-layout", "vllm-mxfp4-page", "--to-layout", "planes",
+    report = kv_json("convert", VLLM, "-o", out, "--from-layout", "vllm-mxfp4-page", "--to-layout", "planes",
                      "--geometry", VLLM_GEO)
     assert report["tensors"] == ["x"] and report["warnings"] == [] and report["input_bytes"] == 34816
     assert report["items"][0]["geometry_out"] == {"format": "mxfp4-rceil", "page": 1, "heads": 2, "dim": 128,
                                                   "tokens": 256, "pages": 256}
     # a kvtool cache file: every command reads it without --layout, checksums included
-    info = ok_json("inspect", out, "--verify")
+    info = kv_json("inspect", out, "--verify")
     assert info["kind"] == "kvtool" and info["tensors"][0]["shape"] == [256, 2, 128]
     assert info["tensors"][0]["checksum"] == "ok"
     assert_same(read_layout(out, "planes")["x"], read_layout(VLLM, "vllm-mxfp4-page", VLLM_GEO)["x"])
@@ -143,20 +125,20 @@ def test_readme_diff_dump_against_kvtool_quantized_k(cache_files):
     """kvtool diff fixtures/vllm_mxfp4_k.bin /tmp/k_mxfp4.safetensors --layout ... --geometry ... --pair x=layers.0.k:
     the dump holds exactly the bytes kvtool writes (0% scale and payload disagreement)."""
     args = [VLLM, cache_files["mx"], "--layout", "vllm-mxfp4-page", "--geometry", VLLM_GEO]
-    report = ok_json("diff", *args, "--pair", "x=layers.0.k", "--max-scale-mismatch", "0")
+    report = kv_json("diff", *args, "--pair", "x=layers.0.k", "--max-scale-mismatch", "0")
     (t,) = report["tensors"]
     assert t["name"] == "x~layers.0.k" and report["passed"] and report["warnings"] == []
     assert t["metrics"]["max_abs"] == 0 and t["codes"]["scale_mismatch_pct"] == 0
     assert t["codes"]["payload_mismatch_pct"] == 0 and t["codes"]["compared"] == "stored"
     table = kv("diff", *args, "--pair", "x=layers.0.k")
     assert table.exit_code == 0 and "PASS" in table.stdout, table.output
-    one_line_error(kv("diff", *args), "--pair A_NAME=B_NAME")  # one tensor vs three: no silent guess
-    one_line_error(kv("diff", *args, "--pair", "x=layers.9.k"), "B has no tensor 'layers.9.k'")
-    one_line_error(kv("diff", *args, "--pair", "x"), "not A_NAME=B_NAME")
+    one_line_error(kv("diff", *args), "--pair A_NAME=B_NAME", empty_stdout=True)  # one tensor vs three: no silent guess
+    one_line_error(kv("diff", *args, "--pair", "x=layers.9.k"), "B has no tensor 'layers.9.k'", empty_stdout=True)
+    one_line_error(kv("diff", *args, "--pair", "x"), "not A_NAME=B_NAME", empty_stdout=True)
 
 
 def test_diff_trtllm_dump_against_the_bf16_original_names_its_rule():
-    report = ok_json("diff", TRT, SYNTH, "--layout", "trtllm-nvfp4-kv", "--geometry", TRT_GEO,
+    report = kv_json("diff", TRT, SYNTH, "--layout", "trtllm-nvfp4-kv", "--geometry", TRT_GEO,
                      "--pair", "k=layers.0.k", "--pair", "v=layers.0.v", "--max-scale-mismatch", "0")
     assert [t["name"] for t in report["tensors"]] == ["k~layers.0.k", "v~layers.0.v"] and report["passed"]
     for t in report["tensors"]:
@@ -172,24 +154,25 @@ def test_convert_reads_a_kvtool_files_own_metadata(cache_files, tmp_path):
     raw = tmp_path / "k.vllm.bin"
     base = ["convert", mx, "-o", raw, "--from-layout", "planes", "--to-layout", "vllm-mxfp4-page"]
     result = kv(*base)
-    one_line_error(result, "a raw dump holds one cache, got 3")
+    one_line_error(result, "a raw dump holds one cache, got 3", empty_stdout=True)
     assert "--include" in result.stderr and not raw.exists()
-    report = ok_json(*base, "--include", "layers.0.k")
+    report = kv_json(*base, "--include", "layers.0.k")
     assert report["tensors"] == ["layers.0.k"] and report["format"] == "mxfp4-rceil"
     assert report["geometry_out"] == {"format": "mxfp4-rceil", "page": 128, "heads": 2, "dim": 128, "tokens": 256,
                                       "pages": 2}
     assert raw.read_bytes() == VLLM.read_bytes()  # the engine fixture, byte for byte
     # kvtool's sidecar keeps the name; the README inspect line reads the file too
-    info = ok_json("inspect", raw, "--layout", "vllm-mxfp4-page", "--geometry", VLLM_GEO)
+    info = kv_json("inspect", raw, "--layout", "vllm-mxfp4-page", "--geometry", VLLM_GEO)
     assert [(t["name"], t["shape"]) for t in info["tensors"]] == [("layers.0.k", [256, 2, 128])]
     # --geometry agreeing with the file is fine, contradicting it is an error naming both
     assert kv(*base, "--include", "layers.0.k", "--geometry", "format=mxfp4,heads=2").exit_code == 0
-    one_line_error(kv(*base, "--include", "layers.0.k", "--geometry", "heads=1"), "--geometry says heads=1")
+    one_line_error(kv(*base, "--include", "layers.0.k", "--geometry", "heads=1"), "--geometry says heads=1",
+                   empty_stdout=True)
 
 
 def test_convert_every_tensor_into_one_container(cache_files, tmp_path):
     out = tmp_path / "all.vllm.safetensors"
-    report = ok_json("convert", cache_files["mx"], "-o", out, "--from-layout", "planes",
+    report = kv_json("convert", cache_files["mx"], "-o", out, "--from-layout", "planes",
                      "--to-layout", "vllm-mxfp4-page")
     shapes = {i["name"]: (i["shape"], i["geometry_out"]["heads"]) for i in report["items"]}
     assert shapes == {"layers.0.index_k": ([256, 128], 1), "layers.0.k": ([256, 2, 128], 2),
@@ -212,20 +195,20 @@ def test_convert_skips_passthrough_tensors_with_a_note(cache_files, tmp_path):
     assert result.stderr.count("note: ") == 2 and "passthrough" in result.stderr
     assert out.read_bytes() == VLLM.read_bytes()
     one_line_error(kv("convert", k0, "-o", tmp_path / "v.bin", "--from-layout", "planes", "--to-layout",
-                      "vllm-mxfp4-page", "--include", "layers.0.v"), "plain tensor")
+                      "vllm-mxfp4-page", "--include", "layers.0.v"), "plain tensor", empty_stdout=True)
     one_line_error(kv("convert", k0, "-o", tmp_path / "n.bin", "--from-layout", "planes", "--to-layout",
-                      "vllm-mxfp4-page", "--include", "nothing*"), "no tensor matches")
+                      "vllm-mxfp4-page", "--include", "nothing*"), "no tensor matches", empty_stdout=True)
 
 
 def test_convert_kv_pairs_from_a_kvtool_file(cache_files, tmp_path):
     out = tmp_path / "kv.trt.bin"
     base = ["convert", cache_files["nv"], "-o", out, "--from-layout", "planes", "--to-layout", "trtllm-nvfp4-kv"]
-    one_line_error(kv(*base), "--exclude 'layers.0.index_k'")
+    one_line_error(kv(*base), "--exclude 'layers.0.index_k'", empty_stdout=True)
     assert kv(*base, "--exclude", "*.index_k").exit_code == 0
     assert out.read_bytes() == TRT.read_bytes()
     assert sorted(read_layout(out, "trtllm-nvfp4-kv")) == ["layers.0.k", "layers.0.v"]  # names from the sidecar
     one_line_error(kv("convert", cache_files["mx"], "-o", tmp_path / "x.bin", "--from-layout", "vllm-mxfp4-page",
-                      "--to-layout", "planes"), "is a kvtool cache file")
+                      "--to-layout", "planes"), "is a kvtool cache file", empty_stdout=True)
 
 
 def test_raw_sidecar_keeps_a_prefixed_names_scalars(tmp_path):
