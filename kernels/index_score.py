@@ -106,16 +106,38 @@ def _col_nanmax(s, INTERP: tl.constexpr):
 
 
 @triton.jit
+def _part_nanmax(s, WP: tl.constexpr, INTERP: tl.constexpr):
+    """Partial maxima of fp32 [T, MP] (NaN winning): [WP, MP], part p over the tokens t with (t // 16) % WP == p.
+    With WP = num_warps that is what each warp of the dot's accumulator holds (sm_90 wgmma: warp w has tokens
+    16 w .. 16 w + 15 of every 64), so the reduction stays inside warps: no shared memory, no barrier. The select pass
+    takes the max of the parts. Correct for any layout (only the speed depends on the match)."""
+    T: tl.constexpr = s.shape[0]
+    MPc: tl.constexpr = s.shape[1]
+    s4 = tl.reshape(s, [T // (16 * WP), WP, 16, MPc])
+    if INTERP:
+        nan4 = (s4 != s4).to(tl.int32)
+        has_nan = tl.max(tl.max(nan4, axis=2), axis=0) > 0
+        return tl.where(has_nan, float("nan"), tl.max(tl.max(s4, axis=2), axis=0))
+    else:
+        return tl.reduce(tl.reduce(s4, 2, _nanmax), 0, _nanmax)
+
+
+@triton.jit
 def _finish_block(i, blk0, bmax, state, col, valid, out_ptr, out_row, row_ok, INIT: tl.constexpr,
-                  LOCAL: tl.constexpr, MODE: tl.constexpr):
-    """Block blk0 + i is scored (bmax [MP]): apply the forced blocks, then write its block scores or put its rank key
-    in column i of the top-k state [MP, CH]; returns the state."""
+                  LOCAL: tl.constexpr, MODE: tl.constexpr, WP: tl.constexpr):
+    """Block blk0 + i is scored (bmax [MP], or [WP, MP] partial maxima): apply the forced blocks, then write its block
+    scores (WP > 1: its WP partial maxima at out_row + block WP + p) or put its rank key in column i of the top-k
+    state [MP, CH]; returns the state."""
     blk = blk0 + i
     forced_init = (blk < INIT) & (blk < valid)
     forced_local = (blk >= valid - LOCAL) & (blk < valid)
     bsc = tl.where(forced_local, LOCAL_SCORE, tl.where(forced_init, INIT_SCORE, bmax))
     if MODE == MODE_BLOCKS:
-        tl.store(out_ptr + out_row + blk, bsc, mask=row_ok)
+        if WP > 1:
+            p = tl.arange(0, WP)
+            tl.store(out_ptr + out_row[None, :] + blk * WP + p[:, None], bsc, mask=row_ok[None, :])
+        else:
+            tl.store(out_ptr + out_row + blk, bsc, mask=row_ok)
     if MODE == MODE_TOPK:
         key = tl.where(bsc != bsc, NAN_RANK, bsc)
         state = tl.where(col[None, :] == i, key[:, None], state)
@@ -129,7 +151,7 @@ def _tile_step(j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, p
                PAYLOAD_BITS: tl.constexpr, SCALE_KIND: tl.constexpr, SCALE_BLOCK: tl.constexpr, BS: tl.constexpr,
                TILE_T: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, MODE: tl.constexpr,
                NATIVE_FP8: tl.constexpr, PREFETCH: tl.constexpr, ONE_POS: tl.constexpr, FP4_WORDS: tl.constexpr,
-               POST_SCALE: tl.constexpr, NSBP: tl.constexpr, DOT_F32: tl.constexpr):
+               POST_SCALE: tl.constexpr, NSBP: tl.constexpr, DOT_F32: tl.constexpr, WP: tl.constexpr):
     """Tile j of the program (tokens blk0 BS + j TILE_T ..). PREFETCH: it was fetched into (payload, scales) from
     page pg by the previous step; first issue the loads of tile j + 1 (page pg_next) and the page lookup of tile
     j + 2, so that memory works while this tile decodes and multiplies (a register double buffer). Otherwise fetch
@@ -160,12 +182,16 @@ def _tile_step(j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, p
     s = tl.where(keep, acc * colscale[None, :], float("-inf"))
     if MODE == MODE_TOKENS:
         tl.store(out_ptr + out_row[None, :] + t[:, None], s, mask=row_ok[None, :] & (t < n_out)[:, None])
-    bmax = _nanmax(bmax, _col_nanmax(s, DOT_F32))
+    if WP > 1:
+        bmax = _nanmax(bmax, _part_nanmax(s, WP, DOT_F32))
+    else:
+        bmax = _nanmax(bmax, _col_nanmax(s, DOT_F32))
     if TPB == 1:
-        state = _finish_block(j, blk0, bmax, state, col, valid, out_ptr, out_row, row_ok, INIT, LOCAL, MODE)
+        state = _finish_block(j, blk0, bmax, state, col, valid, out_ptr, out_row, row_ok, INIT, LOCAL, MODE, WP)
         bmax = tl.full(bmax.shape, float("-inf"), tl.float32)
     elif j % TPB == TPB - 1:
-        state = _finish_block(j // TPB, blk0, bmax, state, col, valid, out_ptr, out_row, row_ok, INIT, LOCAL, MODE)
+        state = _finish_block(j // TPB, blk0, bmax, state, col, valid, out_ptr, out_row, row_ok, INIT, LOCAL, MODE,
+                              WP)
         bmax = tl.full(bmax.shape, float("-inf"), tl.float32)
     return payload, scales, pg, pg_next, bmax, state
 
@@ -208,6 +234,7 @@ def _index_score_kernel(
     NSBP: tl.constexpr,  # POST_SCALE: scale blocks per token (dot rows MP NSBP); else 1
     PREFETCH: tl.constexpr,  # register double buffer of the next tile (else: the compiler's pipelining)
     DOT_F32: tl.constexpr,  # interpreter: dot in fp32
+    WP: tl.constexpr = 1,  # MODE_BLOCKS: write WP partial maxima per block (`_part_nanmax`), else the block max
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -230,7 +257,10 @@ def _index_score_kernel(
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     col = tl.arange(0, CH)
     state = tl.full([MP, CH], float("-inf"), tl.float32)
-    bmax = tl.full([MP], float("-inf"), tl.float32)
+    if WP > 1:
+        bmax = tl.full([WP, MP], float("-inf"), tl.float32)
+    else:
+        bmax = tl.full([MP], float("-inf"), tl.float32)
     TPB: tl.constexpr = BS // TILE_T
     n_tiles = n_iter * TPB
     t_lim = tl.minimum(t_end, (blk0 + tl.maximum(n_iter, 0)) * BS)  # this program's tokens end here
@@ -246,14 +276,14 @@ def _index_score_kernel(
                     j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, pos, valid, bt_row,
                     data_ptr, qa, qb, qc, qd, colscale, out_ptr, out_row, row_ok, n_out, num_pages, page_bytes, D,
                     PAGE, PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, BS, TILE_T, INIT, LOCAL, MODE, NATIVE_FP8,
-                    PREFETCH, QT == 1, FP4_WORDS, POST_SCALE, NSBP, DOT_F32)
+                    PREFETCH, QT == 1, FP4_WORDS, POST_SCALE, NSBP, DOT_F32, WP)
     else:
         for j in range(0, n_tiles):
             payload, scales, pg, pg_next, bmax, state = _tile_step(
                 j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, pos, valid, bt_row,
                 data_ptr, qa, qb, qc, qd, colscale, out_ptr, out_row, row_ok, n_out, num_pages, page_bytes, D,
                 PAGE, PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, BS, TILE_T, INIT, LOCAL, MODE, NATIVE_FP8,
-                PREFETCH, QT == 1, FP4_WORDS, POST_SCALE, NSBP, DOT_F32)
+                PREFETCH, QT == 1, FP4_WORDS, POST_SCALE, NSBP, DOT_F32, WP)
     if MODE == MODE_TOPK:
         ids = tl.broadcast_to((blk0 + col)[None, :], [MP, CH])
         avail = (col[None, :] < n_iter) & (ids < valid[:, None])
@@ -278,10 +308,14 @@ def _configs():
 
 _tuned_kernel = triton.autotune(
     configs=_configs(), key=["PAYLOAD_BITS", "SCALE_KIND", "D", "BS", "MP", "CH", "MODE", "HI", "NATIVE_FP8",
-                             "FP4_WORDS", "POST_SCALE"]
+                             "FP4_WORDS", "POST_SCALE", "WP"]
 )(_index_score_kernel)
 LAUNCH_OPTIONS = ("chunk_blocks", "q_tile", "prefetch", "native_fp8", "num_warps", "num_stages", "fp4_words",
-                  "in_kernel_topk", "post_scale")
+                  "in_kernel_topk", "post_scale", "warp_partials", "select")
+
+# Two-pass top-k: the scorer writes per-warp partial block maxima (`_part_nanmax`; no cross-warp reduction in its
+# loop) and the select pass maxes them. Option warp_partials overrides.
+WARP_PARTIALS_DEFAULT = False
 
 
 # Dot rows (queries x heads x scale blocks) of POST_SCALE launches: by default only where the block-diagonal query
@@ -365,8 +399,9 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
     block scores are 4 bytes per block and head, about 0.2 % of an FP4 cache's bytes; H200, nvfp4, batch 64 x 150K,
     64-block programs: two passes 358 us, in-kernel 381 us), post_scale (FP4 words: block scales applied to the
     partial scores of a block-diagonal query after the dot; default where its dot rows fit 16, see
-    POST_SCALE_DEFAULT_ROWS), and prefetch / num_warps / num_stages (a fixed launch instead of
-    the autotuned one)."""
+    POST_SCALE_DEFAULT_ROWS), warp_partials (two-pass top-k: per-warp partial block maxima, see
+    WARP_PARTIALS_DEFAULT), select (the select pass's launch variant, `topk.SELECT_VARIANTS`), and prefetch /
+    num_warps / num_stages (a fixed launch instead of the autotuned one)."""
     bad = set(options) - set(LAUNCH_OPTIONS)
     if bad:
         raise KernelArgumentError(f"index scorer: unknown launch options {sorted(bad)} (known: {LAUNCH_OPTIONS})")
@@ -415,7 +450,15 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
     kc_ = min(cfg.topk, ch)
     two_pass = mode == 2 and not options.get("in_kernel_topk") and nb <= MAX_SELECT_BLOCKS
     kmode = 1 if two_pass else mode
-    n_out = {0: max_context, 1: nb, 2: splits * kc_}[kmode]
+    tile_t = min(bs, cache.page_size, 128)
+    warps = max_warps(tile_t, mp * nsbp)
+    wp_opt = options.get("warp_partials")
+    wp = 1
+    if two_pass and (WARP_PARTIALS_DEFAULT if wp_opt is None else wp_opt):
+        # one part per warp of the fixed or autotuned (4-warp) launch, each part whole 16-token rows of the tile
+        wp = min(options.get("num_warps") or warps, tile_t // 16)
+        wp = 1 << (wp.bit_length() - 1)
+    n_out = {0: max_context, 1: nb * wp, 2: splits * kc_}[kmode]
     out = torch.full((bsz, nq, hi, n_out), float("-inf"), dtype=torch.float32, device=iq4.device)
     ids = torch.empty((bsz, nq, hi, n_out) if kmode == 2 else (1,), dtype=torch.int32, device=iq4.device)
     if bsz * nq and n_out:
@@ -426,13 +469,12 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
                 iq4.stride(0), iq4.stride(1), iq4.stride(2), block_table.stride(0), pos.stride(0))
         consts = dict(D=d, PAGE=cache.page_size, PB=cache.payload_bytes, SB=cache.scale_bytes,
                       PAYLOAD_BITS=fmt.spec.payload_bits, SCALE_KIND=SCALE_KIND[fmt.scale_element],
-                      SCALE_BLOCK=fmt.block or 1, BS=bs, TILE_T=min(bs, cache.page_size, 128), QT=qt, HIP=hip, MP=mp,
+                      SCALE_BLOCK=fmt.block or 1, BS=bs, TILE_T=tile_t, QT=qt, HIP=hip, MP=mp,
                       CH=ch, KC=kc_, INIT=cfg.init_blocks, LOCAL=cfg.local_blocks,
                       HIGHER_ID=cfg.tie_rule != "lower-id", MODE=kmode,
                       NATIVE_FP8=native_fp8(iq4.device) if native is None else bool(native),
-                      FP4_WORDS=words, POST_SCALE=post, NSBP=nsbp, DOT_F32=INTERPRET)
+                      FP4_WORDS=words, POST_SCALE=post, NSBP=nsbp, DOT_F32=INTERPRET, WP=wp)
         grid = (bsz * n_qtiles, splits)
-        warps = max_warps(consts["TILE_T"], mp * nsbp)
         fixed = [k for k in ("prefetch", "num_warps", "num_stages") if options.get(k) is not None]
         if fixed or INTERPRET or warps < 4:
             _index_score_kernel[grid](*args, **consts, PREFETCH=bool(options.get("prefetch", False)),
@@ -443,7 +485,9 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
     if mode != 2:
         return out
     if two_pass:
-        return select_from_block_scores(out, pos, bs, cfg.topk, higher_id=cfg.tie_rule != "lower-id")
+        parts = out.view(bsz, nq, hi, nb, wp) if wp > 1 else out
+        return select_from_block_scores(parts, pos, bs, cfg.topk, higher_id=cfg.tie_rule != "lower-id",
+                                        variant=options.get("select"))
     return merge_candidates(out, ids, cfg.topk, higher_id=cfg.tie_rule != "lower-id")
 
 

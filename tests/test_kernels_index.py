@@ -138,21 +138,56 @@ def test_select_from_block_scores_matches_the_reference():
 
 
 
-def _check_select(scores: torch.Tensor, pos: torch.Tensor, bs: int, topk: int) -> None:
-    """select_from_block_scores on `DEVICE` == kvtool.indexer.select_topk, row by row, for both tie rules."""
+def _check_select(scores: torch.Tensor, pos: torch.Tensor, bs: int, topk: int, variant: str | None = None) -> None:
+    """select_from_block_scores (launch `variant`) on `DEVICE` == kvtool.indexer.select_topk, row by row, for both
+    tie rules."""
     from kvtool.indexer import select_topk
 
     b, q = pos.shape
     for rule in ("higher-id", "lower-id"):
         cfg = IndexerConfig(block_size=bs, topk=topk, tie_rule=rule)
-        got = select_from_block_scores(scores.to(DEVICE), pos.to(DEVICE), bs, topk, rule != "lower-id").cpu()
+        got = select_from_block_scores(scores.to(DEVICE), pos.to(DEVICE), bs, topk, rule != "lower-id",
+                                       variant=variant).cpu()
         want = torch.stack([torch.stack([select_topk(scores[i, j][:, None], pos[i, j:j + 1], cfg)[:, 0]
                                          for j in range(q)]) for i in range(b)])
         want[pos < 0] = -1
         assert torch.equal(got, want), rule
 
 
-def test_select_orders_signed_zeros_subnormals_and_extremes():
+# every select launch variant; "split8" (8-column segments, CPU only) makes the two-level path run at small rows
+SELECT_TEST_VARIANTS = ["legacy", "flat", "packed", "split8", "split128"]
+
+
+@pytest.fixture(params=SELECT_TEST_VARIANTS)
+def select_variant(request, monkeypatch):
+    from kvtool.kernels import topk as T
+
+    monkeypatch.setitem(T.SELECT_VARIANTS, "split8", (True, 8, 1))
+    return request.param
+
+
+def test_select_variants_match_the_reference_with_ties_and_padding(select_variant):
+    """Every launch variant: coarse scores (many exact ties), NaN, -inf inside the valid blocks, forced values,
+    padding rows, k larger than the valid blocks, segment boundaries (41 blocks: 6 segments of 8, the last ragged)."""
+    g = torch.Generator().manual_seed(11)
+    nb = 41
+    scores = torch.randint(-3, 4, (2, 3, 2, nb), generator=g).float()
+    scores[scores == -3] = -math.inf
+    scores[scores == 3] = math.nan
+    scores[..., 0] = 1e30
+    scores[..., 7:9] = 1e29  # forced values across a segment boundary
+    pos = torch.tensor([[nb * 4 - 1, 17, 0], [-1, nb * 4 - 1, 35]], dtype=torch.int32)
+    _check_select(scores, pos, 4, 9, select_variant)
+    _check_select(scores, pos, 4, 16, select_variant)  # k past most rows' valid blocks: -1 padded
+
+
+def test_select_unknown_variant_is_rejected():
+    with pytest.raises(KernelArgumentError, match="unknown variant"):
+        select_from_block_scores(torch.zeros(1, 1, 1, 4, device=DEVICE), torch.zeros(1, 1, dtype=torch.int32,
+                                 device=DEVICE), 16, 2, variant="nope")
+
+
+def test_select_orders_signed_zeros_subnormals_and_extremes(select_variant):
     """The packed (key, id) order: -0 ties +0 (the reference compares floats), subnormals of both signs, the
     largest finite values, +-inf, forced 1e30 / 1e29 and NaN (ranked -1e30, below -1e29 but above -inf)."""
     vals = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1e-39, -1e-39, 3.4e38, -3.4e38, math.inf, -math.inf, 1e30, 1e29,
@@ -164,12 +199,13 @@ def test_select_orders_signed_zeros_subnormals_and_extremes():
     scores[0, 0, 0, ::3] = 0.0  # a row of signed zeros only: ids decide
     scores[0, 0, 1] = -math.inf  # a row of -inf only: still selectable, by id
     pos = torch.tensor([[nb * 4 - 1, 17, 0], [-1, nb * 4 - 1, 63]], dtype=torch.int32)
-    _check_select(scores, pos, 4, 9)
+    _check_select(scores, pos, 4, 9, select_variant)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("nb", [1172, 2048, 2049, 16384])
-def test_select_gpu_wide_rows(nb):
+@pytest.mark.parametrize("variant", ["flat", "packed", "split128", "split256", "split512"])
+@pytest.mark.parametrize("nb", [64, 1172, 2048, 2049, 16384])
+def test_select_gpu_wide_rows(nb, variant):
     """M3-size rows (150K tokens = 1172 blocks, the 2048 / 2049 warp boundary, the 16384-block maximum) with many
     near-ties (scores on a coarse grid), 64 x 4 rows against the reference."""
     g = torch.Generator().manual_seed(nb)
@@ -178,7 +214,7 @@ def test_select_gpu_wide_rows(nb):
     scores[..., -1] = 1e29
     pos = torch.randint(0, nb * 128, (8, 1), generator=g, dtype=torch.int32)
     pos[0, 0] = nb * 128 - 1
-    _check_select(scores, pos, 128, 16)
+    _check_select(scores, pos, 128, 16, variant)
 
 
 # --------------------------------------------------------------------------------------------------------- decode
@@ -285,6 +321,29 @@ def test_decode_nonfinite_keys(label):
     iq[0, 1, 5] = 0  # head 1 of request 0: the inf lane meets a zero query element
     cfg = IndexerConfig(block_size=16, topk=6)
     check_decode(cache, table, cl, iq, cfg, chunk_blocks=2)
+
+
+@pytest.mark.parametrize("label", ["bf16", "fp8", "nvfp4", "mxfp4"])
+def test_decode_warp_partials(label):
+    """Two-pass top-k with per-warp partial block maxima (4 parts of a 64-token tile, 2 of a 32-token one): the same
+    ids as the reference; a NaN token (bf16 keys) makes only its part NaN, and the select pass must still rank the
+    whole block NaN; forced blocks; every select variant reads the parts."""
+    ctx = [300, 129, 0, 64]
+    cache, table, cl, slots = make_cache(label, ctx, page=64, seed=21)
+    if label == "bf16":
+        for tok in (70, 200):  # one token of blocks 1 and 3 of request 0 (one part each)
+            page, off = int(slots[0][tok]) // 64, int(slots[0][tok]) % 64
+            cache.payload_plane()[page, 0, off].view(torch.bfloat16)[3] = math.nan
+    iq = queries(len(ctx), 4, 128, seed=22)
+    for bs, variant in ((64, None), (64, "split8"), (32, "packed")):
+        cfg = IndexerConfig(block_size=bs, topk=4, init_blocks=1, local_blocks=1)
+        ref_ids, ref_scores = paged_reference(iq[:, None], cache, table, cl, cfg)
+        tol = tolerance(iq, cache, table, cl)
+        from kvtool.kernels import topk as T
+
+        T.SELECT_VARIANTS.setdefault("split8", (True, 8, 1))
+        ids = K.decode_topk(iq, cache, table, cl, cfg, prefetch=False, warp_partials=True, select=variant)
+        assert_ids_match(ids, ref_ids[:, 0], ref_scores[:, 0], tol)
 
 
 def test_decode_minus_inf_blocks_are_selected_when_valid():
@@ -428,6 +487,21 @@ def test_gpu_decode_long_contexts(label):
     ctx = [150_000, 1, 8192, 131_073, 0, 262_144, 4097, 129]
     cache, table, cl, _ = make_cache(label, ctx, page=128, seed=13)
     check_decode(cache, table, cl, queries(len(ctx), 4, 128, seed=14), IndexerConfig(), tuned=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wp", [False, True], ids=["block-max", "warp-partials"])
+@pytest.mark.parametrize("select", ["flat", "packed", "split256"])
+@pytest.mark.parametrize("label", ["bf16", "fp8", "nvfp4", "mxfp4"])
+def test_gpu_decode_select_and_partials(label, select, wp):
+    """The autotuned scorer with each select variant, with and without warp partial maxima, at long contexts."""
+    ctx = [150_000, 1, 8192, 131_073, 0, 4097, 129]
+    cache, table, cl, _ = make_cache(label, ctx, page=128, seed=17)
+    iq = queries(len(ctx), 4, 128, seed=18)
+    cfg = IndexerConfig()
+    ref_ids, ref_scores = paged_reference(iq[:, None], cache, table, cl, cfg)
+    ids = K.decode_topk(iq, cache, table, cl, cfg, warp_partials=wp, select=select)
+    assert_ids_match(ids, ref_ids[:, 0], ref_scores[:, 0], tolerance(iq, cache, table, cl))
 
 
 @pytest.mark.gpu
