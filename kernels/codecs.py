@@ -579,3 +579,85 @@ def nvfp4_quantize_block_fast(x, g_dec, g_enc, RECIPE: tl.constexpr, NATIVE: tl.
         y = tl.math.div_rn(x, tl.broadcast_to(amax_6[:, :, None], x.shape))
     codes = tl.where(zero[:, :, None], 0, e2m1_encode(y, True, low))
     return codes, scale
+
+
+# --------------------------------------------------------- store engineer: scaled values -> payload words (ALU relief)
+# The 4-bit store kernels are bound by Hopper's ALU pipe (LOP3 / SHF / FMNMX issue at half rate; FFMA / IMAD go to the
+# FMA pipes). These helpers give the same bytes as *_quantize_block + pack_nibble_words with the sign, the nibble mask
+# and the pack on the multiply pipe: sign = umulhi(bits, 2) (bit 31), magnitude = the fma sum's bits minus its
+# exponent 0x4B000000 (folded into one constant per word), shifts as multiplies by powers of 16.
+E2M1_T_BITS = tl.constexpr(0x4B000000)  # bits of 2**23: e2m1_encode's sum is 2**23 + code
+E2M1_T_WORD = tl.constexpr(0xFB000000)  # 0x4B000000 * 0x11111111 mod 2**32: the 8 nibbles' exponent words summed
+
+
+@triton.jit
+def e2m1_words(y, ROWS: tl.constexpr, COLS: tl.constexpr, SATURATE: tl.constexpr = True):
+    """fp32 y [ROWS, COLS] -> int32 words [ROWS, COLS // 8] of E2M1 codes (e2m1_encode(y) nibbles, element 8i + k in
+    nibble k of word i: the pack_nibble_words layout), RNE at ties, -0 -> code 8, saturating at 6 if SATURATE.
+
+    Same magnitude sum as e2m1_encode (t = 2**23 + code, exact); v = bits(t) + 8 * sign, where sign = bits(y) >> 31
+    taken as the high word of bits * 2 (an IMAD.HI, not an ALU shift); the 8 values of a word are summed as
+    v_k * 16**k modulo 2**32 (disjoint nibbles once the exponent part is removed), and the 8 exponent parts
+    0x4B000000 * 16**k come off as one constant."""
+    m = tl.abs(y)
+    t = tl.minimum(m * 2.0 + 8388608.0, m + 8388610.0)  # 2**23, 2**23 + 2
+    t = tl.minimum(t, m * 0.5 + 8388612.0)  # 2**23 + 4
+    if SATURATE:
+        t = tl.minimum(t, 8388615.0)  # code 7 (6.0)
+    sign = tl.umulhi(y.to(tl.uint32, bitcast=True), tl.full(y.shape, 2, tl.uint32))
+    v = t.to(tl.uint32, bitcast=True) + sign * 8
+    c = tl.reshape(v, [ROWS, COLS // 8, 2, 2, 2])  # k = 4 k2 + 2 k1 + k0, k0 innermost
+    even, odd = tl.split(c)
+    b = even + odd * 16
+    lo, hi = tl.split(b)
+    h = lo + hi * 256
+    lo, hi = tl.split(h)
+    w = lo + hi * 65536 - E2M1_T_WORD
+    return w.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def mxfp4_scale_block(x, RULE: tl.constexpr):
+    """x: fp32 [R, NB, 32] -> (y fp32 [R, NB, 32], scale bytes uint8 [R, NB]): mxfp4_quantize_block_fast up to the
+    element encode (y = x * 2**-e + (+0 on all-zero blocks, else -0)); e2m1_encode(y, RULE == RULE_FLOOR) gives its
+    codes."""
+    amax = tl.max(tl.abs(x), axis=2)
+    zero = amax == 0.0
+    if RULE == RULE_RCEIL:
+        e = mx_rceil_exponent(amax)
+        scale = (e + 127).to(tl.uint8)  # amax 0 -> e = -127 -> byte 0
+    else:
+        e = mx_exponent(amax, RULE)
+        scale = tl.where(zero, 0, e + 127).to(tl.uint8)
+    y = x * exp2_int(-e)[:, :, None] + zero_add(zero)[:, :, None]
+    return y, scale
+
+
+@triton.jit
+def nvfp4_scale_block(x, g_dec, g_enc, RECIPE: tl.constexpr, NATIVE: tl.constexpr = False):
+    """x: fp32 [R, NB, 16] -> (y fp32 [R, NB, 16], scale bytes uint8 [R, NB]): nvfp4_quantize_block_fast up to the
+    element encode, with the zero-scale rule folded into y: e2m1_encode(y, True) gives its codes.
+
+    rcp recipe: the per-block reciprocal is set to 0 on zero-scale blocks and y = x * r + (+0 there, else -0), one fma
+    (x * r + -0.0 rounds like x * r, -0 included), so zero-scale blocks encode to codes 0 without a select per
+    element (a reciprocal of 1 / 0 = inf left in would give inf / NaN codes). div / unrounded: a select on y."""
+    amax = tl.max(tl.abs(x), axis=2)
+    amax_6 = tl.math.div_rn(amax, tl.full(amax.shape, E2M1_MAX, tl.float32))
+    v = amax_6 * g_enc
+    scale = e4m3_encode(v, NATIVE)
+    zero = v <= 0.0009765625  # the stored byte is 0 (see nvfp4_quantize_block_fast)
+    if NATIVE:
+        s = scale.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        s = e4m3_decode(scale)
+    if RECIPE == RECIPE_RCP:
+        r = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s * g_dec)
+        r = tl.where(zero, 0.0, r)
+        y = x * r[:, :, None] + zero_add(zero)[:, :, None]
+    else:
+        if RECIPE == RECIPE_DIV:
+            y = tl.math.div_rn(x, tl.broadcast_to((s * g_dec)[:, :, None], x.shape))
+        else:
+            y = tl.math.div_rn(x, tl.broadcast_to(amax_6[:, :, None], x.shape))
+        y = tl.where(zero[:, :, None], 0.0, y)
+    return y, scale

@@ -186,6 +186,7 @@ def _store_kernel(
     WORDS: tl.constexpr,  # 4-bit formats: payload as int32 words (every row offset a multiple of 4 bytes)
     BLOCK_R: tl.constexpr,  # tokens per program
     FAST: tl.constexpr = True,  # 4-bit formats: the *_quantize_block_fast codecs (see FAST_CODECS)
+    MUL_PACK: tl.constexpr = False,  # 4-bit formats with WORDS: kc.*_scale_block + kc.e2m1_words (see MUL_PACK)
 ):
     # grid: (token tiles, heads); one program = BLOCK_R tokens of one head, no integer division per row
     tok = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -199,8 +200,19 @@ def _store_kernel(
         # measured 72 % / 65 % of copy for mxfp4 / nvfp4 on the H200 against 82 % / 74 %: it repeats the per-block
         # scale work on every lane of a block)
         xb = load_blocks(x_ptr, x_off, live, D, BLOCK, DP // BLOCK, VEC)  # [BLOCK_R, DP / BLOCK, BLOCK] fp32
-        codes, sbytes = quantize_blocks4(xb, g_dec, g_enc, SCALE, RULE, RECIPE, NATIVE_FP8, FAST, low7)
-        if WORDS:
+        if MUL_PACK:  # (the launcher sets it only with WORDS)
+            # sign, nibble mask and pack on the multiply pipe (kc.e2m1_words): fewer ALU-pipe ops per element
+            if SCALE == SCALE_E8M0:
+                y, sbytes = kc.mxfp4_scale_block(xb, RULE)
+                words = kc.e2m1_words(tl.reshape(y, [BLOCK_R, DP]), BLOCK_R, DP, RULE == kc.RULE_FLOOR)
+            else:
+                y, sbytes = kc.nvfp4_scale_block(xb, g_dec, g_enc, RECIPE, NATIVE_FP8)
+                words = kc.e2m1_words(tl.reshape(y, [BLOCK_R, DP]), BLOCK_R, DP, True)
+            wcols = tl.arange(0, DP // 8)
+            wrow = (payload_ptr + pay).to(tl.pointer_type(tl.int32))
+            tl.store(wrow[:, None] + wcols[None, :], words, mask=row_mask(live, wcols, PB // 4, DP // 8))
+        elif WORDS:
+            codes, sbytes = quantize_blocks4(xb, g_dec, g_enc, SCALE, RULE, RECIPE, NATIVE_FP8, FAST, low7)
             # 8 codes -> one int32 word per lane, 4-byte stores of whole payload rows (PB and every row offset are
             # multiples of 4: checked by the launcher)
             words = kc.pack_nibble_words(tl.reshape(codes, [BLOCK_R, DP]), BLOCK_R, DP)
@@ -208,6 +220,7 @@ def _store_kernel(
             wrow = (payload_ptr + pay).to(tl.pointer_type(tl.int32))
             tl.store(wrow[:, None] + wcols[None, :], words, mask=row_mask(live, wcols, PB // 4, DP // 8))
         else:
+            codes, sbytes = quantize_blocks4(xb, g_dec, g_enc, SCALE, RULE, RECIPE, NATIVE_FP8, FAST, low7)
             packed = kc.pack_nibbles(tl.reshape(codes, [BLOCK_R, DP]), BLOCK_R, DP)
             pcols = tl.arange(0, DP // 2)
             tl.store(payload_ptr + pay[:, None] + pcols[None, :], packed, mask=row_mask(live, pcols, PB, DP // 2))
@@ -292,6 +305,9 @@ def launch_config(dp: int, bits: int, config: tuple[int, int] | None = None, blo
 # rceil codec has no division and uses 56 registers instead of 80; why that costs 2.5 points at 64M-256M and gains 6 at
 # 1G is not known). `variant={"FAST": ...}` overrides.
 FAST_CODECS = {"e4m3": True, "e8m0": False}
+# 4-bit formats with word-aligned rows: the block codec up to the scaled values (kc.mxfp4_scale_block /
+# kc.nvfp4_scale_block) and kc.e2m1_words (sign, mask and nibble pack on the multiply pipe). `variant=` overrides.
+MUL_PACK = True
 # Kernel constexpr overrides for every launch (tests set {"FAST": ...} to run both codecs through the public store).
 DEFAULT_VARIANT: dict = {}
 
@@ -361,6 +377,7 @@ def launch_store(x3: torch.Tensor, slots: torch.Tensor | None, payload: torch.Te
                 FAST=FAST_CODECS.get(fmt.scale_element, False))
     opts.update(DEFAULT_VARIANT)
     opts.update(variant or {})
+    opts["MUL_PACK"] = bool(opts.get("MUL_PACK", MUL_PACK)) and opts["WORDS"]
     block_r, num_warps = launch_config(dp, bits, config, fmt.block or 32)
     grid = (triton.cdiv(T, block_r), H)
     _store_kernel[grid](

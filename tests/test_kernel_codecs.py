@@ -617,3 +617,98 @@ def test_fast_helpers_gpu(device):
 @pytest.mark.parametrize("native", [False, True])
 def test_fast_block_quantizers_gpu(device, native):
     check_fast_blocks(device, 1 << 15, block_r=64, native=native)
+
+
+# ------------------------------------------------------------------ store engineer: scaled values -> payload words
+# e2m1_words, mxfp4_scale_block, nvfp4_scale_block (kernels/codecs.py, end): the same bytes as the torch codecs.
+@triton.jit
+def _words_kernel(x_ptr, out_ptr, n_rows, D: tl.constexpr, SATURATE: tl.constexpr, BLOCK_R: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, D)
+    x = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=rows[:, None] < n_rows, other=0.0)
+    w = tl.arange(0, D // 8)
+    tl.store(out_ptr + rows[:, None] * (D // 8) + w[None, :], kc.e2m1_words(x, BLOCK_R, D, SATURATE),
+             mask=rows[:, None] < n_rows)
+
+
+@triton.jit
+def _scaled_words_kernel(x_ptr, payload_ptr, scale_ptr, n_rows, g_dec, g_enc, D: tl.constexpr, BS: tl.constexpr,
+                         RULE: tl.constexpr, RECIPE: tl.constexpr, NATIVE: tl.constexpr, BLOCK_R: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows[:, None] < n_rows
+    cols = tl.arange(0, D)
+    x = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=rmask, other=0.0)
+    xb = tl.reshape(x, [BLOCK_R, D // BS, BS])
+    if BS == 32:
+        y, scale = kc.mxfp4_scale_block(xb, RULE)
+        words = kc.e2m1_words(tl.reshape(y, [BLOCK_R, D]), BLOCK_R, D, RULE == kc.RULE_FLOOR)
+    else:
+        y, scale = kc.nvfp4_scale_block(xb, g_dec, g_enc, RECIPE, NATIVE)
+        words = kc.e2m1_words(tl.reshape(y, [BLOCK_R, D]), BLOCK_R, D, True)
+    w = tl.arange(0, D // 8)
+    tl.store(payload_ptr + rows[:, None] * (D // 8) + w[None, :], words, mask=rmask)
+    nb = tl.arange(0, D // BS)
+    tl.store(scale_ptr + rows[:, None] * (D // BS) + nb[None, :], scale, mask=rmask)
+
+
+def check_e2m1_words(device: str, n: int) -> None:
+    """e2m1_words on fp32 probes (every exponent, ties, -0, saturation) == torch e2m1_encode, nibbles packed."""
+    x = fp32_values(n, device)
+    x = torch.cat([x, torch.tensor([0.0, -0.0, 0.25, -0.25, 0.75, 2.5, -5.0, 6.0, 7.0, -1e30], device=device)])
+    x = torch.cat([x, torch.zeros((-x.numel()) % 64, device=device)]).reshape(-1, 64).contiguous()
+    from kvtool.formats.elements import e2m1_encode, pack_nibbles
+    want = pack_nibbles(e2m1_encode(x.cpu())).contiguous().view(torch.int32)
+    for sat in (True, False):
+        xs = x if sat else x.clamp(-6.5, 6.5)
+        w = pack_nibbles(e2m1_encode(xs.cpu())).contiguous().view(torch.int32) if not sat else want
+        out = torch.empty(xs.shape[0], 8, dtype=torch.int32, device=device)
+        _words_kernel[(triton.cdiv(xs.shape[0], 16),)](xs.contiguous(), out, xs.shape[0], D=64, SATURATE=sat,
+                                                       BLOCK_R=16)
+        assert same_bits(out, w), f"e2m1_words SATURATE={sat}: {first_diff(out, w)}"
+
+
+def check_scaled_words(device: str, n_rows: int, block_r: int, native: bool = False) -> None:
+    """*_scale_block + e2m1_words == the torch codecs' payload words and scale bytes, every rule / recipe / outer."""
+    x = block_rows(n_rows, device)
+    bad = []
+
+    def run(bs, **kw):
+        n, d = x.shape
+        payload = torch.empty(n, d // 8, dtype=torch.int32, device=x.device)
+        scales = torch.empty(n, d // bs, dtype=torch.uint8, device=x.device)
+        _scaled_words_kernel[(triton.cdiv(n, block_r),)](x, payload, scales, n, kw.get("g_dec", 1.0),
+                                                         kw.get("g_enc", 1.0), D=d, BS=bs, RULE=kw.get("rule", 0),
+                                                         RECIPE=kw.get("recipe", 0), NATIVE=native,
+                                                         BLOCK_R=block_r)
+        return payload.view(torch.uint8), scales
+
+    for rule in ScaleRule:
+        q = get_format("mxfp4", scale_rule=rule).quantize(x)
+        payload, scales = run(32, rule=int(rule))
+        if not (same_bits(payload, q.payload) and same_bits(scales, q.scales)):
+            bad.append(f"mxfp4 {rule.name}: payload {first_diff(payload, q.payload)}; scales "
+                       f"{first_diff(scales, q.scales)}")
+    for recipe in NvRecipe:
+        for outer in ("1", "auto"):
+            q = get_format("nvfp4", recipe=recipe, outer_scale=outer).quantize(x)
+            g_dec = torch.tensor(q.outer_scale, dtype=torch.float32)
+            payload, scales = run(16, recipe=int(recipe), g_dec=float(g_dec), g_enc=float(1.0 / g_dec))
+            if not (same_bits(payload, q.payload) and same_bits(scales, q.scales)):
+                bad.append(f"nvfp4 {recipe.name} {outer}: payload {first_diff(payload, q.payload)}; scales "
+                           f"{first_diff(scales, q.scales)}")
+    assert not bad, "\n".join(bad)
+
+
+def test_e2m1_words(device):
+    check_e2m1_words(device, 1 << 12)
+
+
+def test_scaled_words(device):
+    check_scaled_words(device, 24, block_r=16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("native", [False, True])
+def test_scaled_words_gpu(device, native):
+    check_e2m1_words(device, 1 << 22)
+    check_scaled_words(device, 1 << 15, block_r=64, native=native)

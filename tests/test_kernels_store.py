@@ -355,15 +355,19 @@ def test_quantize_gpu_large(fmt, device):
 FP4_FORMATS = [f for f in FORMATS if f.spec.payload_bits == 4]
 
 
+FP4_VARIANTS = {"fast-codec": {"FAST": True, "MUL_PACK": False}, "codec": {"FAST": False, "MUL_PACK": False},
+                "mul-pack": {"MUL_PACK": True}}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("fast", [True, False], ids=["fast-codec", "codec"])
+@pytest.mark.parametrize("variant", list(FP4_VARIANTS))
 @pytest.mark.parametrize("fmt", FP4_FORMATS, ids=lambda f: f.label)
-def test_store_gpu_fp4_codecs(fmt, fast, device, monkeypatch):
-    """Both 4-bit block codecs (kernels/store.py FAST_CODECS picks one per format) through the public store at real
-    sizes: head dims 64 and 256, bf16 into 128-token pages, 20 % of tokens skipped."""
+def test_store_gpu_fp4_codecs(fmt, variant, device, monkeypatch):
+    """Every 4-bit encode path (kernels/store.py FAST_CODECS / MUL_PACK pick the defaults) through the public store
+    at real sizes: head dims 64 and 256, bf16 into 128-token pages, 20 % of tokens skipped."""
     from kvtool.kernels import store as store_mod
 
-    monkeypatch.setattr(store_mod, "DEFAULT_VARIANT", {"FAST": fast})
+    monkeypatch.setattr(store_mod, "DEFAULT_VARIANT", FP4_VARIANTS[variant])
     seed = SEED + 21
     n, pages, page_size = 1 << 15, (1 << 15) * 5 // 4 // 128, 128
     slots = slot_mapping(n, pages * page_size, page_size, seed).to(device)
@@ -373,15 +377,18 @@ def test_store_gpu_fp4_codecs(fmt, fast, device, monkeypatch):
 
 
 def test_store_both_codecs(device, monkeypatch):
-    """Interpreter sizes: the codec FAST_CODECS does not pick for each 4-bit family, through the public store."""
+    """Interpreter sizes: the codec FAST_CODECS does not pick for each 4-bit family, and the encode MUL_PACK does
+    not pick, through the public store."""
     from kvtool.kernels import store as store_mod
 
     for label in ("mxfp4-rceil", "mxfp4-floor", "nvfp4-rcp-auto", "nvfp4-unrounded"):
         fmt = get_format(label)
-        monkeypatch.setattr(store_mod, "DEFAULT_VARIANT", {"FAST": not store_mod.FAST_CODECS[fmt.scale_element]})
-        x = spread_values((40, 2, 64), SEED + 31, torch.bfloat16).to(device)
-        slots = slot_mapping(40, 3 * 32, 32, SEED + 31).to(device)
-        check_store(fmt, x, slots, 3, 32, SEED + 31)
+        for variant in ({"FAST": not store_mod.FAST_CODECS[fmt.scale_element], "MUL_PACK": False},
+                        {"MUL_PACK": not store_mod.MUL_PACK}):
+            monkeypatch.setattr(store_mod, "DEFAULT_VARIANT", variant)
+            x = spread_values((40, 2, 64), SEED + 31, torch.bfloat16).to(device)
+            slots = slot_mapping(40, 3 * 32, 32, SEED + 31).to(device)
+            check_store(fmt, x, slots, 3, 32, SEED + 31)
 
 
 # ------------------------------------------------------------------------------------------------ bench plumbing
