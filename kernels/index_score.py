@@ -314,8 +314,11 @@ LAUNCH_OPTIONS = ("chunk_blocks", "q_tile", "prefetch", "native_fp8", "num_warps
                   "in_kernel_topk", "post_scale", "warp_partials", "select")
 
 # Two-pass top-k: the scorer writes per-warp partial block maxima (`_part_nanmax`; no cross-warp reduction in its
-# loop) and the select pass maxes them. Option warp_partials overrides.
-WARP_PARTIALS_DEFAULT = False
+# loop: sm_90 loop body nvfp4 633 -> 617 SASS, barriers 6 -> 3) and the select pass maxes them. Default for quantized
+# keys that scale in the decode (fp8, nvfp4); off for POST_SCALE (its scores come from a sum over scale blocks whose
+# layout does not split by warp: offline barriers 6 -> 5) and bf16 (not measured). Option warp_partials overrides.
+# H200, batch 64 x 150K, score+topk (2026-11-29 10:58 UTC, packed select): nvfp4 309.1 us with vs 316.1 without
+# (score alone 307.5); mxfp4 326.0 with vs 314.4 without; fp8 342.5 with (flat select) vs 345.3 without.
 
 
 # Dot rows (queries x heads x scale blocks) of POST_SCALE launches: by default only where the block-diagonal query
@@ -400,7 +403,7 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
     64-block programs: two passes 358 us, in-kernel 381 us), post_scale (FP4 words: block scales applied to the
     partial scores of a block-diagonal query after the dot; default where its dot rows fit 16, see
     POST_SCALE_DEFAULT_ROWS), warp_partials (two-pass top-k: per-warp partial block maxima, see
-    WARP_PARTIALS_DEFAULT), select (the select pass's launch variant, `topk.SELECT_VARIANTS`), and prefetch /
+    the comment above the launchers), select (the select pass's launch variant, `topk.SELECT_VARIANTS`), and prefetch /
     num_warps / num_stages (a fixed launch instead of the autotuned one)."""
     bad = set(options) - set(LAUNCH_OPTIONS)
     if bad:
@@ -454,7 +457,9 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
     warps = max_warps(tile_t, mp * nsbp)
     wp_opt = options.get("warp_partials")
     wp = 1
-    if two_pass and (WARP_PARTIALS_DEFAULT if wp_opt is None else wp_opt):
+    if wp_opt is None:
+        wp_opt = not post and fmt.spec.payload_bits < 16
+    if two_pass and wp_opt:
         # one part per warp of the fixed or autotuned (4-warp) launch, each part whole 16-token rows of the tile
         wp = min(options.get("num_warps") or warps, tile_t // 16)
         wp = 1 << (wp.bit_length() - 1)

@@ -48,14 +48,13 @@ MAX_LAYERS = 57  # M3's sparse layers
 # H200, 2026-11-29 09:57 UTC, score+topk us (nvfp4 / mxfp4): post-scaled 359 / 339 (with the scales loaded one tile
 # ahead in registers, a variant since removed: 368 / 345), scale-in-decode 345 / 516; nvfp4 scale-in-decode w1 s3
 # 337 (not checked for correctness on the GPU; not a default).
+# Select-pass round (2026-11-29 10:58 UTC, copy 4123 GB/s), score+topk us fp8 / nvfp4 / mxfp4: flat select 370.6 /
+# 318.9 / 317.9, legacy select 369.8 / 341.5 / 342.7, packed 345.3 / 316.1 / 314.4, split256 342.4 / 316.2 / 315.5,
+# warp partials (flat) 342.5 / 314.6 / 329.2, warp partials + packed 348.9 / 309.1 / 326.0 (score alone 359.4 / 307.5
+# / 306.9; fp8 rows vary with the autotuner's pick). Defaults now: packed select, warp partials for fp8 / nvfp4.
 SWEEP = (
-    ("chunk=16", {"chunk_blocks": 16}), ("chunk=64", {"chunk_blocks": 64}),
-    ("in-kernel top-k", {"in_kernel_topk": True}),
-    ("prefetch w4", {"prefetch": True, "num_warps": 4}),
-    ("pipelined s3", {"prefetch": False, "num_stages": 3}), ("pipelined s5", {"prefetch": False, "num_stages": 5}),
-    ("portable fp8", {"native_fp8": False}),
-    ("scale-in-decode", {"post_scale": False}), ("post", {"post_scale": True}),
-    ("scale-in-decode w1 s3", {"post_scale": False, "num_warps": 1, "num_stages": 3, "prefetch": False}),
+    ("warp partials", {"warp_partials": True}), ("no warp partials", {"warp_partials": False}),
+    ("select flat", {"select": "flat"}), ("select split256", {"select": "split256"}),
 )
 FP4_ONLY = ("post_scale",)
 
