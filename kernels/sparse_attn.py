@@ -51,6 +51,21 @@ warps) or 75 % (2 warps) of copy; measured 24-26 %, so the stalls come first (mo
 then the decode's instruction count (PAIRED's 2 ops per element did not pay off here). Launch tuning cannot reach
 the 70 % goal.
 
+Tuning round 3 (H200, M3 shape, us per layer at batch 256 / 64; 2026-11-29 11:33 and 11:50 UTC): two hypotheses,
+both refuted. (1) Too few warps to hide latency (2 per scheduler): 32-token tiles with a 128-register cap fit 8
+programs per SM (2 warps, 22.5 KB shared memory, no spills) with twice the splits: nvfp4 75.7 (default 69.8) / 25.2
+(26.0), mxfp4 86.3 (75.2) / 28.3 (27.3), fp8 60.6 (47.7) / 23.7 (20.3); 4 warps on them 101; PAIRED on them 91.3 /
+37.7. (2) Memory latency (one tile's copies in flight): 4 stages (two tiles in flight, 50 KB, still 4 programs per
+SM) nvfp4 74.2 (70.1 with 3) / 26.9 (25.9), fp8 51.2 (48.2) / 23.5 (20.3), mxfp4 77.5 (75.6) / 28.2 (27.3); 5 stages
+90.6 (3 programs per SM); the hand pipeline (PREFETCH=2) 76.7. The time per tile moves with none of occupancy, copies
+in flight, warps per program or instruction count (PAIRED: 13 % fewer SASS instructions, 3-50 % slower), so neither
+latency nor issue bandwidth is the limit. Left: a per-SM throughput limit, most likely the shared-memory (MIO) pipe
+(the ncu stalls above; about 570 shared-memory wavefronts per 64-token tile before bank conflicts: K/V words and
+scale bytes read after the async copies, the decoded V tile stored and re-read transposed by ldmatrix, P, q), or the
+access pattern (fp8-unit, one contiguous chunk per K/V tile, runs at 66 % of copy; the FP4 formats read a 4 KB
+payload chunk plus a 512 B scale chunk per tile and reach 22-26 %). Next: ncu's shared-memory wavefronts and bank
+conflicts per tile, and DRAM sectors per request, before another kernel change.
+
 Masking: tokens after the query position, tiles of -1 selection slots and pages that are -1 are never loaded (masked
 loads give 0, then the score is -inf), so stale or non-finite bytes outside the selection never leak into the output.
 A row with no visible token returns zeros. Non-finite values at visible tokens (only a bf16 cache can hold them) give
@@ -83,6 +98,10 @@ RESIDENT = 4  # programs per SM of the default quantized launch (2 warps: ~240 r
 # bf16 72.1 -> 88.5 (its hi + lo P dots need the registers), so fp16-dot formats only; joint max mxfp4 84.2 -> 82.0
 DEFAULT_LAZY_L = True  # softmax denominators reduced once after the loop, for fp16-dot formats (see _attend)
 DEFAULT_JOINT = True  # E8M0 V factors through the softmax max (see _attend)
+# Pipeline stages per loop (PREFETCH 2 / 1 / 0). PREFETCH=1: with the lookups one tile ahead, Triton's pipeliner
+# keeps num_stages - 2 tiles' K/V copies in flight while one is computed. H200, batch 256, us per layer, 3 / 4 / 5
+# stages: nvfp4 70.1 / 74.2 / 90.6 (5: 59 KB shared memory, 3 programs per SM), fp8 48.2 / 51.2 (see the docstring)
+DEFAULT_STAGES = {2: 1, 1: 3, 0: 2}
 
 
 # ------------------------------------------------------------------------------------------- host-side helpers
@@ -417,7 +436,7 @@ def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_
         raise KernelArgumentError(f"paired must be a bool or 'k' (K tiles only), got {paired!r}")
     paired = 0 if not e2m1 or not paired else 2 if paired == "k" else 1
     if num_stages is None:
-        num_stages = {2: 1, 1: 3, 0: 2}[prefetch]  # 1: the lookups ahead let Triton's copies run a tile ahead
+        num_stages = DEFAULT_STAGES[prefetch]
     if tw != t:
         warps = max(1, min(int(num_warps or 4), tw // 8))
     # 4-warp programs: 4 per SM (65536 registers; ptxas may spill a few bytes); 2-warp programs run uncapped (~240
