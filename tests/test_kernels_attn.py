@@ -326,14 +326,14 @@ def test_gpu_tiles_and_warps(fmt):
 def test_gpu_warp_variants(fmt):
     """The launch variants measured for the H200 defaults at M3's shape: 2 warps per program (the default for
     quantized formats at batch >= 17) with 1, default and 8 splits, 4 warps, 32-token tiles with 2 or 1 warps, PAIRED
-    K only or K and V, lazy sums and the joint max off, 3 / 4 (default) / 5 pipeline stages (one, two or three
-    tiles' copies in flight), 32-token tiles with a 128-register cap and 4 stages."""
+    K only or K and V, lazy sums and the joint max off, 4 and 5 pipeline stages (two or three tiles' copies in
+    flight; the default 3: one), 32-token tiles with a 128-register cap and 4 stages."""
     q, kc, vc, table, ctx, ids = make_decode(fmt, [5, 300, 1000, 4000, 20000], M3["hq"], M3["hkv"], M3["d"],
                                              M3["page"], M3["bs"], M3["topk"], seed=13)
     ref = paged_sparse_decode_ref(q, kc, vc, table, ctx, ids, 128)
     configs = [dict(num_warps=2), dict(num_warps=4), dict(num_warps=2, num_splits=8), dict(num_warps=2, num_splits=1),
                dict(tile_tokens=32, num_warps=2), dict(tile_tokens=32, num_warps=1),
-               dict(lazy_l=False, joint_max=False), dict(num_stages=3), dict(num_stages=5),
+               dict(lazy_l=False, joint_max=False), dict(num_stages=4), dict(num_stages=5),
                dict(tile_tokens=32, num_warps=2, maxnreg=128, num_splits=4, num_stages=4)]
     if fmt in ("nvfp4", "mxfp4"):
         configs += [dict(num_warps=2, paired=True), dict(num_warps=2, paired="k"), dict(paired="k")]
