@@ -2,7 +2,8 @@
 
 One parameterized kernel scores a tile of (query, index head) rows against the keys of one request, block by block,
 and emits token scores, block scores, or per-program top-k candidates (merged by `kernels/topk.py`); top-k runs by
-default as block scores plus `topk.select_from_block_scores` (see `_launch`). It reads the
+default as block scores plus `topk.select_from_block_scores` (see `_launch`; for fp8 / nvfp4 the scorer writes per-warp
+partial block maxima instead, `_part_nanmax`, and the select pass maxes them). It reads the
 cache as engines hold it: `kvtool.paged.PagedCache` with H = 1, uint8 [num_pages, 1, page_bytes], per page
 `[P x payload][P x scale]`, a block table [B, max_pages] int32 and context lengths [B] int32.
 
