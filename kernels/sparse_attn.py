@@ -51,7 +51,7 @@ warps) or 75 % (2 warps) of copy; measured 24-26 %, so the stalls come first (mo
 then the decode's instruction count (PAIRED's 2 ops per element did not pay off here). Launch tuning cannot reach
 the 70 % goal.
 
-Tuning round 3 (H200, M3 shape, us per layer at batch 256 / 64; 2026-11-29 11:33 and 11:50 UTC): two hypotheses,
+Tuning round 3 (H200, M3 shape, us per layer at batch 256 / 64; 2026-11-29 10:56 and 11:02 UTC): two hypotheses,
 both refuted. (1) Too few warps to hide latency (2 per scheduler): 32-token tiles with a 128-register cap fit 8
 programs per SM (2 warps, 22.5 KB shared memory, no spills) with twice the splits: nvfp4 75.7 (default 69.8) / 25.2
 (26.0), mxfp4 86.3 (75.2) / 28.3 (27.3), fp8 60.6 (47.7) / 23.7 (20.3); 4 warps on them 101; PAIRED on them 91.3 /
@@ -63,8 +63,12 @@ latency nor issue bandwidth is the limit. Left: a per-SM throughput limit, most 
 (the ncu stalls above; about 570 shared-memory wavefronts per 64-token tile before bank conflicts: K/V words and
 scale bytes read after the async copies, the decoded V tile stored and re-read transposed by ldmatrix, P, q), or the
 access pattern (fp8-unit, one contiguous chunk per K/V tile, runs at 66 % of copy; the FP4 formats read a 4 KB
-payload chunk plus a 512 B scale chunk per tile and reach 22-26 %). Next: ncu's shared-memory wavefronts and bank
-conflicts per tile, and DRAM sectors per request, before another kernel change.
+payload chunk plus a 512 B scale chunk per tile and reach 22-26 %). A fixed cost per layer sits on top: fitting
+time = O + W x batch / 64 to the defaults (batch 256 / 64: nvfp4 70.1 / 25.9, fp8 48.2 / 20.3) gives O = 11 us for
+both formats (launch, the first tile's lookup -> page -> copy chain, partial stores, the combine kernel) and W =
+14.7 (nvfp4) / 9.3 (fp8) us per 64 rows; at batch 256 the 70 % goal (~26 us) needs O cut as well as W. Next: ncu's
+shared-memory wavefronts, bank conflicts and pipe use per tile (`.scratch/attn10_ncu.sh`), and the combine kernel's
+share of O, before another kernel change.
 
 Masking: tokens after the query position, tiles of -1 selection slots and pages that are -1 are never loaded (masked
 loads give 0, then the score is -inf), so stale or non-finite bytes outside the selection never leak into the output.
