@@ -21,6 +21,17 @@ issue, not memory: sm_90 SASS main path per element (64 x 4 mxfp4 / 32 x 4 nvfp4
 14.8 (mxfp4) / 19.7 (nvfp4; 20.3 before the fast codec), of which about 11 the per-element encoder (bf16 decode, |x|
 max, [nvfp4: x * 1/S], 3 fma + 3 min/max, sign shift + merge, nibble pack) and 3-4 per-row addressing and the
 shared-memory layout conversion for coalesced stores, spread over 32-64 elements per thread.
+Session 10 (H200, 2026-11-29 11:05 UTC, same bench): nvfp4 now encodes through kc.nvfp4_scale_block +
+kc.e2m1_words (MUL_PACK: sign, nibble mask and pack on the multiply pipe, zero-scale rule folded into the scaling fma;
+ALU-pipe ops per element 9.75 -> 7.91, all 19.66 -> 19.12): 74.0 / 77.9 / 79.3 % (was 72.1 / 75.5 / 76.2 in the same
+run); mxfp4 keeps the previous encode (79.1 / 84.1 / 85.8 %; with MUL_PACK 76.0 / 81.6 / 82.7). ncu at 256M (clocks
+locked to base, 1.40-1.46 GHz): the limiter is the L1, not the ALU: mxfp4 L1/TEX throughput 93 % of peak (memory
+throughput 92 %, L2 80 %, DRAM 62 %), issue slots 72 %, ALU pipe 74 %, L1 hit rate 46 % (each 16-byte chunk load
+touches 32 sectors half-used, the next chunk hits them again), top stall L1TEX scoreboard (42 % of 7.8 cycles per
+issue); 37.5 % occupancy (80 registers). MUL_PACK mxfp4: 56 % occupancy, ALU 64 %, issue 66 %, 13.0 cycles per issue
+(more warps queue on the same L1). nvfp4: ALU 80 % -> 66 % with MUL_PACK, issue 76 % -> 75 %. 2x / 0.5x rows per
+program were 3-16 points slower. Next lever: fewer L1 sector requests per loaded byte (coalesced 512-byte warp loads
+plus an in-register or shared-memory regroup into blocks, or TMA tiles), not fewer ALU ops.
 Tried and measured slower (kept out): one row per thread in 32-element chunks (12.8 / 15.7-16.0 instructions per
 element) with direct 16-byte stores per lane (mxfp4 64-70 %, nvfp4 55-63 %) or joined into one coalesced row store
 (mxfp4 71-83 %, nvfp4 50-57 %); 4 blocks per thread for nvfp4 (64 x 4: 128 registers).
@@ -305,9 +316,13 @@ def launch_config(dp: int, bits: int, config: tuple[int, int] | None = None, blo
 # rceil codec has no division and uses 56 registers instead of 80; why that costs 2.5 points at 64M-256M and gains 6 at
 # 1G is not known). `variant={"FAST": ...}` overrides.
 FAST_CODECS = {"e4m3": True, "e8m0": False}
-# 4-bit formats with word-aligned rows: the block codec up to the scaled values (kc.mxfp4_scale_block /
-# kc.nvfp4_scale_block) and kc.e2m1_words (sign, mask and nibble pack on the multiply pipe). `variant=` overrides.
-MUL_PACK = True
+# Encode per scale element for word-aligned 4-bit rows: True = the block codec up to the scaled values
+# (kc.mxfp4_scale_block / kc.nvfp4_scale_block, nvfp4 zero-scale rule folded into the fma) and kc.e2m1_words (sign,
+# nibble mask and pack on the multiply pipe: sm_90 ALU-pipe ops per element nvfp4 9.75 -> 7.91, mxfp4 7.19 -> 6.67).
+# H200, same bench as FAST_CODECS (2026-11-29 11:05 UTC), % of copy at 64M / 256M / 1G: nvfp4-rcp 72.1 / 75.5 / 76.2
+# -> 74.0 / 77.9 / 79.3 (on); mxfp4-rceil 79.1 / 84.1 / 85.8 -> 76.0 / 81.6 / 82.7 (off: with 56 instead of 80
+# registers more warps queue on the L1, see the module docstring). `variant={"MUL_PACK": ...}` overrides.
+MUL_PACK = {"e4m3": True, "e8m0": False}
 # Kernel constexpr overrides for every launch (tests set {"FAST": ...} to run both codecs through the public store).
 DEFAULT_VARIANT: dict = {}
 
@@ -377,7 +392,7 @@ def launch_store(x3: torch.Tensor, slots: torch.Tensor | None, payload: torch.Te
                 FAST=FAST_CODECS.get(fmt.scale_element, False))
     opts.update(DEFAULT_VARIANT)
     opts.update(variant or {})
-    opts["MUL_PACK"] = bool(opts.get("MUL_PACK", MUL_PACK)) and opts["WORDS"]
+    opts["MUL_PACK"] = bool(opts.get("MUL_PACK", MUL_PACK.get(fmt.scale_element, False))) and opts["WORDS"]
     block_r, num_warps = launch_config(dp, bits, config, fmt.block or 32)
     grid = (triton.cdiv(T, block_r), H)
     _store_kernel[grid](

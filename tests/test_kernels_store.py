@@ -384,7 +384,7 @@ def test_store_both_codecs(device, monkeypatch):
     for label in ("mxfp4-rceil", "mxfp4-floor", "nvfp4-rcp-auto", "nvfp4-unrounded"):
         fmt = get_format(label)
         for variant in ({"FAST": not store_mod.FAST_CODECS[fmt.scale_element], "MUL_PACK": False},
-                        {"MUL_PACK": not store_mod.MUL_PACK}):
+                        {"MUL_PACK": not store_mod.MUL_PACK[fmt.scale_element]}):
             monkeypatch.setattr(store_mod, "DEFAULT_VARIANT", variant)
             x = spread_values((40, 2, 64), SEED + 31, torch.bfloat16).to(device)
             slots = slot_mapping(40, 3 * 32, 32, SEED + 31).to(device)
