@@ -319,8 +319,9 @@ FAST_CODECS = {"e4m3": True, "e8m0": False}
 # Encode per scale element for word-aligned 4-bit rows: True = the block codec up to the scaled values
 # (kc.mxfp4_scale_block / kc.nvfp4_scale_block, nvfp4 zero-scale rule folded into the fma) and kc.e2m1_words (sign,
 # nibble mask and pack on the multiply pipe: sm_90 ALU-pipe ops per element nvfp4 9.75 -> 7.91, mxfp4 7.19 -> 6.67).
-# H200, same bench as FAST_CODECS (2026-11-29 11:05 UTC), % of copy at 64M / 256M / 1G: nvfp4-rcp 72.1 / 75.5 / 76.2
-# -> 74.0 / 77.9 / 79.3 (on); mxfp4-rceil 79.1 / 84.1 / 85.8 -> 76.0 / 81.6 / 82.7 (off: with 56 instead of 80
+# H200, same bench as FAST_CODECS (2026-11-29 11:05 and 11:08 UTC), % of copy at 64M / 256M / 1G: nvfp4-rcp 72.1-73.2
+# / 75.5-77.2 / 76.2-76.4 -> 74.0-74.9 / 77.9-79.2 / 79.3-80.3 (on); mxfp4-rceil 78.9-79.1 / 84.1-85.9 / 85.8-87.3 ->
+# 76.0-76.6 / 81.6-82.8 / 82.7-84.0 (off: with 56 instead of 80
 # registers more warps queue on the L1, see the module docstring). `variant={"MUL_PACK": ...}` overrides.
 MUL_PACK = {"e4m3": True, "e8m0": False}
 # Kernel constexpr overrides for every launch (tests set {"FAST": ...} to run both codecs through the public store).
