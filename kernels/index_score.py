@@ -107,11 +107,13 @@ def _col_nanmax(s, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _part_nanmax(s, WP: tl.constexpr, INTERP: tl.constexpr):
+def _part_nanmax(s, WP: tl.constexpr, INTERP: tl.constexpr, LEAN: tl.constexpr = False):
     """Partial maxima of fp32 [T, MP] (NaN winning): [WP, MP], part p over the tokens t with (t // 16) % WP == p.
     With WP = num_warps that is what each warp of the dot's accumulator holds (sm_90 wgmma: warp w has tokens
     16 w .. 16 w + 15 of every 64), so the reduction stays inside warps: no shared memory, no barrier. The select pass
-    takes the max of the parts. Correct for any layout (only the speed depends on the match)."""
+    takes the max of the parts. Correct for any layout (only the speed depends on the match). LEAN: the groups of 64
+    tokens first (inside each thread), then the 16 tokens of a warp's slice (shuffles), so each shuffle carries one
+    value per column instead of one per group: the same maxima (NaN-winning max is associative)."""
     T: tl.constexpr = s.shape[0]
     MPc: tl.constexpr = s.shape[1]
     s4 = tl.reshape(s, [T // (16 * WP), WP, 16, MPc])
@@ -119,16 +121,24 @@ def _part_nanmax(s, WP: tl.constexpr, INTERP: tl.constexpr):
         nan4 = (s4 != s4).to(tl.int32)
         has_nan = tl.max(tl.max(nan4, axis=2), axis=0) > 0
         return tl.where(has_nan, float("nan"), tl.max(tl.max(s4, axis=2), axis=0))
+    elif LEAN:
+        return tl.reduce(tl.reduce(s4, 0, _nanmax), 1, _nanmax)
     else:
         return tl.reduce(tl.reduce(s4, 2, _nanmax), 0, _nanmax)
 
 
 @triton.jit
-def _finish_block(i, blk0, bmax, state, col, valid, out_ptr, out_row, row_ok, INIT: tl.constexpr,
-                  LOCAL: tl.constexpr, MODE: tl.constexpr, WP: tl.constexpr):
+def _finish_block(i, blk0, bmax, state, col, valid, out_ptr, out_row, row_ok, colscale, INIT: tl.constexpr,
+                  LOCAL: tl.constexpr, MODE: tl.constexpr, WP: tl.constexpr, LEAN: tl.constexpr):
     """Block blk0 + i is scored (bmax [MP], or [WP, MP] partial maxima): apply the forced blocks, then write its block
     scores (WP > 1: its WP partial maxima at out_row + block WP + p) or put its rank key in column i of the top-k
-    state [MP, CH]; returns the state."""
+    state [MP, CH]; returns the state. LEAN: bmax is of unscaled scores; the column scale (> 0, or 0) multiplies it
+    here: rounding is monotone, so max(fl(c s)) = fl(c max(s)), the same numbers (-inf stays -inf also for c = 0)."""
+    if LEAN:
+        if WP > 1:
+            bmax = tl.where(bmax == float("-inf"), bmax, bmax * colscale[None, :])
+        else:
+            bmax = tl.where(bmax == float("-inf"), bmax, bmax * colscale)
     blk = blk0 + i
     forced_init = (blk < INIT) & (blk < valid)
     forced_local = (blk >= valid - LOCAL) & (blk < valid)
@@ -152,7 +162,8 @@ def _tile_step(j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, p
                PAYLOAD_BITS: tl.constexpr, SCALE_KIND: tl.constexpr, SCALE_BLOCK: tl.constexpr, BS: tl.constexpr,
                TILE_T: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, MODE: tl.constexpr,
                NATIVE_FP8: tl.constexpr, PREFETCH: tl.constexpr, ONE_POS: tl.constexpr, FP4_WORDS: tl.constexpr,
-               POST_SCALE: tl.constexpr, NSBP: tl.constexpr, DOT_F32: tl.constexpr, WP: tl.constexpr):
+               POST_SCALE: tl.constexpr, NSBP: tl.constexpr, DOT_F32: tl.constexpr, WP: tl.constexpr,
+               LEAN: tl.constexpr):
     """Tile j of the program (tokens blk0 BS + j TILE_T ..). PREFETCH: it was fetched into (payload, scales) from
     page pg by the previous step; first issue the loads of tile j + 1 (page pg_next) and the page lookup of tile
     j + 2, so that memory works while this tile decodes and multiplies (a register double buffer). Otherwise fetch
@@ -160,39 +171,51 @@ def _tile_step(j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, p
     the block maximum bmax, and finish the block at its last tile. Returns (payload, scales, pg, pg_next, bmax,
     state) for the next step (passed through unchanged without PREFETCH). POST_SCALE block scales load in the step
     (not pipelined by the compiler, which runs only dot-operand loads ahead; carrying them one tile ahead in
-    registers measured slower on the H200: nvfp4 / mxfp4 368 / 345 us against 359 / 339 us score+topk)."""
+    registers measured slower on the H200: nvfp4 / mxfp4 368 / 345 us against 359 / 339 us score+topk).
+    LEAN (block modes): loads predicated per page (`tiles._tile_ok`), token masks only on tiles that need them
+    (decode: the program's last tile or a -1 page; a runtime branch), column scale after the block max."""
     TPB: tl.constexpr = BS // TILE_T
     t0 = blk0 * BS + j * TILE_T
     t = t0 + tl.arange(0, TILE_T)
     if PREFETCH:
         cur_pay, cur_sc, cur_pg = payload, scales, pg
         payload, scales = tiles.fetch(data_ptr, pg_next, t0 + TILE_T, t_lim, page_bytes, D, TILE_T, PAGE, PB, SB,
-                                      PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE)
+                                      PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE, LEAN)
         pg = pg_next
         pg_next = tiles.page_of(bt_row, t0 + 2 * TILE_T, t_lim, num_pages, PAGE)
     else:
         cur_pg = tiles.page_of(bt_row, t0, t_lim, num_pages, PAGE)
         cur_pay, cur_sc = tiles.fetch(data_ptr, cur_pg, t0, t_lim, page_bytes, D, TILE_T, PAGE, PB, SB,
-                                      PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE)
+                                      PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE, LEAN)
     acc = tiles.tile_dot(cur_pay, cur_sc, qa, qb, qc, qd, D, TILE_T, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK,
                          NATIVE_FP8, FP4_WORDS, POST_SCALE, NSBP, DOT_F32)
     if ONE_POS:  # decode: every row sits at ctx - 1, so "t <= pos" is "t < t_lim"
         keep = ((t < t_lim) & (cur_pg >= 0))[:, None]
     else:
         keep = ((t < t_lim) & (cur_pg >= 0))[:, None] & (t[:, None] <= pos[None, :])
-    s = tl.where(keep, acc * colscale[None, :], float("-inf"))
+    if LEAN and MODE != MODE_TOKENS:
+        if ONE_POS:
+            if (t0 + TILE_T <= t_lim) & (cur_pg >= 0):  # every token valid: the common tile
+                s = acc
+            else:
+                s = tl.where(keep, acc, float("-inf"))
+        else:
+            s = tl.where(keep, acc, float("-inf"))
+    else:
+        s = tl.where(keep, acc * colscale[None, :], float("-inf"))
     if MODE == MODE_TOKENS:
         tl.store(out_ptr + out_row[None, :] + t[:, None], s, mask=row_ok[None, :] & (t < n_out)[:, None])
     if WP > 1:
-        bmax = _nanmax(bmax, _part_nanmax(s, WP, DOT_F32))
+        bmax = _nanmax(bmax, _part_nanmax(s, WP, DOT_F32, LEAN))
     else:
         bmax = _nanmax(bmax, _col_nanmax(s, DOT_F32))
     if TPB == 1:
-        state = _finish_block(j, blk0, bmax, state, col, valid, out_ptr, out_row, row_ok, INIT, LOCAL, MODE, WP)
+        state = _finish_block(j, blk0, bmax, state, col, valid, out_ptr, out_row, row_ok, colscale, INIT, LOCAL,
+                              MODE, WP, LEAN)
         bmax = tl.full(bmax.shape, float("-inf"), tl.float32)
     elif j % TPB == TPB - 1:
-        state = _finish_block(j // TPB, blk0, bmax, state, col, valid, out_ptr, out_row, row_ok, INIT, LOCAL, MODE,
-                              WP)
+        state = _finish_block(j // TPB, blk0, bmax, state, col, valid, out_ptr, out_row, row_ok, colscale, INIT,
+                              LOCAL, MODE, WP, LEAN)
         bmax = tl.full(bmax.shape, float("-inf"), tl.float32)
     return payload, scales, pg, pg_next, bmax, state
 
@@ -236,6 +259,7 @@ def _index_score_kernel(
     PREFETCH: tl.constexpr,  # register double buffer of the next tile (else: the compiler's pipelining)
     DOT_F32: tl.constexpr,  # interpreter: dot in fp32
     WP: tl.constexpr = 1,  # MODE_BLOCKS: write WP partial maxima per block (`_part_nanmax`), else the block max
+    LEAN: tl.constexpr = False,  # leaner loop bookkeeping (`_tile_step`)
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -266,8 +290,13 @@ def _index_score_kernel(
     n_tiles = n_iter * TPB
     t_lim = tl.minimum(t_end, (blk0 + tl.maximum(n_iter, 0)) * BS)  # this program's tokens end here
     pg = tiles.page_of(bt_row, blk0 * BS, t_lim, num_pages, PAGE)
-    payload, scales = tiles.fetch(data_ptr, pg, blk0 * BS, t_lim if PREFETCH else 0, page_bytes, D, TILE_T, PAGE,
-                                  PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE)
+    # without PREFETCH this first fetch is only the loop-carried value's initial form: masked off entirely (LEAN
+    # loads are masked per page only, so by page -1)
+    pg0 = pg
+    if LEAN and not PREFETCH:
+        pg0 = -1 - pg * 0
+    payload, scales = tiles.fetch(data_ptr, pg0, blk0 * BS, t_lim if PREFETCH else 0, page_bytes, D, TILE_T, PAGE,
+                                  PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE, LEAN)
     pg_next = tiles.page_of(bt_row, blk0 * BS + TILE_T, t_lim, num_pages, PAGE)
     if DOT_F32:
         # the interpreter cannot take a loaded scalar as a loop bound: run every step, skip the empty ones
@@ -277,14 +306,14 @@ def _index_score_kernel(
                     j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, pos, valid, bt_row,
                     data_ptr, qa, qb, qc, qd, colscale, out_ptr, out_row, row_ok, n_out, num_pages, page_bytes, D,
                     PAGE, PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, BS, TILE_T, INIT, LOCAL, MODE, NATIVE_FP8,
-                    PREFETCH, QT == 1, FP4_WORDS, POST_SCALE, NSBP, DOT_F32, WP)
+                    PREFETCH, QT == 1, FP4_WORDS, POST_SCALE, NSBP, DOT_F32, WP, LEAN)
     else:
         for j in range(0, n_tiles):
             payload, scales, pg, pg_next, bmax, state = _tile_step(
                 j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, pos, valid, bt_row,
                 data_ptr, qa, qb, qc, qd, colscale, out_ptr, out_row, row_ok, n_out, num_pages, page_bytes, D,
                 PAGE, PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, BS, TILE_T, INIT, LOCAL, MODE, NATIVE_FP8,
-                PREFETCH, QT == 1, FP4_WORDS, POST_SCALE, NSBP, DOT_F32, WP)
+                PREFETCH, QT == 1, FP4_WORDS, POST_SCALE, NSBP, DOT_F32, WP, LEAN)
     if MODE == MODE_TOPK:
         ids = tl.broadcast_to((blk0 + col)[None, :], [MP, CH])
         avail = (col[None, :] < n_iter) & (ids < valid[:, None])
@@ -309,10 +338,10 @@ def _configs():
 
 _tuned_kernel = triton.autotune(
     configs=_configs(), key=["PAYLOAD_BITS", "SCALE_KIND", "D", "BS", "MP", "CH", "MODE", "HI", "NATIVE_FP8",
-                             "FP4_WORDS", "POST_SCALE", "WP"]
+                             "FP4_WORDS", "POST_SCALE", "WP", "LEAN"]
 )(_index_score_kernel)
 LAUNCH_OPTIONS = ("chunk_blocks", "q_tile", "prefetch", "native_fp8", "num_warps", "num_stages", "fp4_words",
-                  "in_kernel_topk", "post_scale", "warp_partials", "select")
+                  "in_kernel_topk", "post_scale", "warp_partials", "select", "lean")
 
 # Two-pass top-k: the scorer writes per-warp partial block maxima (`_part_nanmax`; no cross-warp reduction in its
 # loop: sm_90 loop body nvfp4 633 -> 617 SASS, barriers 6 -> 3) and the select pass maxes them. Default for quantized
@@ -329,6 +358,9 @@ LAUNCH_OPTIONS = ("chunk_blocks", "q_tile", "prefetch", "native_fp8", "num_warps
 # post_scale=True forces it up to POST_SCALE_ROWS rows (tests, sweeps).
 POST_SCALE_DEFAULT_ROWS = 16
 POST_SCALE_ROWS = 64
+
+# Leaner loop bookkeeping (`_tile_step` LEAN; option lean): not yet measured on the H200, so off by default.
+LEAN_DEFAULT = False
 
 # Smallest head dim for the FP4 word decode (`kc.fp4_quarter`): at D = 64 the H200 gave wrong selections (see the
 # module docstring); the byte decode covers smaller heads. A module constant so that a GPU diagnostic can lower it.
@@ -479,7 +511,8 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
                       CH=ch, KC=kc_, INIT=cfg.init_blocks, LOCAL=cfg.local_blocks,
                       HIGHER_ID=cfg.tie_rule != "lower-id", MODE=kmode,
                       NATIVE_FP8=native_fp8(iq4.device) if native is None else bool(native),
-                      FP4_WORDS=words, POST_SCALE=post, NSBP=nsbp, DOT_F32=INTERPRET, WP=wp)
+                      FP4_WORDS=words, POST_SCALE=post, NSBP=nsbp, DOT_F32=INTERPRET, WP=wp,
+                      LEAN=LEAN_DEFAULT if options.get("lean") is None else bool(options["lean"]))
         grid = (bsz * n_qtiles, splits)
         fixed = [k for k in ("prefetch", "num_warps", "num_stages") if options.get(k) is not None]
         if fixed or INTERPRET or warps < 4:

@@ -137,16 +137,42 @@ def page_of(bt_row, t0, t_lim, num_pages, PAGE: tl.constexpr):
 
 
 @triton.jit
+def _tile_ok(pg, t0, t_lim, TILE_T: tl.constexpr, LEAN: tl.constexpr):
+    """Load mask [TILE_T] of a key tile: per token (t < t_lim, page valid), or with LEAN per page only (pg >= 0: a
+    scalar predicate; the tile lies inside that page, so its tokens past t_lim are readable memory, read as whatever
+    the page holds, and the scorer masks their scores instead: `index_score._tile_step`)."""
+    r = tl.arange(0, TILE_T)
+    if LEAN:
+        return (r >= 0) & (pg >= 0)
+    else:
+        return ((t0 + r) < t_lim) & (pg >= 0)
+
+
+@triton.jit
+def _in_page(t0, PAGE: tl.constexpr, TILE_T: tl.constexpr, LEAN: tl.constexpr):
+    """Token offset of a tile in its page: t0 % PAGE, known to be 0 when tiles are whole pages (LEAN says so to the
+    compiler instead of leaving it a remainder of the 64-bit tile start)."""
+    if LEAN and TILE_T == PAGE:
+        return 0
+    else:
+        return t0 % PAGE
+
+
+@triton.jit
 def fetch(data_ptr, pg, t0, t_lim, page_bytes, D: tl.constexpr, TILE_T: tl.constexpr, PAGE: tl.constexpr,
            PB: tl.constexpr, SB: tl.constexpr, PAYLOAD_BITS: tl.constexpr, SCALE_KIND: tl.constexpr,
-           SCALE_BLOCK: tl.constexpr, FP4_WORDS: tl.constexpr, POST_SCALE: tl.constexpr):
+           SCALE_BLOCK: tl.constexpr, FP4_WORDS: tl.constexpr, POST_SCALE: tl.constexpr, LEAN: tl.constexpr = False):
     """Issue the loads of one key tile (tokens t0 .. t0 + TILE_T, all in page pg; token r's payload at byte
     r PB of the page's payload plane, its scales at r SB of the scale plane): (payload, scales) as stored: int16
     [T, D] (bf16), uint8 [T, D] (e4m3), uint32 words [T, D/8] (packed E2M1); scales as `fetch_scales` gives them.
-    Tokens at or past t_lim, or of page -1, read as 0 and touch no memory."""
+    Tokens of page -1 read as 0 and touch no memory; tokens at or past t_lim too, unless LEAN (`_tile_ok`)."""
     r = tl.arange(0, TILE_T)
-    ok = ((t0 + r) < t_lim) & (pg >= 0)
-    pay = tl.maximum(pg, 0).to(tl.int64) * page_bytes + (t0 % PAGE) * PB
+    if LEAN:
+        ok = _tile_ok(pg, t0, t_lim, TILE_T, LEAN)
+        pay = tl.maximum(pg, 0).to(tl.int64) * page_bytes + _in_page(t0, PAGE, TILE_T, LEAN) * PB
+    else:
+        ok = ((t0 + r) < t_lim) & (pg >= 0)
+        pay = tl.maximum(pg, 0).to(tl.int64) * page_bytes + (t0 % PAGE) * PB
     if PAYLOAD_BITS == 16:
         ptrs = data_ptr.to(tl.pointer_type(tl.int16)) + pay // 2 + r[:, None] * (PB // 2) + tl.arange(0, D)[None, :]
     elif PAYLOAD_BITS == 8:
@@ -158,21 +184,26 @@ def fetch(data_ptr, pg, t0, t_lim, page_bytes, D: tl.constexpr, TILE_T: tl.const
             + tl.arange(0, D // 8)[None, :]
     payload = tl.load(ptrs, mask=ok[:, None], other=0)
     scales = fetch_scales(data_ptr, pg, t0, t_lim, page_bytes, D, TILE_T, PAGE, PB, SB, PAYLOAD_BITS, SCALE_KIND,
-                           SCALE_BLOCK, FP4_WORDS, POST_SCALE)
+                           SCALE_BLOCK, FP4_WORDS, POST_SCALE, LEAN)
     return payload, scales
 
 
 @triton.jit
 def fetch_scales(data_ptr, pg, t0, t_lim, page_bytes, D: tl.constexpr, TILE_T: tl.constexpr, PAGE: tl.constexpr,
                   PB: tl.constexpr, SB: tl.constexpr, PAYLOAD_BITS: tl.constexpr, SCALE_KIND: tl.constexpr,
-                  SCALE_BLOCK: tl.constexpr, FP4_WORDS: tl.constexpr, POST_SCALE: tl.constexpr):
+                  SCALE_BLOCK: tl.constexpr, FP4_WORDS: tl.constexpr, POST_SCALE: tl.constexpr,
+                  LEAN: tl.constexpr = False):
     """The scales of one key tile (see `fetch`) as stored: uint8 [T, D/block] block scales, one uint32 word [T] of
     four E8M0 bytes (mxfp4 with four blocks per token, without POST_SCALE), fp32 [T] row scales, or fp32 zeros [T]
     when there are none. FP4 without FP4_WORDS: the block scale of every payload byte, uint8 [T, D/2] (gathered: no
     reshape needed to apply it)."""
     r = tl.arange(0, TILE_T)
-    ok = ((t0 + r) < t_lim) & (pg >= 0)
-    sc = tl.maximum(pg, 0).to(tl.int64) * page_bytes + PAGE * PB + (t0 % PAGE) * SB
+    if LEAN:
+        ok = _tile_ok(pg, t0, t_lim, TILE_T, LEAN)
+        sc = tl.maximum(pg, 0).to(tl.int64) * page_bytes + PAGE * PB + _in_page(t0, PAGE, TILE_T, LEAN) * SB
+    else:
+        ok = ((t0 + r) < t_lim) & (pg >= 0)
+        sc = tl.maximum(pg, 0).to(tl.int64) * page_bytes + PAGE * PB + (t0 % PAGE) * SB
     if SCALE_KIND == SK_ROW:
         scales = tl.load(data_ptr.to(tl.pointer_type(tl.float32)) + sc // 4 + r, mask=ok, other=1.0)
     elif (PAYLOAD_BITS == 4) & (not FP4_WORDS):

@@ -374,6 +374,62 @@ def test_decode_edge_case_keys(label, fp4_words):
     check_decode(cache, table, cl, queries(1, 4, 128, seed=8), IndexerConfig(16, 4), chunk_blocks=2, **opts)
 
 
+# ----------------------------------------------------------------------------------------- lean loop bookkeeping
+def poison_unused_slots(cache, table, ctx):
+    """Fill every slot past each request's context in its pages with bytes that would change any score they reach:
+    payload 0x77 (large E2M1 / E4M3 / bf16 values) and NaN scale codes (E4M3 0x7F, E8M0 0xFF; fp32 row scales get
+    NaN bytes 0xFF). The LEAN scorer reads whole tiles of a valid page, so these bytes enter its dots and must be
+    masked out of the scores."""
+    page = cache.page_size
+    pay, sc = cache.payload_plane(), cache.scale_plane()
+    for b, n in enumerate(ctx.tolist()):
+        for p_idx in range(table.shape[1]):
+            pg = int(table[b, p_idx])
+            first = max(0, n - p_idx * page)
+            if pg < 0 or first >= page:
+                continue
+            pay[pg, 0, first:] = 0x77
+            if sc.numel():
+                sc[pg, 0, first:] = 0xFF if cache.fmt.scale_element in ("e8m0", "fp32-row") else 0x7F
+
+
+LEAN_CASES = {  # (page, block): tiles of whole pages (16 / 64) and tiles of a quarter page (t0 % PAGE != 0)
+    "tile=page16": (16, 32), "tile=page64": (64, 64), "tile<page": (64, 16)}
+
+
+@pytest.mark.parametrize("case", list(LEAN_CASES))
+@pytest.mark.parametrize("label", ["bf16", "fp8", "fp8-token", "nvfp4", "mxfp4"])
+def test_decode_lean(label, case):
+    """LEAN loop bookkeeping (loads masked per page, token masks only on partial tiles, column scale after the block
+    max): the same ids and block scores as the reference, with poisoned bytes past every context in its last page
+    (without forced local blocks, so that the partial last tile decides a block), ragged contexts over tile and page
+    edges, an empty row, forced blocks; both loop kinds; warp partials (64-token tiles: 4 parts) and the block max."""
+    page, bs = LEAN_CASES[case]
+    ctx = [1, 31, 32, 33, 0, 129, 200]
+    cache, table, cl, _ = make_cache(label, ctx, page=page, seed=60)
+    poison_unused_slots(cache, table.cpu(), cl.cpu())
+    iq = queries(len(ctx), 4, 128, seed=61)
+    # no forced local blocks first: the partial last tile of each context decides its block's score
+    cfg = IndexerConfig(block_size=bs, topk=4, init_blocks=0, local_blocks=0)
+    check_decode(cache, table, cl, iq, cfg, chunk_blocks=2, lean=True)
+    cfg = IndexerConfig(block_size=bs, topk=4, init_blocks=1, local_blocks=2)
+    check_decode(cache, table, cl, iq, cfg, chunk_blocks=8, lean=True, prefetch=True, warp_partials=False)
+
+
+@pytest.mark.parametrize("label", ["fp8", "nvfp4", "mxfp4"])
+def test_prefill_lean(label):
+    """LEAN in prefill (per-row causal masks on every tile) with poisoned bytes past the context."""
+    ctx = [70, 33]
+    cache, table, cl, _ = make_cache(label, ctx, page=16, seed=62)
+    poison_unused_slots(cache, table.cpu(), cl.cpu())
+    iq = queries(2, 4, 128, seed=63, q=5)
+    cfg = IndexerConfig(block_size=16, topk=3, init_blocks=1, local_blocks=0)
+    ref_ids, ref_scores = paged_reference(iq, cache, table, cl, cfg)
+    tol = tolerance(iq, cache, table, cl)
+    assert_ids_match(K.prefill_topk(iq, cache, table, cl, cfg, prefetch=False, lean=True), ref_ids, ref_scores, tol)
+    assert_scores_match(K.prefill_block_scores(iq, cache, table, cl, cfg, prefetch=True, lean=True), ref_scores, tol)
+
+
 # ------------------------------------------------------------------------------------------ FP4 post-scaled dot
 POST_VARIANTS = {"scale-in-decode": {"post_scale": False}, "post": {"post_scale": True},
                  "post-prefetch": {"post_scale": True, "prefetch": True}}
