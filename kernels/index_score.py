@@ -140,9 +140,12 @@ def _finish_block(i, blk0, bmax, state, col, valid, out_ptr, out_row, row_ok, co
         else:
             bmax = tl.where(bmax == float("-inf"), bmax, bmax * colscale)
     blk = blk0 + i
-    forced_init = (blk < INIT) & (blk < valid)
-    forced_local = (blk >= valid - LOCAL) & (blk < valid)
-    bsc = tl.where(forced_local, LOCAL_SCORE, tl.where(forced_init, INIT_SCORE, bmax))
+    if LEAN and MODE == MODE_BLOCKS:  # forced blocks are written after the loop (`_write_forced`)
+        bsc = bmax
+    else:
+        forced_init = (blk < INIT) & (blk < valid)
+        forced_local = (blk >= valid - LOCAL) & (blk < valid)
+        bsc = tl.where(forced_local, LOCAL_SCORE, tl.where(forced_init, INIT_SCORE, bmax))
     if MODE == MODE_BLOCKS:
         if WP > 1:
             p = tl.arange(0, WP)
@@ -153,6 +156,33 @@ def _finish_block(i, blk0, bmax, state, col, valid, out_ptr, out_row, row_ok, co
         key = tl.where(bsc != bsc, NAN_RANK, bsc)
         state = tl.where(col[None, :] == i, key[:, None], state)
     return state
+
+
+@triton.jit
+def _write_forced(blk0, n_iter, valid, out_ptr, out_row, row_ok, INIT: tl.constexpr, LOCAL: tl.constexpr,
+                  WP: tl.constexpr):
+    """MODE_BLOCKS with LEAN: after the loop, overwrite the forced blocks among this program's blocks blk0 ..
+    blk0 + n_iter - 1 (every one of their WP parts): 1e29 for the last LOCAL valid blocks of a row, else 1e30 for its
+    first INIT valid blocks (the values `_finish_block` gives otherwise, which override NaN too). Per row at most
+    INIT + LOCAL blocks, instead of two comparisons per block and row in the loop. The loop's stores of the same
+    addresses came from other threads, hence the barrier first (it orders the CTA's global writes)."""
+    tl.debug_barrier()
+    p = tl.arange(0, WP)
+    for k in tl.static_range(INIT + LOCAL):
+        if k < INIT:
+            blk = tl.full(valid.shape, k, tl.int32)
+            ok = (blk < valid) & (blk < valid - LOCAL)  # a block also local gets the local score below
+            val = INIT_SCORE
+        else:
+            blk = valid - LOCAL + (k - INIT)
+            ok = (blk >= 0) & (blk < valid)
+            val = LOCAL_SCORE
+        ok = ok & row_ok & (blk >= blk0) & (blk < blk0 + n_iter)
+        if WP > 1:
+            tl.store(out_ptr + out_row[None, :] + blk[None, :] * WP + p[:, None],
+                     tl.full([WP, valid.shape[0]], val, tl.float32), mask=ok[None, :])
+        else:
+            tl.store(out_ptr + out_row + blk, tl.full(valid.shape, val, tl.float32), mask=ok)
 
 
 @triton.jit
@@ -314,6 +344,8 @@ def _index_score_kernel(
                 data_ptr, qa, qb, qc, qd, colscale, out_ptr, out_row, row_ok, n_out, num_pages, page_bytes, D,
                 PAGE, PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, BS, TILE_T, INIT, LOCAL, MODE, NATIVE_FP8,
                 PREFETCH, QT == 1, FP4_WORDS, POST_SCALE, NSBP, DOT_F32, WP, LEAN)
+    if LEAN and MODE == MODE_BLOCKS:
+        _write_forced(blk0, n_iter, valid, out_ptr, out_row, row_ok, INIT, LOCAL, WP)
     if MODE == MODE_TOPK:
         ids = tl.broadcast_to((blk0 + col)[None, :], [MP, CH])
         avail = (col[None, :] < n_iter) & (ids < valid[:, None])

@@ -412,6 +412,9 @@ def test_decode_lean(label, case):
     # no forced local blocks first: the partial last tile of each context decides its block's score
     cfg = IndexerConfig(block_size=bs, topk=4, init_blocks=0, local_blocks=0)
     check_decode(cache, table, cl, iq, cfg, chunk_blocks=2, lean=True)
+    # forced blocks (written after the loop) across 2-block programs, with warp partials; then the block max
+    cfg = IndexerConfig(block_size=bs, topk=4, init_blocks=2, local_blocks=3)
+    check_decode(cache, table, cl, iq, cfg, chunk_blocks=2, lean=True)
     cfg = IndexerConfig(block_size=bs, topk=4, init_blocks=1, local_blocks=2)
     check_decode(cache, table, cl, iq, cfg, chunk_blocks=8, lean=True, prefetch=True, warp_partials=False)
 
