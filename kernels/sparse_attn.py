@@ -13,7 +13,9 @@ quantized format (bf16 for bf16), in element order:
   integer ops (value * 2**-14, the factor folded into the softmax and output scales). The brief's even/odd split
   (q . k = q_even . k_lo + q_odd . k_hi) is not needed: the word expansion keeps the natural order for free (the
   eight nibbles of a word stay inside one thread), so one [G, D] x [D, T] dot and one accumulator serve, and the
-  output needs no permutation. NVFP4 block scales multiply in fp16 exactly (code * scale has <= 5 significant bits).
+  output needs no permutation. For V, even / odd byte decodes would let Triton load the bytes straight into the dot
+  operand layout (no decoded V tile through shared memory), but only without block scales: the scale multiply, a
+  second tensor operand, stops that hoist (sm_90, `.scratch/attn10_vsplit_probe.py`). NVFP4 block scales multiply in fp16 exactly (code * scale has <= 5 significant bits).
   MXFP4 scales 2**e leave fp16's range, so each token is normalized by its largest block (2**e_tok, applied in fp32
   to the score column for K and to the probability column for V); the remaining 2**(e - e_tok) is exact in fp16
   while a token's blocks lie within 2**9 of each other (see `tiles.decode`).
