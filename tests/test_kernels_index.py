@@ -564,6 +564,36 @@ def test_gpu_decode_select_and_partials(label, select, wp):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("label", ["bf16", "fp8", "fp8-token", "nvfp4", "nvfp4-auto", "mxfp4"])
+def test_gpu_decode_lean(label):
+    """LEAN at engine geometry (128-token pages and blocks, 4 heads, top-16) up to 150K, poisoned bytes past every
+    context: the autotuned launch with the default forced blocks, then both fixed loop kinds without forced local
+    blocks (the partial last tile decides a block), with and without warp partials."""
+    ctx = [150_000, 1, 8192, 0, 70_001, 129, 40_000, 128]
+    cache, table, cl, _ = make_cache(label, ctx, page=128, seed=64)
+    poison_unused_slots(cache, table.cpu(), cl.cpu())
+    iq = queries(len(ctx), 4, 128, seed=65)
+    check_decode(cache, table, cl, iq, IndexerConfig(), tuned=True, lean=True)
+    cfg = IndexerConfig(init_blocks=2, local_blocks=0)
+    check_decode(cache, table, cl, iq, cfg, lean=True, prefetch=False, num_stages=5, num_warps=4)
+    check_decode(cache, table, cl, iq, cfg, lean=True, prefetch=True, num_stages=1, num_warps=4,
+                 warp_partials=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("label", ["fp8", "nvfp4", "mxfp4"])
+def test_gpu_prefill_lean(label):
+    ctx = [4096, 3001]
+    cache, table, cl, _ = make_cache(label, ctx, page=128, seed=66)
+    poison_unused_slots(cache, table.cpu(), cl.cpu())
+    iq = queries(2, 4, 128, seed=67, q=512)
+    cfg = IndexerConfig(local_blocks=0)
+    ref_ids, ref_scores = paged_reference(iq, cache, table, cl, cfg)
+    ids = K.prefill_topk(iq, cache, table, cl, cfg, lean=True)
+    assert_ids_match(ids, ref_ids, ref_scores, tolerance(iq, cache, table, cl))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("label", ["bf16", "fp8", "nvfp4", "mxfp4"])
 def test_gpu_decode_batch64(label):
     ctx = [int(x) for x in torch.randint(1, 40_000, (64,), generator=torch.Generator().manual_seed(15))]

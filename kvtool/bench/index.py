@@ -52,16 +52,24 @@ MAX_LAYERS = 57  # M3's sparse layers
 # 318.9 / 317.9, legacy select 369.8 / 341.5 / 342.7, packed 345.3 / 316.1 / 314.4, split256 342.4 / 316.2 / 315.5,
 # warp partials (flat) 342.5 / 314.6 / 329.2, warp partials + packed 348.9 / 309.1 / 326.0 (score alone 359.4 / 307.5
 # / 306.9; fp8 rows vary with the autotuner's pick). Defaults now: packed select, warp partials for fp8 / nvfp4.
+# Lean round (offline sm_90 SASS, loop body per thread and 128-token tile, fast path: nvfp4 617 -> 511, mxfp4
+# post-scaled 594 -> 526, fp8 489 -> 300): the `lean` option (kernels/index_score.py, LEAN_DEFAULT) autotuned and in
+# both fixed loop kinds; warp partials toggled against each format's default (families: where a row applies).
 SWEEP = (
-    ("warp partials", {"warp_partials": True}), ("no warp partials", {"warp_partials": False}),
-    ("select flat", {"select": "flat"}), ("select split256", {"select": "split256"}),
+    ("lean", {"lean": True}, None),
+    ("lean pipelined s5", {"lean": True, "prefetch": False, "num_stages": 5, "num_warps": 4}, None),
+    ("lean prefetch", {"lean": True, "prefetch": True, "num_stages": 1, "num_warps": 4}, None),
+    ("lean warp partials", {"lean": True, "warp_partials": True}, ("mxfp4",)),
+    ("lean no warp partials", {"lean": True, "warp_partials": False}, ("fp8", "nvfp4")),
 )
 FP4_ONLY = ("post_scale",)
 
 
-def _sweep_applies(options: dict, fmt) -> bool:
+def _sweep_applies(options: dict, fmt, families=None) -> bool:
     """Variants that change nothing for a format are skipped: the fp8 decode option needs E4M3 bytes, the FP4 decode
-    options FP4 keys."""
+    options FP4 keys; families, when given, lists the format families a row is for."""
+    if families is not None and fmt.family not in families:
+        return False
     if "native_fp8" in options:
         return fmt.scale_element == "e4m3" or fmt.family == "fp8"
     if any(k in options for k in FP4_ONLY) or options.get("num_warps") == 1:
@@ -207,8 +215,8 @@ def run_index_bench(batches=DEFAULT_BATCHES, contexts=DEFAULT_CONTEXTS, prefill=
                                            cuda_graph=on_cuda))
                     cases.append(BenchCase(f"triton score+topk {label}", step.topk(), step.bytes_topk, group, note,
                                            cuda_graph=on_cuda))
-                    for vname, options in SWEEP if sweep and (batch, context) == (64, 150_000) else ():
-                        if not _sweep_applies(options, step.fmt):
+                    for vname, options, families in SWEEP if sweep and (batch, context) == (64, 150_000) else ():
+                        if not _sweep_applies(options, step.fmt, families):
                             continue
                         cases.append(BenchCase(f"triton score+topk {label} {vname}", step.topk(**options),
                                                step.bytes_topk, group, note, cuda_graph=on_cuda))
