@@ -110,7 +110,8 @@ def load_f32(ptrs, mask):
 
 
 @triton.jit
-def load_blocks(x_ptr, x_off, live, D: tl.constexpr, BLOCK: tl.constexpr, NBP: tl.constexpr, VEC: tl.constexpr):
+def load_blocks(x_ptr, x_off, live, D: tl.constexpr, BLOCK: tl.constexpr, NBP: tl.constexpr, VEC: tl.constexpr,
+                LANES: tl.constexpr):
     """Rows at `x_off` [R] (live mask [R]) -> fp32 [R, NBP, BLOCK]: NBP blocks per row (the ones past D are 0).
 
     Loaded as BLOCK // VEC separate chunks of VEC elements (16 bytes) per block and joined in registers, so that one
@@ -119,28 +120,30 @@ def load_blocks(x_ptr, x_off, live, D: tl.constexpr, BLOCK: tl.constexpr, NBP: t
     would give each thread one 16-byte vector of a row (the block spread over 2-4 threads). Chunk loads hit the same
     sectors one after another, so DRAM traffic is unchanged."""
     R: tl.constexpr = x_off.shape[0]
-    CH: tl.constexpr = BLOCK // VEC
+    # W = VEC * LANES elements per chunk (16 bytes on each of LANES adjacent lanes), written out: a local name would
+    # make it a tensor
+    CH: tl.constexpr = BLOCK // (VEC * LANES)
     blk = tl.arange(0, NBP)[None, :, None]
-    p = x_ptr + x_off[:, None, None] + blk * BLOCK + tl.arange(0, VEC)[None, None, :]  # [R, NBP, VEC], chunk 0
+    p = x_ptr + x_off[:, None, None] + blk * BLOCK + tl.arange(0, VEC * LANES)[None, None, :]  # [R, NBP, W], chunk 0
     if NBP * BLOCK == D:
-        m = tl.broadcast_to(live[:, None, None], (R, NBP, VEC))
+        m = tl.broadcast_to(live[:, None, None], (R, NBP, VEC * LANES))
     else:
-        m = tl.broadcast_to(live[:, None, None] & (blk * BLOCK < D), (R, NBP, VEC))
+        m = tl.broadcast_to(live[:, None, None] & (blk * BLOCK < D), (R, NBP, VEC * LANES))
     # join(a, b) adds a last dim of 2; chunk c = sum of its binary digits, lowest digit innermost after the join
     if CH == 1:
         xb = load_f32(p, m)
     elif CH == 2:
-        j = tl.join(load_f32(p, m), load_f32(p + VEC, m))  # [R, NBP, VEC, c]
+        j = tl.join(load_f32(p, m), load_f32(p + VEC * LANES, m))  # [R, NBP, W, c]
         xb = tl.reshape(tl.permute(j, (0, 1, 3, 2)), [R, NBP, BLOCK])
     elif CH == 4:
-        j = tl.join(tl.join(load_f32(p, m), load_f32(p + VEC, m)),
-                    tl.join(load_f32(p + 2 * VEC, m), load_f32(p + 3 * VEC, m)))  # [R, NBP, VEC, c & 1, c >> 1]
+        j = tl.join(tl.join(load_f32(p, m), load_f32(p + VEC * LANES, m)),
+                    tl.join(load_f32(p + 2 * VEC * LANES, m), load_f32(p + 3 * VEC * LANES, m)))  # [R, NBP, W, c & 1, c >> 1]
         xb = tl.reshape(tl.permute(j, (0, 1, 4, 3, 2)), [R, NBP, BLOCK])
     else:
-        j = tl.join(tl.join(tl.join(load_f32(p, m), load_f32(p + VEC, m)),
-                            tl.join(load_f32(p + 2 * VEC, m), load_f32(p + 3 * VEC, m))),
-                    tl.join(tl.join(load_f32(p + 4 * VEC, m), load_f32(p + 5 * VEC, m)),
-                            tl.join(load_f32(p + 6 * VEC, m), load_f32(p + 7 * VEC, m))))  # [.., VEC, c0, c1, c2]
+        j = tl.join(tl.join(tl.join(load_f32(p, m), load_f32(p + VEC * LANES, m)),
+                            tl.join(load_f32(p + 2 * VEC * LANES, m), load_f32(p + 3 * VEC * LANES, m))),
+                    tl.join(tl.join(load_f32(p + 4 * VEC * LANES, m), load_f32(p + 5 * VEC * LANES, m)),
+                            tl.join(load_f32(p + 6 * VEC * LANES, m), load_f32(p + 7 * VEC * LANES, m))))  # [.., W, c0, c1, c2]
         xb = tl.reshape(tl.permute(j, (0, 1, 5, 4, 3, 2)), [R, NBP, BLOCK])
     return xb
 
@@ -198,6 +201,7 @@ def _store_kernel(
     BLOCK_R: tl.constexpr,  # tokens per program
     FAST: tl.constexpr = True,  # 4-bit formats: the *_quantize_block_fast codecs (see FAST_CODECS)
     MUL_PACK: tl.constexpr = False,  # 4-bit formats with WORDS: kc.*_scale_block + kc.e2m1_words (see MUL_PACK)
+    LANES: tl.constexpr = 1,  # 4-bit formats: lanes per block, each load 16 bytes per lane (see LANES)
 ):
     # grid: (token tiles, heads); one program = BLOCK_R tokens of one head, no integer division per row
     tok = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -210,7 +214,7 @@ def _store_kernel(
         # whole blocks per thread (see load_blocks; a coalesced row tile with the block amax as a shuffle reduction
         # measured 72 % / 65 % of copy for mxfp4 / nvfp4 on the H200 against 82 % / 74 %: it repeats the per-block
         # scale work on every lane of a block)
-        xb = load_blocks(x_ptr, x_off, live, D, BLOCK, DP // BLOCK, VEC)  # [BLOCK_R, DP / BLOCK, BLOCK] fp32
+        xb = load_blocks(x_ptr, x_off, live, D, BLOCK, DP // BLOCK, VEC, LANES)  # [BLOCK_R, DP / BLOCK, BLOCK] fp32
         if MUL_PACK:  # (the launcher sets it only with WORDS)
             # sign, nibble mask and pack on the multiply pipe (kc.e2m1_words): fewer ALU-pipe ops per element
             if SCALE == SCALE_E8M0:
@@ -324,6 +328,14 @@ FAST_CODECS = {"e4m3": True, "e8m0": False}
 # 76.0-76.6 / 81.6-82.8 / 82.7-84.0 (off: with 56 instead of 80
 # registers more warps queue on the L1, see the module docstring). `variant={"MUL_PACK": ...}` overrides.
 MUL_PACK = {"e4m3": True, "e8m0": False}
+# Lanes per block for 4-bit formats (load_blocks): 1 = one lane owns whole blocks (loaded as 16-byte chunks whose 32
+# lanes sit in 32 rows: each load instruction uses half of 32 sectors, the next one the other half: twice the L1
+# wavefronts of a coalesced load); 2 = adjacent lane pairs load 32 contiguous bytes of a block per instruction (whole
+# sectors; the block amax takes one SHFL.BFLY step and both lanes of the pair repeat the per-block scale math); 4 =
+# four lanes per mx block (two shuffle steps). Clamped to BLOCK // VEC (16 bytes per lane). sm_90 SASS per element
+# (bf16, D = 128, default tiles): mxfp4 14.84 -> 15.67 (2 lanes), 18.20 (4); nvfp4 19.12 -> 22.03 (2 lanes).
+# Not yet timed on the H200 (bench/sweep_quant_variants.py). `variant={"LANES": ...}` overrides.
+LANES = {"e4m3": 1, "e8m0": 1}
 # Kernel constexpr overrides for every launch (tests set {"FAST": ...} to run both codecs through the public store).
 DEFAULT_VARIANT: dict = {}
 
@@ -394,13 +406,16 @@ def launch_store(x3: torch.Tensor, slots: torch.Tensor | None, payload: torch.Te
     opts.update(DEFAULT_VARIANT)
     opts.update(variant or {})
     opts["MUL_PACK"] = bool(opts.get("MUL_PACK", MUL_PACK.get(fmt.scale_element, False))) and opts["WORDS"]
+    vec = 16 // x3.element_size()
+    lanes = int(opts.get("LANES", LANES.get(fmt.scale_element, 1))) if bits == 4 else 1
+    opts["LANES"] = max(1, min(next_pow2(lanes), (fmt.block or 1) // vec))
     block_r, num_warps = launch_config(dp, bits, config, fmt.block or 32)
     grid = (triton.cdiv(T, block_r), H)
     _store_kernel[grid](
         x3, slots if paged else payload, payload, scales if scales is not None else payload, T, H, 7,
         x3.stride(0), x3.stride(1), page_stride, head_stride, tensor_scale, g_dec, g_enc,
         PAGED=paged, PAGE=page_size, D=D, DP=dp, PB=pb, SB=fmt.scale_bytes(D),
-        **KernelFormat.of(fmt).constexprs(), NATIVE_FP8=native_fp8(x3.device), VEC=16 // x3.element_size(),
+        **KernelFormat.of(fmt).constexprs(), NATIVE_FP8=native_fp8(x3.device), VEC=vec,
         BLOCK_R=block_r, num_warps=num_warps, **opts)
 
 

@@ -391,6 +391,79 @@ def test_store_both_codecs(device, monkeypatch):
             check_store(fmt, x, slots, 3, 32, SEED + 31)
 
 
+# Lane-split loads (kernels/store.py LANES): the block split over 2 / 4 adjacent lanes, each encode path.
+LANE_VARIANTS = {"2-lanes": {"LANES": 2}, "2-lanes-mul-pack": {"LANES": 2, "MUL_PACK": True},
+                 "2-lanes-codec": {"LANES": 2, "MUL_PACK": False, "FAST": False},
+                 "2-lanes-fast-codec": {"LANES": 2, "MUL_PACK": False, "FAST": True}, "4-lanes": {"LANES": 4}}
+
+
+@pytest.mark.parametrize("variant", list(LANE_VARIANTS))
+def test_store_lanes(variant, device, monkeypatch):
+    """Interpreter sizes: every LANES variant (with each encode) against the torch store: random rows of bf16 (D 64),
+    fp32 (D 96: padded tiles, 4 lanes of 4 values per 16 bytes) and fp16 (D 128, H 2), plus the edge-case table,
+    for an mx and an nv format of each scale rule / recipe family."""
+    from kvtool.kernels import store as store_mod
+
+    monkeypatch.setattr(store_mod, "DEFAULT_VARIANT", LANE_VARIANTS[variant])
+    edge = edge_case_tensor(128)
+    edge = edge[: edge.shape[0] // 2 * 2].reshape(-1, 2, 128).to(device)
+    edge_slots = torch.randperm(edge.shape[0] + 8, generator=torch.Generator().manual_seed(SEED))[: edge.shape[0]]
+    for label in ("mxfp4-rceil", "mxfp4-floor", "mxfp4-even", "nvfp4-rcp-auto", "nvfp4-div", "nvfp4-unrounded"):
+        fmt = get_format(label)
+        for i, (dtype, heads, dim) in enumerate(((torch.bfloat16, 1, 64), (torch.float32, 1, 96),
+                                                 (torch.float16, 2, 128))):
+            seed = SEED + 41 + i
+            x = spread_values((19, heads, dim), seed, dtype).to(device)
+            slots = slot_mapping(19, 2 * 16, 16, seed).to(device)
+            check_store(fmt, x, slots, 2, 16, seed)
+        pages = (edge.shape[0] + 8 + 15) // 16
+        check_store(fmt, edge, edge_slots.to(device), pages, 16, SEED)
+
+
+def test_lanes_clamped_by_block(device):
+    """LANES beyond the block (16 bytes a lane) is clamped: nvfp4 bf16 with 4 requested runs with 2 and is right."""
+    from kvtool.kernels import store as store_mod
+
+    fmt = get_format("nvfp4")
+    x = spread_values((9, 1, 64), SEED + 51, torch.bfloat16).to(device)
+    slots = slot_mapping(9, 2 * 16, 16, SEED + 51).to(device)
+    seen = {}
+    real = store_mod._store_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen["LANES"] = kw["LANES"]
+                return real[grid](*args, **kw)
+            return launch
+
+    store_mod.DEFAULT_VARIANT, old = {"LANES": 4}, store_mod.DEFAULT_VARIANT
+    try:
+        store_mod._store_kernel = Spy()
+        check_store(fmt, x, slots, 2, 16, SEED + 51)
+    finally:
+        store_mod._store_kernel = real
+        store_mod.DEFAULT_VARIANT = old
+    assert seen["LANES"] == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(LANE_VARIANTS))
+@pytest.mark.parametrize("fmt", FP4_FORMATS, ids=lambda f: f.label)
+def test_store_gpu_lanes(fmt, variant, device, monkeypatch):
+    """Every LANES variant at real sizes on fresh data: bf16 head dims 64 and 128 (H 2) and fp32 D 96, 128-token
+    pages, 20 % of tokens skipped (the bench sweep byte-checks the 64M-1G runs on top)."""
+    from kvtool.kernels import store as store_mod
+
+    monkeypatch.setattr(store_mod, "DEFAULT_VARIANT", LANE_VARIANTS[variant])
+    seed = SEED + 61
+    n, pages, page_size = 1 << 15, (1 << 15) * 5 // 4 // 128, 128
+    slots = slot_mapping(n, pages * page_size, page_size, seed).to(device)
+    for dtype, dim in ((torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float32, 96)):
+        x = spread_values((n, 2, dim), seed + dim, dtype).to(device)
+        check_store(fmt, x, slots, pages, page_size, seed, validate=False)
+
+
 # ------------------------------------------------------------------------------------------------ bench plumbing
 def test_bench_quant_parsing_and_goals():
     from kvtool.bench.common import BenchReport, BenchRow
