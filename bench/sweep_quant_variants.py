@@ -25,14 +25,21 @@ dev = "cuda"
 copy = copy_bandwidth(dev)
 print(f"copy {copy:.0f} GB/s", flush=True)
 
-# (variant, config) of this round: the ALU-relief encode (kernels/store.py MUL_PACK) on and off at the default tiles
-# (2x / 0.5x rows measured 3-16 points slower with it on the H200, 2026-11-29 11:05 UTC)
-STORE = [(dict(MUL_PACK=False), None), (dict(MUL_PACK=True), None)]
+# (variant, config) of this round, per scale element: the lane-split block loads (kernels/store.py LANES) against the
+# current defaults (first row of each list), with each encode and tiles of 0.5x / 2x the default rows
+# (a config "x0.5" scales the default rows per program). Session 10 (11:05 UTC): MUL_PACK on / off measured.
+STORE = {
+    "e8m0": [(dict(), None), (dict(LANES=2), None), (dict(LANES=2, MUL_PACK=True), None),
+             (dict(LANES=2, FAST=True), None), (dict(LANES=4), None), (dict(LANES=2), "x0.5")],
+    "e4m3": [(dict(), None), (dict(LANES=2), None), (dict(LANES=2, MUL_PACK=False), None),
+             (dict(LANES=2), "x0.5"), (dict(LANES=2), "x2")],
+}
 if parts not in ("store", "all"):
-    STORE = []
+    STORE = {}
 DEQ = [(dict(), None)] if parts in ("dequant", "all") else []
 HOST = parts in ("host", "all")
 
+TABLE: dict = {}  # (format, variant, config) -> {elements: (fraction of copy, bytes ok)}
 for n_el, label in [(n, lb) for n in sizes for lb in labels]:
     fmt = get_format(label)
     tokens = n_el // DIM
@@ -47,7 +54,7 @@ for n_el, label in [(n, lb) for n in sizes for lb in labels]:
     slots = perm[t // PAGE] * PAGE + t % PAGE
     ref = PagedCache.allocate(fmt, pages, PAGE, 1, DIM, device=dev)
     ref.store(x, slots)
-    want = ref.dequantize(slots, torch.bfloat16)
+    want = ref.dequantize(slots, torch.bfloat16) if DEQ else None
     rows = tokens
     st_bytes = x.numel() * 2 + slots.numel() * 8 + rows * fmt.bytes_per_token(DIM)
     dq_bytes = rows * fmt.bytes_per_token(DIM) + slots.numel() * 8 + x.numel() * 2
@@ -61,7 +68,7 @@ for n_el, label in [(n, lb) for n in sizes for lb in labels]:
     del src, dst
     print(f"== {n_el / 2**20:.0f}M {fmt.label}: store {st_bytes / 1e6:.0f} MB, dequant {dq_bytes / 1e6:.0f} MB; "
           f"same-bytes copy {same:.0f} GB/s ({same / copy:.1%} of the 1 GiB copy)", flush=True)
-    for var, cfg in STORE:
+    for var, cfg in STORE.get(fmt.scale_element, []):
         if isinstance(cfg, str):  # rows per program scaled from the default config
             rows, warps = launch_config(DIM, fmt.spec.payload_bits, None, fmt.block or 32)
             cfg = (max(1, int(rows * float(cfg[1:]))), warps)
@@ -73,10 +80,12 @@ for n_el, label in [(n, lb) for n in sizes for lb in labels]:
             torch.cuda.synchronize()
             ok = torch.equal(cache.data, ref.data)
             sec = time_fn(fn, dev, cuda_graph=True)
+            TABLE.setdefault((fmt.label, str(var), str(cfg)), {})[n_el] = (st_bytes / sec / 1e9 / copy, ok)
             print(f"store   {fmt.label:12s} {str(var):40s} {str(cfg):>8s}  {'OK ' if ok else 'BAD'} "
                   f"{sec * 1e6:8.1f} us {st_bytes / sec / 1e9:6.0f} GB/s {st_bytes / sec / 1e9 / copy:6.1%} "
                   f"[{st_bytes / sec / 1e9 / same:6.1%} of same-bytes copy] (compile+check {time.time() - t0:.1f}s)", flush=True)
         except Exception as e:  # noqa: BLE001
+            TABLE.setdefault((fmt.label, str(var), str(cfg)), {})[n_el] = (float("nan"), False)
             print(f"store   {fmt.label} {var} {cfg}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
     out = torch.empty(tokens, 1, DIM, dtype=torch.bfloat16, device=dev)
     for var, cfg in DEQ:
@@ -101,3 +110,11 @@ for n_el, label in [(n, lb) for n in sizes for lb in labels]:
         print(f"host    {fmt.label:12s} {name:22s} eager {e * 1e6:8.1f} us, graph {gr * 1e6:8.1f} us", flush=True)
     del x, slots, ref, cache, want, out
     torch.cuda.empty_cache()
+
+# compact table: % of the copy bandwidth per size, BAD where the bytes differ from the torch store
+if TABLE:
+    print("\nstore, % of copy  " + "".join(f"{n / 2**20:>9.0f}M" for n in sizes))
+    for (label, var, cfg), row in TABLE.items():
+        cells = "".join(f"{row[n][0]:>9.1%}{' ' if row[n][1] else '!'}" if n in row else f"{'-':>10s}" for n in sizes)
+        print(f"{label:12s} {var + ('' if cfg == 'None' else ' ' + cfg):42s}{cells}")
+    print("(! = bytes differ from the torch store or the launch failed)")
