@@ -661,3 +661,51 @@ def nvfp4_scale_block(x, g_dec, g_enc, RECIPE: tl.constexpr, NATIVE: tl.constexp
             y = tl.math.div_rn(x, tl.broadcast_to(amax_6[:, :, None], x.shape))
         y = tl.where(zero[:, :, None], 0.0, y)
     return y, scale
+
+
+# ------------------------------------------------ store engineer: nvfp4 block scales split over a lane pair (LANES 2)
+# With a 16-element nvfp4 block loaded by two adjacent lanes (8 values each: kernels/store.py LANES = 2), the per-block
+# scale math would run on both lanes. These helpers give each lane of the pair one block of a block pair instead: the
+# halves' maxima are exchanged once (a flip along the half axis = one xor-reduction shuffle), each lane computes the
+# scale of its block, and the factors are exchanged back (one more shuffle). Logically plain tensor code (any layout
+# gives the same bytes); the saving needs the half axis on the lane bit, which load_blocks' LANES = 2 tiles give.
+@triton.jit
+def lane_pair_amax(p):
+    """p: fp32 [R, Q, 2 (block b of pair q), 2 (half h)] partial |x| maxima (>= 0) -> [R, Q, 2]: index k = amax of
+    block 2q + k, computed at half k (own half + the other half's value, received through tl.flip along h). Selects
+    are maxima over b against 0 (no split / permute: those made Triton convert layouts through shared memory)."""
+    b = tl.arange(0, 2)[None, None, :, None]
+    h = tl.arange(0, 2)[None, None, None, :]
+    own = tl.max(tl.where(b == h, p, 0.0), axis=2)  # p[b = h, h]
+    send = tl.max(tl.where(b != h, p, 0.0), axis=2)  # p[b = 1 - h, h]: this half of the other half's block
+    return tl.maximum(own, tl.flip(send, 2))  # flip: p[b = h, 1 - h]
+
+
+@triton.jit
+def lane_pair_spread(f):
+    """f [R, Q, 2] (index k: a value of block 2q + k, held at half k) -> [R, Q, 2 (block b), 2 (half h)] with block b's
+    value at both halves (the other block's value received through tl.flip)."""
+    b = tl.arange(0, 2)[None, None, :, None]
+    h = tl.arange(0, 2)[None, None, None, :]
+    return tl.where(b == h, f[:, :, None, :], tl.flip(f, 2)[:, :, None, :])
+
+
+@triton.jit
+def nvfp4_scale_pairs(x, g_dec, g_enc, NATIVE: tl.constexpr = False):
+    """nvfp4 rcp recipe, x: fp32 [R, Q, 2 (block), 2 (half), 8] (blocks 2q + b of 16 values, half h = values
+    8h .. 8h + 7) -> (y fp32 same shape, scale bytes uint8 [R, Q, 2]): the same y and bytes as nvfp4_scale_block(rcp)
+    on the [R, 2Q, 16] view, with the per-block work once per block pair and half (lane_pair_amax / _spread)."""
+    amax = lane_pair_amax(tl.max(tl.abs(x), axis=4))  # [R, Q, 2]
+    amax_6 = tl.math.div_rn(amax, tl.full(amax.shape, E2M1_MAX, tl.float32))
+    v = amax_6 * g_enc
+    scale = e4m3_encode(v, NATIVE)
+    zero = v <= 0.0009765625  # the stored byte is 0 (see nvfp4_quantize_block_fast)
+    if NATIVE:
+        s = scale.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        s = e4m3_decode(scale)
+    r = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s * g_dec)  # in [0, inf]
+    # one exchange for both: zero-scale blocks travel as r = -1 (r is never negative otherwise)
+    rz = lane_pair_spread(tl.where(zero, -1.0, r))  # [R, Q, 2, 2]
+    y = x * tl.maximum(rz, 0.0)[:, :, :, :, None] + zero_add(rz < 0.0)[:, :, :, :, None]
+    return y, scale

@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from kvtool.errors import KernelArgumentError, LayoutError
-from kvtool.formats import Format
+from kvtool.formats import Format, NvRecipe
 from kvtool.formats.codecs import fp8_row_scale, nvfp4_outer_scale
 from kvtool.formats.registry import require_finite
 from kvtool.kernels import codecs as kc
@@ -202,6 +202,7 @@ def _store_kernel(
     FAST: tl.constexpr = True,  # 4-bit formats: the *_quantize_block_fast codecs (see FAST_CODECS)
     MUL_PACK: tl.constexpr = False,  # 4-bit formats with WORDS: kc.*_scale_block + kc.e2m1_words (see MUL_PACK)
     LANES: tl.constexpr = 1,  # 4-bit formats: lanes per block, each load 16 bytes per lane (see LANES)
+    PAIR_SCALE: tl.constexpr = False,  # nvfp4 rcp with MUL_PACK: kc.nvfp4_scale_pairs (see PAIR_SCALE)
 ):
     # grid: (token tiles, heads); one program = BLOCK_R tokens of one head, no integer division per row
     tok = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -220,6 +221,15 @@ def _store_kernel(
             if SCALE == SCALE_E8M0:
                 y, sbytes = kc.mxfp4_scale_block(xb, RULE)
                 words = kc.e2m1_words(tl.reshape(y, [BLOCK_R, DP]), BLOCK_R, DP, RULE == kc.RULE_FLOOR)
+            elif PAIR_SCALE:  # (the launcher sets it only for the rcp recipe and an even block count)
+                # per-block scale math once per lane of a pair (kc.nvfp4_scale_pairs) instead of on both lanes
+                # pairs (q, q + NB / 2): the top block-index bit is a register bit in these tiles (bit 0 is on a
+                # warp for 32 x 4 tiles: pairing 2q, 2q + 1 made Triton exchange through shared memory)
+                x5 = tl.permute(tl.reshape(xb, [BLOCK_R, 2, DP // 32, 2, 8]), (0, 2, 1, 3, 4))  # [R, q, b, h, 8]
+                y, sbytes = kc.nvfp4_scale_pairs(x5, g_dec, g_enc, NATIVE_FP8)
+                sbytes = tl.reshape(tl.permute(sbytes, (0, 2, 1)), [BLOCK_R, DP // BLOCK])
+                y = tl.reshape(tl.permute(y, (0, 2, 1, 3, 4)), [BLOCK_R, DP])
+                words = kc.e2m1_words(y, BLOCK_R, DP, True)
             else:
                 y, sbytes = kc.nvfp4_scale_block(xb, g_dec, g_enc, RECIPE, NATIVE_FP8)
                 words = kc.e2m1_words(tl.reshape(y, [BLOCK_R, DP]), BLOCK_R, DP, True)
@@ -336,6 +346,10 @@ MUL_PACK = {"e4m3": True, "e8m0": False}
 # (bf16, D = 128, default tiles): mxfp4 14.84 -> 15.67 (2 lanes), 18.20 (4); nvfp4 19.12 -> 22.03 (2 lanes).
 # Not yet timed on the H200 (bench/sweep_quant_variants.py). `variant={"LANES": ...}` overrides.
 LANES = {"e4m3": 1, "e8m0": 1}
+# nvfp4 (rcp recipe, MUL_PACK encode, even block count): the per-block scale work split over the lane pair
+# (kc.nvfp4_scale_pairs: two shuffles, each lane one block of a pair) instead of repeated on both lanes with LANES 2.
+# sm_90 SASS per element (bf16, D = 128, 32 x 4 tiles, LANES 2): see the module docstring. Not yet timed.
+PAIR_SCALE = {"e4m3": False}
 # Kernel constexpr overrides for every launch (tests set {"FAST": ...} to run both codecs through the public store).
 DEFAULT_VARIANT: dict = {}
 
@@ -409,6 +423,8 @@ def launch_store(x3: torch.Tensor, slots: torch.Tensor | None, payload: torch.Te
     vec = 16 // x3.element_size()
     lanes = int(opts.get("LANES", LANES.get(fmt.scale_element, 1))) if bits == 4 else 1
     opts["LANES"] = max(1, min(next_pow2(lanes), (fmt.block or 1) // vec))
+    opts["PAIR_SCALE"] = (bool(opts.get("PAIR_SCALE", PAIR_SCALE.get(fmt.scale_element, False))) and opts["MUL_PACK"]
+                          and fmt.scale_element == "e4m3" and fmt.recipe == NvRecipe.RCP and dp % 32 == 0)
     block_r, num_warps = launch_config(dp, bits, config, fmt.block or 32)
     grid = (triton.cdiv(T, block_r), H)
     _store_kernel[grid](

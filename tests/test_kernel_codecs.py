@@ -712,3 +712,57 @@ def test_scaled_words(device):
 def test_scaled_words_gpu(device, native):
     check_e2m1_words(device, 1 << 22)
     check_scaled_words(device, 1 << 15, block_r=64, native=native)
+
+
+# ------------------------------------------ store engineer: nvfp4 block scales split over a lane pair (LANES 2)
+# lane_pair_amax, lane_pair_spread, nvfp4_scale_pairs (kernels/codecs.py, end): the torch nvfp4 rcp bytes.
+@triton.jit
+def _pair_words_kernel(x_ptr, payload_ptr, scale_ptr, n_rows, g_dec, g_enc, D: tl.constexpr, NATIVE: tl.constexpr,
+                       TOP: tl.constexpr, BLOCK_R: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows[:, None] < n_rows
+    cols = tl.arange(0, D)
+    x = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=rmask, other=0.0)
+    if TOP:  # pairs (q, q + NB / 2), as kernels/store.py forms them
+        x5 = tl.permute(tl.reshape(x, [BLOCK_R, 2, D // 32, 2, 8]), (0, 2, 1, 3, 4))
+        y, scale = kc.nvfp4_scale_pairs(x5, g_dec, g_enc, NATIVE)
+        y = tl.permute(y, (0, 2, 1, 3, 4))
+        scale = tl.permute(scale, (0, 2, 1))
+    else:  # pairs (2q, 2q + 1)
+        y, scale = kc.nvfp4_scale_pairs(tl.reshape(x, [BLOCK_R, D // 32, 2, 2, 8]), g_dec, g_enc, NATIVE)
+    words = kc.e2m1_words(tl.reshape(y, [BLOCK_R, D]), BLOCK_R, D, True)
+    w = tl.arange(0, D // 8)
+    tl.store(payload_ptr + rows[:, None] * (D // 8) + w[None, :], words, mask=rmask)
+    nb = tl.arange(0, D // 16)
+    tl.store(scale_ptr + rows[:, None] * (D // 16) + nb[None, :], tl.reshape(scale, [BLOCK_R, D // 16]), mask=rmask)
+
+
+def check_pair_words(device: str, n_rows: int, block_r: int, native: bool = False) -> None:
+    """nvfp4_scale_pairs + e2m1_words == torch nvfp4 rcp payload and scale bytes, outer scale 1 and auto, both
+    pairings; the block-row table holds zero, subnormal and saturating blocks."""
+    x = block_rows(n_rows, device)
+    n, d = x.shape
+    bad = []
+    for outer in ("1", "auto"):
+        q = get_format("nvfp4", recipe=NvRecipe.RCP, outer_scale=outer).quantize(x)
+        g_dec = torch.tensor(q.outer_scale, dtype=torch.float32)
+        for top in (False, True):
+            payload = torch.empty(n, d // 8, dtype=torch.int32, device=x.device)
+            scales = torch.empty(n, d // 16, dtype=torch.uint8, device=x.device)
+            _pair_words_kernel[(triton.cdiv(n, block_r),)](x, payload, scales, n, float(g_dec), float(1.0 / g_dec),
+                                                           D=d, NATIVE=native, TOP=top, BLOCK_R=block_r)
+            payload = payload.view(torch.uint8)
+            if not (same_bits(payload, q.payload) and same_bits(scales, q.scales)):
+                bad.append(f"outer {outer} top {top}: payload {first_diff(payload, q.payload)}; scales "
+                           f"{first_diff(scales, q.scales)}")
+    assert not bad, "\n".join(bad)
+
+
+def test_pair_words(device):
+    check_pair_words(device, 24, block_r=16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("native", [False, True])
+def test_pair_words_gpu(device, native):
+    check_pair_words(device, 1 << 15, block_r=32, native=native)

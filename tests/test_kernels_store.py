@@ -394,7 +394,8 @@ def test_store_both_codecs(device, monkeypatch):
 # Lane-split loads (kernels/store.py LANES): the block split over 2 / 4 adjacent lanes, each encode path.
 LANE_VARIANTS = {"2-lanes": {"LANES": 2}, "2-lanes-mul-pack": {"LANES": 2, "MUL_PACK": True},
                  "2-lanes-codec": {"LANES": 2, "MUL_PACK": False, "FAST": False},
-                 "2-lanes-fast-codec": {"LANES": 2, "MUL_PACK": False, "FAST": True}, "4-lanes": {"LANES": 4}}
+                 "2-lanes-fast-codec": {"LANES": 2, "MUL_PACK": False, "FAST": True}, "4-lanes": {"LANES": 4},
+                 "2-lanes-pair-scale": {"LANES": 2, "MUL_PACK": True, "PAIR_SCALE": True}}
 
 
 @pytest.mark.parametrize("variant", list(LANE_VARIANTS))
