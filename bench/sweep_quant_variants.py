@@ -5,6 +5,7 @@ Usage: PYTHONPATH=. python bench/sweep_quant_variants.py [elements[,elements...]
 """
 
 import math
+import signal
 import sys
 import time
 
@@ -30,9 +31,9 @@ print(f"copy {copy:.0f} GB/s", flush=True)
 # (a config "x0.5" scales the default rows per program). Session 10 (11:05 UTC): MUL_PACK on / off measured.
 STORE = {
     "e8m0": [(dict(), None), (dict(LANES=2), None), (dict(LANES=2, MUL_PACK=True), None),
-             (dict(LANES=2, FAST=True), None), (dict(LANES=4), None), (dict(LANES=2), "x0.5")],
-    "e4m3": [(dict(), None), (dict(LANES=2), None), (dict(LANES=2, MUL_PACK=False), None),
-             (dict(LANES=2), "x0.5"), (dict(LANES=2), "x2")],
+             (dict(LANES=2, FAST=True), None), (dict(LANES=4), None), (dict(LANES=2, MUL_PACK=True), "x0.5")],
+    "e4m3": [(dict(), None), (dict(LANES=2), None), (dict(LANES=2, PAIR_SCALE=True), None),
+             (dict(LANES=2, PAIR_SCALE=True), "x2"), (dict(LANES=2, MUL_PACK=False), None)],
 }
 if parts not in ("store", "all"):
     STORE = {}
@@ -40,6 +41,7 @@ DEQ = [(dict(), None)] if parts in ("dequant", "all") else []
 HOST = parts in ("host", "all")
 
 TABLE: dict = {}  # (format, variant, config) -> {elements: (fraction of copy, bytes ok)}
+signal.signal(signal.SIGTERM, lambda *a: print_table(*a))
 for n_el, label in [(n, lb) for n in sizes for lb in labels]:
     fmt = get_format(label)
     tokens = n_el // DIM
@@ -111,10 +113,19 @@ for n_el, label in [(n, lb) for n in sizes for lb in labels]:
     del x, slots, ref, cache, want, out
     torch.cuda.empty_cache()
 
-# compact table: % of the copy bandwidth per size, BAD where the bytes differ from the torch store
-if TABLE:
-    print("\nstore, % of copy  " + "".join(f"{n / 2**20:>9.0f}M" for n in sizes))
-    for (label, var, cfg), row in TABLE.items():
-        cells = "".join(f"{row[n][0]:>9.1%}{' ' if row[n][1] else '!'}" if n in row else f"{'-':>10s}" for n in sizes)
-        print(f"{label:12s} {var + ('' if cfg == 'None' else ' ' + cfg):42s}{cells}")
-    print("(! = bytes differ from the torch store or the launch failed)")
+
+def print_table(*_):
+    """The compact table: % of the copy bandwidth per size, '!' where the bytes differ from the torch store (also
+    printed when `timeout` stops the sweep, with the sizes done so far)."""
+    if TABLE:
+        print("\nstore, % of copy  " + "".join(f"{n / 2**20:>9.0f}M " for n in sizes))
+        for (label, var, cfg), row in TABLE.items():
+            cells = "".join(f"{row[n][0]:>9.1%}{' ' if row[n][1] else '!'} " if n in row else f"{'-':>11s}"
+                            for n in sizes)
+            print(f"{label:12s} {var + ('' if cfg == 'None' else ' ' + cfg):42s}{cells}")
+        print("(! = bytes differ from the torch store or the launch failed)", flush=True)
+    if _:
+        sys.exit(124)
+
+
+print_table()
