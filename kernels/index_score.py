@@ -44,6 +44,15 @@ ahead; 496 us before), fp8 354 us (0.83); score+topk with the defaults as now: n
 us; see bench/RESULTS.md. tl.dot_scaled (e2m1 x bf16) was looked at offline:
 on sm_90 it decodes through shared memory with byte loads (~875 SASS per tile for the bare loop), no gain.
 
+LEAN (launch option `lean`, block-score launches; LEAN_DEFAULT): where the ~200 non-math instructions of the loop
+went (offline sm_90, nvfp4): per-row predicates of every payload load (t < t_lim), the token mask and the column
+scale on every score (32 of 16 + 16 per thread), shuffles of both 64-token groups, and per-block forced-block tests in
+64-bit (LLVM widens the loop counter). LEAN masks loads per page only (a tile lies in one valid page, so tokens past
+the context are readable; their scores are masked), masks scores only on a tile that needs it (decode: the last
+tile of a program or a -1 page, a runtime branch), multiplies the column scale into the block maxima (exact: rounding
+is monotone), reduces the 64-token groups inside each thread before the shuffles, and writes forced blocks after the
+loop. Same numbers bit for bit; loop body nvfp4 617 -> 511, mxfp4 post-scaled 594 -> 526, fp8 489 -> 300.
+
 Exactness (why the kernel equals the reference on the dequantized cache up to fp32 accumulation order):
 - bf16 caches: bf16 keys x bf16 queries, exact products, fp32 accumulation.
 - fp8 / nvfp4 / mxfp4: keys are decoded to fp16, where E4M3 values and E2M1 x E4M3 products (<= 6 significant bits,
@@ -391,7 +400,8 @@ LAUNCH_OPTIONS = ("chunk_blocks", "q_tile", "prefetch", "native_fp8", "num_warps
 POST_SCALE_DEFAULT_ROWS = 16
 POST_SCALE_ROWS = 64
 
-# Leaner loop bookkeeping (`_tile_step` LEAN; option lean): not yet measured on the H200, so off by default.
+# LEAN (module docstring) for block-score launches only (the in-kernel top-k's SASS nearly doubled with it, offline).
+# Not yet measured on the H200: off.
 LEAN_DEFAULT = False
 
 # Smallest head dim for the FP4 word decode (`kc.fp4_quarter`): at D = 64 the H200 gave wrong selections (see the
@@ -544,7 +554,7 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
                       HIGHER_ID=cfg.tie_rule != "lower-id", MODE=kmode,
                       NATIVE_FP8=native_fp8(iq4.device) if native is None else bool(native),
                       FP4_WORDS=words, POST_SCALE=post, NSBP=nsbp, DOT_F32=INTERPRET, WP=wp,
-                      LEAN=LEAN_DEFAULT if options.get("lean") is None else bool(options["lean"]))
+                      LEAN=kmode == 1 and (LEAN_DEFAULT if options.get("lean") is None else bool(options["lean"])))
         grid = (bsz * n_qtiles, splits)
         fixed = [k for k in ("prefetch", "num_warps", "num_stages") if options.get(k) is not None]
         if fixed or INTERPRET or warps < 4:
