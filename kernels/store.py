@@ -32,6 +32,16 @@ issue); 37.5 % occupancy (80 registers). MUL_PACK mxfp4: 56 % occupancy, ALU 64 
 (more warps queue on the same L1). nvfp4: ALU 80 % -> 66 % with MUL_PACK, issue 76 % -> 75 %. 2x / 0.5x rows per
 program were 3-16 points slower. Next lever: fewer L1 sector requests per loaded byte (coalesced 512-byte warp loads
 plus an in-register or shared-memory regroup into blocks, or TMA tiles), not fewer ALU ops.
+Round 3 (offline, not yet timed on the H200): the L1 fix as launch variants (LANES, PAIR_SCALE below). LANES = 2:
+load_blocks loads 32 contiguous bytes per lane pair and instruction (TTGIR: sizePerThread 8, threadsPerWarp [16, 1, 2]
+on [R, NB, 16]: the pair on adjacent lanes), so a warp's 16-byte load covers 16 whole sectors instead of 32 halves
+(half the sector requests per loaded byte; no sector read twice); the block amax takes one SHFL.BFLY, no shared
+memory; payload stores keep one STS / LDSM conversion and STG.128 (scale bytes now a direct STG.U16). sm_90 SASS per
+element (bf16, D = 128, default tiles, registers): mxfp4 14.84 (80) -> 15.67 (95) with LANES 2 (the block scale math
+on both lanes), 14.72 (71) with LANES 2 + MUL_PACK, 14.58 (71) with LANES 2 + FAST, 18.20 (134) with LANES 4; nvfp4
+19.12 (56) -> 22.03 (63) with LANES 2, 20.25 (64) with LANES 2 + PAIR_SCALE (each lane of a pair computes the scale
+of one block of a block pair: 2 shuffles instead of the repeat), 18.00 (96) with that at 64 x 4 tiles. All compile
+for gfx950 as well. Timed by bench/sweep_quant_variants.py (.scratch/store_call3.sh).
 Tried and measured slower (kept out): one row per thread in 32-element chunks (12.8 / 15.7-16.0 instructions per
 element) with direct 16-byte stores per lane (mxfp4 64-70 %, nvfp4 55-63 %) or joined into one coalesced row store
 (mxfp4 71-83 %, nvfp4 50-57 %); 4 blocks per thread for nvfp4 (64 x 4: 128 registers).
@@ -319,8 +329,14 @@ def launch_config(dp: int, bits: int, config: tuple[int, int] | None = None, blo
     rows, warps = table.get(dp, (max(1, elements // dp), 4 if dp < 1024 else 8))
     if bits == 4 and block < 32:
         # nvfp4: the same 2 blocks per thread as mxfp4 (H200, 256M elements: 32 x 4 tiles 74 % of copy, 64 x 4 72 %)
-        rows = max(1, rows * block // 32)
+        # (SMALL_BLOCK_ROWS scales that: 2 = 64 x 4 tiles, the sweep's "x2" row for LANES 2 + PAIR_SCALE)
+        rows = max(1, rows * block * SMALL_BLOCK_ROWS // 32)
     return rows, warps
+
+
+# Rows-per-program multiplier for 16-element-block formats (nvfp4) over the mxfp4-matched tiles above (1 = 32 x 4 at
+# D = 128). `config=` overrides per call.
+SMALL_BLOCK_ROWS = 1
 
 
 # Block codec per scale element: the *_quantize_block_fast helpers (same bytes) or the originals. H200, bf16 [T, 1, 128]
@@ -342,13 +358,13 @@ MUL_PACK = {"e4m3": True, "e8m0": False}
 # lanes sit in 32 rows: each load instruction uses half of 32 sectors, the next one the other half: twice the L1
 # wavefronts of a coalesced load); 2 = adjacent lane pairs load 32 contiguous bytes of a block per instruction (whole
 # sectors; the block amax takes one SHFL.BFLY step and both lanes of the pair repeat the per-block scale math); 4 =
-# four lanes per mx block (two shuffle steps). Clamped to BLOCK // VEC (16 bytes per lane). sm_90 SASS per element
-# (bf16, D = 128, default tiles): mxfp4 14.84 -> 15.67 (2 lanes), 18.20 (4); nvfp4 19.12 -> 22.03 (2 lanes).
-# Not yet timed on the H200 (bench/sweep_quant_variants.py). `variant={"LANES": ...}` overrides.
+# four lanes per mx block (two shuffle steps). Clamped to BLOCK // VEC (16 bytes per lane). sm_90 SASS counts in the
+# module docstring (round 3). Not yet timed on the H200 (bench/sweep_quant_variants.py). `variant={"LANES": ...}`.
 LANES = {"e4m3": 1, "e8m0": 1}
 # nvfp4 (rcp recipe, MUL_PACK encode, even block count): the per-block scale work split over the lane pair
 # (kc.nvfp4_scale_pairs: two shuffles, each lane one block of a pair) instead of repeated on both lanes with LANES 2.
-# sm_90 SASS per element (bf16, D = 128, 32 x 4 tiles, LANES 2): see the module docstring. Not yet timed.
+# Pairs are blocks (q, q + NB / 2): the top block-index bit sits in registers in these tiles (pairing 2q, 2q + 1, a
+# warp bit at 32 x 4, went through shared memory). sm_90 counts: module docstring. Not yet timed. `variant=` overrides.
 PAIR_SCALE = {"e4m3": False}
 # Kernel constexpr overrides for every launch (tests set {"FAST": ...} to run both codecs through the public store).
 DEFAULT_VARIANT: dict = {}

@@ -622,7 +622,7 @@ def test_fast_block_quantizers_gpu(device, native):
 # ------------------------------------------------------------------ store engineer: scaled values -> payload words
 # e2m1_words, mxfp4_scale_block, nvfp4_scale_block (kernels/codecs.py, end): the same bytes as the torch codecs.
 @triton.jit
-def _words_kernel(x_ptr, out_ptr, n_rows, D: tl.constexpr, SATURATE: tl.constexpr, BLOCK_R: tl.constexpr):
+def _e2m1_words_kernel(x_ptr, out_ptr, n_rows, D: tl.constexpr, SATURATE: tl.constexpr, BLOCK_R: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, D)
     x = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=rows[:, None] < n_rows, other=0.0)
@@ -662,8 +662,8 @@ def check_e2m1_words(device: str, n: int) -> None:
         xs = x if sat else x.clamp(-6.5, 6.5)
         w = pack_nibbles(e2m1_encode(xs.cpu())).contiguous().view(torch.int32) if not sat else want
         out = torch.empty(xs.shape[0], 8, dtype=torch.int32, device=device)
-        _words_kernel[(triton.cdiv(xs.shape[0], 16),)](xs.contiguous(), out, xs.shape[0], D=64, SATURATE=sat,
-                                                       BLOCK_R=16)
+        _e2m1_words_kernel[(triton.cdiv(xs.shape[0], 16),)](xs.contiguous(), out, xs.shape[0], D=64, SATURATE=sat,
+                                                            BLOCK_R=16)
         assert same_bits(out, w), f"e2m1_words SATURATE={sat}: {first_diff(out, w)}"
 
 
