@@ -385,11 +385,14 @@ LAUNCH_OPTIONS = ("chunk_blocks", "q_tile", "prefetch", "native_fp8", "num_warps
                   "in_kernel_topk", "post_scale", "warp_partials", "select", "lean")
 
 # Two-pass top-k: the scorer writes per-warp partial block maxima (`_part_nanmax`; no cross-warp reduction in its
-# loop: sm_90 loop body nvfp4 633 -> 617 SASS, barriers 6 -> 3) and the select pass maxes them. Default for quantized
-# keys that scale in the decode (fp8, nvfp4); off for POST_SCALE (its scores come from a sum over scale blocks whose
-# layout does not split by warp: offline barriers 6 -> 5) and bf16 (not measured). Option warp_partials overrides.
+# loop: sm_90 loop body nvfp4 633 -> 617 SASS, barriers 6 -> 3) and the select pass maxes them. Default for E2M1
+# keys that scale in the decode (nvfp4); off for fp8 (slower with LEAN, below), for POST_SCALE (its scores come from a
+# sum over scale blocks whose layout does not split by warp: offline barriers 6 -> 5) and for bf16 (not measured).
+# Option warp_partials overrides.
 # H200, batch 64 x 150K, score+topk (2026-11-29 10:58 UTC, packed select): nvfp4 309.1 us with vs 316.1 without
-# (score alone 307.5); mxfp4 326.0 with vs 314.4 without; fp8 342.5 with (flat select) vs 345.3 without.
+# (score alone 307.5); mxfp4 326.0 with vs 314.4 without; fp8 342.5 with (flat select) vs 345.3 without. With LEAN
+# (11:24 UTC): nvfp4 290.2 with vs 304.4 without; fp8 345.9 with vs 325.5 without; mxfp4 304.8 with vs 307.0 without
+# (noise). So the default is on for E2M1 keys scaled in the decode (nvfp4) only.
 
 
 # Dot rows (queries x heads x scale blocks) of POST_SCALE launches: by default only where the block-diagonal query
@@ -401,8 +404,9 @@ POST_SCALE_DEFAULT_ROWS = 16
 POST_SCALE_ROWS = 64
 
 # LEAN (module docstring) for block-score launches only (the in-kernel top-k's SASS nearly doubled with it, offline).
-# Not yet measured on the H200: off.
-LEAN_DEFAULT = False
+# H200, batch 64 x 150K, score+topk (2026-11-29 11:24 UTC, copy 4160 GB/s): nvfp4 328.6 -> 290.2 us, mxfp4 336.5 ->
+# 307.0, fp8 349.0 -> 345.9 (325.5 without warp partials); predicted ~270 / ~290 / ~320. On by default.
+LEAN_DEFAULT = True
 
 # Smallest head dim for the FP4 word decode (`kc.fp4_quarter`): at D = 64 the H200 gave wrong selections (see the
 # module docstring); the byte decode covers smaller heads. A module constant so that a GPU diagnostic can lower it.
@@ -533,7 +537,7 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
     wp_opt = options.get("warp_partials")
     wp = 1
     if wp_opt is None:
-        wp_opt = not post and fmt.spec.payload_bits < 16
+        wp_opt = not post and fmt.spec.payload_bits == 4
     if two_pass and wp_opt:
         # one part per warp of the fixed or autotuned (4-warp) launch, each part whole 16-token rows of the tile
         wp = min(options.get("num_warps") or warps, tile_t // 16)

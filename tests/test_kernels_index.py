@@ -419,6 +419,18 @@ def test_decode_lean(label, case):
     check_decode(cache, table, cl, iq, cfg, chunk_blocks=8, lean=True, prefetch=True, warp_partials=False)
 
 
+@pytest.mark.parametrize("label", ["bf16", "fp8", "nvfp4", "mxfp4"])
+def test_decode_not_lean(label):
+    """The per-token-masked loop (lean=False, the default before LEAN) on the same poisoned, ragged cache."""
+    cache, table, cl, _ = make_cache(label, [1, 33, 0, 129, 200], page=64, seed=62)
+    poison_unused_slots(cache, table.cpu(), cl.cpu())
+    iq = queries(5, 4, 128, seed=63)
+    check_decode(cache, table, cl, iq, IndexerConfig(block_size=64, topk=4, init_blocks=0, local_blocks=0),
+                 chunk_blocks=2, lean=False)
+    check_decode(cache, table, cl, iq, IndexerConfig(block_size=64, topk=4, init_blocks=1, local_blocks=2),
+                 chunk_blocks=2, lean=False, warp_partials=True)
+
+
 @pytest.mark.parametrize("label", ["fp8", "nvfp4", "mxfp4"])
 def test_prefill_lean(label):
     """LEAN in prefill (per-row causal masks on every tile) with poisoned bytes past the context."""
