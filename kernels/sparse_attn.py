@@ -65,8 +65,11 @@ scale bytes after the async copies, the decoded V tile stored and re-read transp
 (fp8-unit reads one chunk per K/V tile at 66 % of copy; FP4 a 4 KB payload plus a 512 B scale chunk, 22-26 %).
 Fitting time = O + W x batch / 64 to the defaults (256 / 64: nvfp4 70.1 / 25.9, fp8 48.2 / 20.3) gives a fixed O =
 11 us per layer for both (launch, the first lookup -> page -> copy chain, partial stores, the combine kernel) and W
-= 14.7 / 9.3 us: the 70 % goal (~26 us) needs O cut too. `fuse_combine` (untimed) drops the combine launch; next:
-ncu's shared-memory wavefronts, bank conflicts and pipe use per tile (`.scratch/attn10_ncu.sh`).
+= 14.7 / 9.3 us: the 70 % goal (~26 us) needs O cut too. Tried and slower (11:25 UTC, removed): the split combine
+fused into the attention kernel (ticket atomics, the last split merges; no combine launch), us per layer at batch 64 /
+256: nvfp4 25.9 -> 33.6 / 69.1 -> 75.8 (16 splits at 64: 28.5 -> 41.6), fp8 21.3 -> 29.5 / 46.9 -> 53.1, mxfp4
+27.1 -> 35.1 / 76.9 -> 82.6, bf16 29.8 -> 46.2 at 64. Next: ncu's shared-memory wavefronts, bank conflicts and pipe
+use per tile (`.scratch/attn10_ncu.sh`).
 
 Masking: tokens after the query position, tiles of -1 selection slots and pages that are -1 are never loaded (masked
 loads give 0, then the score is -inf), so stale or non-finite bytes outside the selection never leak into the output.
@@ -104,7 +107,6 @@ DEFAULT_JOINT = True  # E8M0 V factors through the softmax max (see _attend)
 # keeps num_stages - 2 tiles' K/V copies in flight while one is computed. H200, batch 256, us per layer, 3 / 4 / 5
 # stages: nvfp4 70.1 / 74.2 / 90.6 (5: 59 KB shared memory, 3 programs per SM), fp8 48.2 / 51.2 (see the docstring)
 DEFAULT_STAGES = {2: 1, 1: 3, 0: 2}
-DEFAULT_FUSE = False  # fused split combine (by ticket, see _sparse_attn_kernel): tested, not yet measured on the GPU
 
 
 # ------------------------------------------------------------------------------------------- host-side helpers
@@ -187,7 +189,6 @@ def _attend(q, acc, m_i, l_i, mv_i, kp, ks, vp, vs, valid, qk_scale, D: tl.const
 def _sparse_attn_kernel(
     q_ptr, k_ptr, v_ptr,  # q bf16 [R, Hq, D]; K / V cache data (bf16 view for bf16, else uint8) [pages, Hkv, bytes]
     out_ptr, part_ptr, ml_ptr,  # out bf16 / fp32 [R, Hq, D]; split partials: acc fp32 [R, Hq, S, D], (m, l) [R, Hq, S, 2]
-    cnt_ptr,  # FUSE: int32 [R, Hkv] split tickets, zero on entry and left zero
     table_ptr, ctx_ptr, req_ptr, pos_ptr, ids_ptr,  # block_table int32 [B, W]; context_lens [B]; rows' request/pos [R]; ids [R, Hkv, topk]
     qk_scale, v_scalar,  # softmax scale * log2(e) * K's folded factors; V's folded factors
     stride_qr, stride_qh,  # q strides (elements)
@@ -211,7 +212,6 @@ def _sparse_attn_kernel(
                            # order too), 2 K only (q in that order), 0 neither
     LAZY_L: tl.constexpr,  # softmax denominators as per-column partial sums, reduced after the loop (see _attend)
     JOINT: tl.constexpr,  # E8M0 V factors through one joint max with the softmax max (see _attend)
-    FUSE: tl.constexpr, BLOCK_S: tl.constexpr,  # SPLIT: the last split to finish merges them (no combine kernel)
 ):
     row = tl.program_id(0)
     h = tl.program_id(1)
@@ -303,45 +303,10 @@ def _sparse_attn_kernel(
         tl.store(part_ptr + slot[:, None] * D + cols[None, :], acc, mask=gmask[:, None])
         tl.store(ml_ptr + slot * 2, m_i, mask=gmask)
         tl.store(ml_ptr + slot * 2 + 1, l_i, mask=gmask)
-        if FUSE:
-            # Split-K by ticket: every split releases its partials with one atomic on its (row, KV head) counter;
-            # the one that draws the last ticket acquires them all and merges them exactly as _combine_kernel
-            # does, then zeroes the counter for the next launch (CUDA-graph replays included)
-            tl.debug_barrier()  # every thread's partial stores come before the release
-            cnt = cnt_ptr + row.to(tl.int64) * tl.num_programs(1) + h
-            ticket = tl.atomic_add(cnt, 1, sem="acq_rel")
-            if ticket == num_splits - 1:
-                for gi in range(G):
-                    _combine_row(part_ptr, ml_ptr, out_ptr, row.to(tl.int64) * G * tl.num_programs(1) + h * G + gi,
-                                 v_scalar, num_splits, BLOCK_S, D, True)
-                tl.store(cnt, 0)
     else:
         empty = l_i == 0.0  # nothing visible: zeros (a NaN sum, from an Inf score, stays NaN)
         out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None]) * v_scalar
         tl.store(out_ptr + heads[:, None] * D + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
-
-
-@triton.jit
-def _combine_row(part_ptr, ml_ptr, out_ptr, n, v_scalar, num_splits, BLOCK_S: tl.constexpr, D: tl.constexpr,
-                 VOLATILE: tl.constexpr):
-    """Merge the num_splits partials (acc fp32 [D], m, l) of flat (row, query head) n into its output row. VOLATILE:
-    read them past the L1 cache (the fused path, whose other splits wrote them from other SMs)."""
-    sp = tl.arange(0, BLOCK_S)
-    smask = sp < num_splits
-    m = tl.load(ml_ptr + (n * num_splits + sp) * 2, mask=smask, other=-float("inf"), volatile=VOLATILE)
-    l = tl.load(ml_ptr + (n * num_splits + sp) * 2 + 1, mask=smask, other=0.0, volatile=VOLATILE)
-    m_max = tl.max(m, axis=0)
-    m_safe = tl.where(m_max == -float("inf"), 0.0, m_max)
-    w = tl.exp2(m - m_safe)  # a split that saw nothing has m = -inf: weight 0
-    w = tl.where(smask, w, 0.0)
-    cols = tl.arange(0, D)
-    acc = tl.load(part_ptr + (n * num_splits + sp)[:, None] * D + cols[None, :], mask=smask[:, None], other=0.0,
-                  volatile=VOLATILE)
-    total = tl.sum(w * l, axis=0)
-    o = tl.sum(w[:, None] * acc, axis=0)
-    empty = total == 0.0
-    out = tl.where(empty, 0.0, o / tl.where(empty, 1.0, total)) * v_scalar
-    tl.store(out_ptr + n * D + cols, out.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -351,7 +316,23 @@ def _combine_kernel(
     num_splits,
     BLOCK_S: tl.constexpr, D: tl.constexpr,
 ):
-    _combine_row(part_ptr, ml_ptr, out_ptr, tl.program_id(0).to(tl.int64), v_scalar, num_splits, BLOCK_S, D, False)
+    """One program per flat (row, query head) n: merge its num_splits partials (acc, m, l) into its output row."""
+    n = tl.program_id(0).to(tl.int64)
+    sp = tl.arange(0, BLOCK_S)
+    smask = sp < num_splits
+    m = tl.load(ml_ptr + (n * num_splits + sp) * 2, mask=smask, other=-float("inf"))
+    l = tl.load(ml_ptr + (n * num_splits + sp) * 2 + 1, mask=smask, other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_safe = tl.where(m_max == -float("inf"), 0.0, m_max)
+    w = tl.exp2(m - m_safe)  # a split that saw nothing has m = -inf: weight 0
+    w = tl.where(smask, w, 0.0)
+    cols = tl.arange(0, D)
+    acc = tl.load(part_ptr + (n * num_splits + sp)[:, None] * D + cols[None, :], mask=smask[:, None], other=0.0)
+    total = tl.sum(w * l, axis=0)
+    o = tl.sum(w[:, None] * acc, axis=0)
+    empty = total == 0.0
+    out = tl.where(empty, 0.0, o / tl.where(empty, 1.0, total)) * v_scalar
+    tl.store(out_ptr + n * D + cols, out.to(out_ptr.dtype.element_ty))
 
 
 # ------------------------------------------------------------------------------------------------------ launchers
@@ -362,23 +343,6 @@ def _scalar_of(cache: PagedCache, name: str) -> float:
             raise KernelArgumentError(f"{name}: an fp8 tensor-scaled cache without tensor_amax (nothing stored yet)")
         return cache.fp8_tensor_scale()
     return float(cache.outer_scale())
-
-
-_COUNTERS: dict = {}  # (device, stream) -> int32 tickets, always zero between launches
-_RETIRED: list = []  # replaced ticket buffers stay alive: a captured CUDA graph may still point at them
-
-
-def _split_counters(n: int, device: torch.device) -> torch.Tensor:
-    """int32 zeros [>= n]: the fused combine's tickets, one per (row, KV head), shared by the launches of one device
-    and stream (they run in order; each leaves them zero); other streams get their own. 64K at first, grown if needed."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        if buf is not None:
-            _RETIRED.append(buf)
-        buf = _COUNTERS[key] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
-    return buf
 
 
 def _check_caches(k_cache: PagedCache, v_cache: PagedCache, q: torch.Tensor, hq: int, d: int, block_size: int) -> None:
@@ -453,7 +417,7 @@ def uses_fp16_dots(fmt) -> bool:
 
 def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_splits, decode, ctx, req, pos,
             tile_tokens, num_warps, num_stages, native_fp8, out_dtype, precise_p, prefetch, paired, maxnreg, lazy_l,
-            joint_max, fuse_combine):
+            joint_max):
     rows, hq, d = q.shape
     hkv, topk = k_cache.num_heads, block_ids.shape[-1]
     fmt = k_cache.fmt
@@ -504,14 +468,12 @@ def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_
         ml = torch.empty(rows * hq * splits, 2, dtype=torch.float32, device=q.device)
     else:
         part = ml = out  # unused
-    fuse = splits > 1 and (DEFAULT_FUSE if fuse_combine is None else bool(fuse_combine))
-    counters = _split_counters(rows * hkv, q.device) if fuse else block_table  # block_table: unused
     payload_view = torch.bfloat16 if fmt.element is None else torch.uint8
     k_data, v_data = k_cache.data.view(payload_view), v_cache.data.view(payload_view)
     g = hq // hkv
     grid = (rows, hkv, splits)
     _sparse_attn_kernel[grid](
-        q, k_data, v_data, out, part, ml, counters,
+        q, k_data, v_data, out, part, ml,
         block_table, ctx, req, pos, block_ids,
         qk_scale, v_scalar,
         q.stride(0), q.stride(1),
@@ -526,10 +488,9 @@ def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_
         P_SPLIT=(not f16) if precise_p is None else bool(precise_p), PREFETCH=prefetch, PAIRED=paired,
         LAZY_L=(DEFAULT_LAZY_L and f16) if lazy_l is None else bool(lazy_l),
         JOINT=fmt.scale_element == "e8m0" and (DEFAULT_JOINT if joint_max is None else bool(joint_max)),
-        FUSE=fuse, BLOCK_S=triton.next_power_of_2(splits),
         num_warps=warps, num_stages=num_stages, **launch_opts,
     )
-    if splits > 1 and not fuse:
+    if splits > 1:
         _combine_kernel[(rows * hq,)](part, ml, out, v_scalar, splits,
                                       BLOCK_S=triton.next_power_of_2(splits), D=d, num_warps=4)
     return out
@@ -550,7 +511,7 @@ def sparse_decode(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, blo
                   out_dtype: torch.dtype = torch.bfloat16, precise_p: bool | None = None,
                   prefetch: int | bool | None = None, paired: bool | str | None = None,
                   maxnreg: int | None = None, lazy_l: bool | None = None,
-                  joint_max: bool | None = None, fuse_combine: bool | None = None) -> torch.Tensor:
+                  joint_max: bool | None = None) -> torch.Tensor:
     """One decode step of sparse attention for B requests.
 
     q bf16 [B, Hq, D] (the token at position context_lens[b] - 1, already stored in the caches); k_cache / v_cache:
@@ -568,10 +529,8 @@ def sparse_decode(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, blo
     0 = none); warps (default 2 or 4) and splits: see `launch_plan`; paired: E2M1 decoded in PAIRED order (fewer
     integer ops, but slower on the H200; default off), True for K and V, "k" for K only, see
     `kc.e2m1_words_paired`; lazy_l: softmax denominators as per-column sums reduced after the loop (default on for
-    quantized formats); joint_max: E8M0 V factors through the softmax max (default on), see `_attend`;
-    fuse_combine: with splits, the last split to finish merges the partials instead of a combine kernel (default
-    off: not yet measured on the GPU; see `_split_counters`)). No host synchronization, so it can be captured in a
-    CUDA graph."""
+    quantized formats); joint_max: E8M0 V factors through the softmax max (default on), see `_attend`). No host
+    synchronization, so it can be captured in a CUDA graph."""
     _check_q(q)
     b, hq, d = q.shape
     _check_caches(k_cache, v_cache, q, hq, d, block_size)
@@ -580,7 +539,7 @@ def sparse_decode(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, blo
     _check_int("block_ids", block_ids, (b, k_cache.num_heads, block_ids.shape[-1]), q.device)
     return _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_splits, True, context_lens,
                    context_lens, context_lens, tile_tokens, num_warps, num_stages, native_fp8, out_dtype,
-                   precise_p, prefetch, paired, maxnreg, lazy_l, joint_max, fuse_combine)
+                   precise_p, prefetch, paired, maxnreg, lazy_l, joint_max)
 
 
 def sparse_prefill(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, block_table: torch.Tensor,
@@ -590,7 +549,7 @@ def sparse_prefill(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, bl
                    out_dtype: torch.dtype = torch.bfloat16, precise_p: bool | None = None,
                    prefetch: int | bool | None = None, paired: bool | str | None = None,
                    maxnreg: int | None = None, lazy_l: bool | None = None,
-                   joint_max: bool | None = None, fuse_combine: bool | None = None) -> torch.Tensor:
+                   joint_max: bool | None = None) -> torch.Tensor:
     """Sparse attention for N query rows of any requests (prefill, chunked prefill, speculative verify).
 
     q bf16 [N, Hq, D]; q_req int32 [N] (each row's request: its row of block_table [B, max_pages]); q_pos int32 [N]
@@ -608,4 +567,4 @@ def sparse_prefill(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, bl
     _check_int("block_ids", block_ids, (n, k_cache.num_heads, block_ids.shape[-1]), q.device)
     return _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_splits, False, q_pos, q_req,
                    q_pos, tile_tokens, num_warps, num_stages, native_fp8, out_dtype, precise_p, prefetch, paired,
-                   maxnreg, lazy_l, joint_max, fuse_combine)
+                   maxnreg, lazy_l, joint_max)

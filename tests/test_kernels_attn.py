@@ -183,37 +183,6 @@ def test_empty_selection_and_excess_splits():
     check_close(many, paged_sparse_decode_ref(q, kc, vc, table, ctx, ids, 32))
 
 
-
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4-floor", "fp8-token", "bf16"])
-def test_fused_combine_equals_combine_kernel(fmt):
-    """fuse_combine: the last split of each (row, KV head) merges the partials with the combine kernel's code, so the
-    two paths agree to the last bit under the interpreter (same operations, same order); rows with nothing visible
-    stay zero; the ticket counters are zero again after every launch (the next launch, or a CUDA-graph replay, starts
-    clean), also for prefill rows and for more splits than tiles."""
-    from kvtool.kernels.sparse_attn import _split_counters
-
-    q, kc, vc, table, ctx, ids = make_decode(fmt, [20, 50, 64, 3])
-    ids[0] = -1  # nothing selected: zeros
-    ref = paged_sparse_decode_ref(q, kc, vc, table, ctx, ids, 32)
-    for splits in (2, 3, 100):
-        plain = sparse_decode(q, kc, vc, table, ctx, ids, 32, num_splits=splits, out_dtype=torch.float32)
-        for _ in range(2):  # a second launch reuses the counters the first one left
-            fused = sparse_decode(q, kc, vc, table, ctx, ids, 32, num_splits=splits, fuse_combine=True,
-                                  out_dtype=torch.float32)
-            assert torch.equal(fused, plain), splits
-            assert not _split_counters(1, q.device).any()
-        assert torch.equal(fused[0], torch.zeros_like(fused[0]))
-        check_close(fused, ref)
-    q_req = torch.tensor([1, 1, 2, 2], dtype=torch.int32, device=DEVICE)
-    q_pos = torch.tensor([0, 49, 31, 63], dtype=torch.int32, device=DEVICE)
-    pids = ids[[1, 1, 2, 2]].contiguous()
-    plain = sparse_prefill(q, kc, vc, table, q_req, q_pos, pids, 32, num_splits=3, out_dtype=torch.float32)
-    fused = sparse_prefill(q, kc, vc, table, q_req, q_pos, pids, 32, num_splits=3, fuse_combine=True,
-                           out_dtype=torch.float32)
-    assert torch.equal(fused, plain)
-    check_close(fused, paged_sparse_prefill_ref(q, kc, vc, table, q_req, q_pos, pids, 32))
-    assert not _split_counters(1, q.device).any()
-
 def test_scale_argument():
     q, kc, vc, table, ctx, ids = make_decode("fp8-token", [45, 60])
     out = sparse_decode(q, kc, vc, table, ctx, ids, 32, scale=0.3, out_dtype=torch.float32)
@@ -300,43 +269,6 @@ def test_gpu_m3_batch256_split_equals_nosplit(fmt):
         check_close(sparse_decode(q, kc, vc, table, ctx, ids, 128, num_splits=splits, out_dtype=torch.float32),
                     ref, 2e-3)
 
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "fp8", "bf16"])
-def test_gpu_fused_combine(fmt):
-    """The fused split combine (tickets: one atomic per split, the last split merges) on the GPU at M3's shape:
-    batch 256 and 64 with the default splits and 16 splits, against the combine kernel (same code, reduction order
-    may differ with the warp count) and the reference; two launches replayed 3 times in a CUDA graph (the counters
-    must come back to zero after every launch, or the next would never merge and leave its output unwritten)."""
-    from kvtool.kernels.sparse_attn import _split_counters
-
-    g = torch.Generator().manual_seed(21)
-    lens = [int(n) for n in torch.randint(1, 20000, (256,), generator=g)]
-    lens[:3] = [1, 128, 150000]
-    q, kc, vc, table, ctx, ids = make_decode(fmt, lens, M3["hq"], M3["hkv"], M3["d"], M3["page"], M3["bs"],
-                                             M3["topk"], seed=21)
-    ids[5] = -1  # nothing selected: zeros
-    for rows in (256, 64):
-        args = (q[:rows], kc, vc, table[:rows], ctx[:rows], ids[:rows].contiguous(), 128)
-        ref = paged_sparse_decode_ref(*args)
-        for splits in (None, 16):
-            plain = sparse_decode(*args, num_splits=splits, out_dtype=torch.float32)
-            fused = sparse_decode(*args, num_splits=splits, fuse_combine=True, out_dtype=torch.float32)
-            assert value_metrics(fused, plain).max_rel <= 1e-5, (rows, splits)
-            check_close(fused, ref, 2e-3)
-            assert torch.equal(fused[5], torch.zeros_like(fused[5]))
-            assert not _split_counters(1, q.device).any()
-        eager = sparse_decode(*args, fuse_combine=True)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):  # two launches: the second merges only if the first reset the counters
-            outs = [sparse_decode(*args, fuse_combine=True) for _ in range(2)]
-        for _ in range(3):
-            for out in outs:
-                out.zero_()
-            graph.replay()
-            torch.cuda.synchronize()
-            assert all(torch.equal(out, eager) for out in outs)
-        assert not _split_counters(1, q.device).any()
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8-token", "bf16"])

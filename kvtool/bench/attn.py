@@ -36,8 +36,8 @@ L2_TARGET_BYTES = 150e6  # three times the H200's 50 MB L2
 MAX_LAYERS = 57  # M3's sparse layers
 # Launch variants tried with --sweep (name, sparse_decode keyword options): the candidates of the 2026-11-29 H200
 # tuning rounds (warps per program, 32-token tiles, stages / register cap, PAIRED K tiles, the lazy sums and the
-# joint max off, more splits; round 3: two tiles' copies in flight, 8 programs per SM of 32-token tiles, the fused
-# split combine).
+# joint max off, more splits; round 3: two tiles' copies in flight, 8 programs per SM of 32-token tiles). The fused
+# split combine was slower everywhere (2026-11-29 11:25 UTC) and is gone (see kernels/sparse_attn.py).
 SWEEP = (
     ("warps=2", {"num_warps": 2}), ("warps=4", {"num_warps": 4}),
     ("warps=2 stages=2 maxnreg=168", {"num_warps": 2, "num_stages": 2, "maxnreg": 168}),
@@ -45,7 +45,6 @@ SWEEP = (
     ("paired=k", {"paired": "k"}), ("lazy_l=0 joint_max=0", {"lazy_l": False, "joint_max": False}),
     ("splits=8", {"num_splits": 8}), ("stages=4", {"num_stages": 4}),
     ("tile=32 maxnreg=128 splits=4", {"tile_tokens": 32, "num_warps": 2, "maxnreg": 128, "num_splits": 4}),
-    ("fuse_combine", {"fuse_combine": True}),
 )
 
 
