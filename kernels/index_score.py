@@ -1,11 +1,11 @@
 """Lightning-indexer scorers (SPEC section 3) over a paged index cache, for bf16, fp8, nvfp4 and mxfp4 caches.
 
-One parameterized kernel scores a tile of (query, index head) rows against the keys of one request, block by block,
-and emits token scores, block scores, or per-program top-k candidates (merged by `kernels/topk.py`); top-k runs by
-default as block scores plus `topk.select_from_block_scores` (see `_launch`; for fp8 / nvfp4 the scorer writes per-warp
-partial block maxima instead, `_part_nanmax`, and the select pass maxes them). It reads the
-cache as engines hold it: `kvtool.paged.PagedCache` with H = 1, uint8 [num_pages, 1, page_bytes], per page
-`[P x payload][P x scale]`, a block table [B, max_pages] int32 and context lengths [B] int32.
+One parameterized kernel scores a tile of (query, index head) rows against the keys of one request, block by block, and
+emits token scores, block scores, or per-program top-k candidates (merged by `kernels/topk.py`); top-k runs by default
+as block scores plus `topk.select_from_block_scores` (see `_launch`; for nvfp4 the scorer writes per-warp partial block
+maxima instead, `index_blocks.part_nanmax`, and the select pass maxes them). It reads the cache as engines hold it:
+`kvtool.paged.PagedCache` with H = 1, uint8 [num_pages, 1, page_bytes], per page `[P x payload][P x scale]`, a block
+table [B, max_pages] int32 and context lengths [B] int32.
 
 How it aims to stay bandwidth-bound (H200, batch 64 x 150K: ~706 MB of FP4 keys, a ~166 us floor):
 - MQA: all index heads (and, in prefill, a tile of queries) share each key, so one key tile is loaded and decoded once
@@ -30,19 +30,12 @@ How it aims to stay bandwidth-bound (H200, batch 64 x 150K: ~706 MB of FP4 keys,
 - fp8 keys use the hardware e4m3 -> fp16 conversion where it exists (CUDA sm_89+), else an integer decode.
 - the next tile's loads overlap this tile's math: either the compiler's cp.async pipeline (5 stages: the page lookup,
   then the payload, one tile ahead) or a register double buffer (PREFETCH); the autotuner picks per format.
-Offline SASS (sm_90, 4 warps, 5 stages, decode block scores, with the 16-byte divisibility the launcher's
-specialization gives pointers / page_bytes / query strides; loop body per thread and 128-token tile = 128 elements):
-nvfp4 ~630 instructions (decode ~240 integer + 64 HMUL2; post-scaled at 4 heads ~590), mxfp4 ~980 before
-POST_SCALE, ~595 with it, fp8 (native) ~480. Without the divisibility hints the payload loads split into 4-byte
-copies (nvfp4 ~840, mxfp4 ~1080: the earlier counts). Of the post-scaled mxfp4 loop, ~240 are the E2M1 decode (4
-integer ops per word and quarter), ~28 wgmma, ~60 scale decode / multiply / block sum, ~60 block max (shuffles and a
-cross-warp reduction through shared memory, 3 barriers), the rest page lookup, addresses and pipeline bookkeeping.
-Measured on the H200 (batch 64 x 150K, 2026-11-29 09:57 UTC, copy 4182 GB/s): the FP4 scorer is issue-bound, not
-bandwidth-bound: block scores nvfp4 331 us (0.50 of copy; 315 us in the earlier run; that run's default was the
-post-scaled 32-row variant, now off for nvfp4), mxfp4 308 us post-scaled (0.51, with its scales then loaded one tile
-ahead; 496 us before), fp8 354 us (0.83); score+topk with the defaults as now: nvfp4 345 us, mxfp4 339 us, fp8 370
-us; see bench/RESULTS.md. tl.dot_scaled (e2m1 x bf16) was looked at offline:
-on sm_90 it decodes through shared memory with byte loads (~875 SASS per tile for the bare loop), no gain.
+Where the time goes (offline sm_90 SASS, loop body per thread and 128-token tile, 4 warps, 5 stages, with the
+launcher's 16-byte divisibility hints): nvfp4 ~617 instructions (~240 the E2M1 decode, 64 HMUL2), post-scaled mxfp4
+~594, fp8 ~489 before LEAN (below); LEAN cuts them to ~511 / ~526 / ~300. The FP4 scorer is issue-bound, not
+bandwidth-bound: at batch 64 x 150K on the H200 (2026-11-29 11:31 UTC, defaults as now) score + top-k takes nvfp4
+276.5 us (0.60 of copy), mxfp4 316.9 us, fp8 324.4 us (bench/RESULTS.md has every measurement). tl.dot_scaled
+(e2m1 x bf16) on sm_90 decodes through shared memory with byte loads (~875 SASS per tile for the bare loop): not used.
 
 LEAN (launch option `lean`, block-score launches; LEAN_DEFAULT): where the ~200 non-math instructions of the loop
 went (offline sm_90, nvfp4): per-row predicates of every payload load (t < t_lim), the token mask and the column
@@ -82,182 +75,12 @@ import triton.language as tl
 
 from kvtool.errors import KernelArgumentError
 from kvtool.kernels import index_tiles as tiles
+from kvtool.kernels.index_blocks import MODE_BLOCKS, MODE_TOPK, tile_step, write_forced
 from kvtool.kernels.index_tiles import SCALE_KIND
 from kvtool.kernels.store import native_fp8
 from kvtool.kernels.topk import MAX_SELECT_BLOCKS, merge_candidates, pick_next, select_from_block_scores
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # fixed at import: the interpreter dots in fp32
-
-MODE_TOKENS = tl.constexpr(0)  # write token scores [rows, S]
-MODE_BLOCKS = tl.constexpr(1)  # write block scores [rows, NB] (forced blocks applied)
-MODE_TOPK = tl.constexpr(2)  # write per-program top-k candidates [rows, splits * KC]
-INIT_SCORE = tl.constexpr(1e30)  # kvtool.indexer.INIT_SCORE
-LOCAL_SCORE = tl.constexpr(1e29)  # kvtool.indexer.LOCAL_SCORE
-NAN_RANK = tl.constexpr(-1e30)  # kvtool.indexer.NAN_RANK
-
-
-
-# --------------------------------------------------------------------------------------------------------- helpers
-@triton.jit
-def _nanmax(a, b):
-    # torch.amax semantics: NaN wins (tl.maximum's default leaves NaN handling to the hardware)
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def _col_nanmax(s, INTERP: tl.constexpr):
-    """Max over axis 0 of fp32 [T, MP] with NaN winning. Compiled: one NaN-propagating max reduction. The
-    interpreter runs a custom combine function element by element (slow), so there: numpy's max plus a NaN flag."""
-    if INTERP:
-        has_nan = tl.max((s != s).to(tl.int32), axis=0) > 0
-        return tl.where(has_nan, float("nan"), tl.max(s, axis=0))
-    else:
-        return tl.reduce(s, 0, _nanmax)
-
-
-@triton.jit
-def _part_nanmax(s, WP: tl.constexpr, INTERP: tl.constexpr, LEAN: tl.constexpr = False):
-    """Partial maxima of fp32 [T, MP] (NaN winning): [WP, MP], part p over the tokens t with (t // 16) % WP == p.
-    With WP = num_warps that is what each warp of the dot's accumulator holds (sm_90 wgmma: warp w has tokens
-    16 w .. 16 w + 15 of every 64), so the reduction stays inside warps: no shared memory, no barrier. The select pass
-    takes the max of the parts. Correct for any layout (only the speed depends on the match). LEAN: the groups of 64
-    tokens first (inside each thread), then the 16 tokens of a warp's slice (shuffles), so each shuffle carries one
-    value per column instead of one per group: the same maxima (NaN-winning max is associative)."""
-    T: tl.constexpr = s.shape[0]
-    MPc: tl.constexpr = s.shape[1]
-    s4 = tl.reshape(s, [T // (16 * WP), WP, 16, MPc])
-    if INTERP:
-        nan4 = (s4 != s4).to(tl.int32)
-        has_nan = tl.max(tl.max(nan4, axis=2), axis=0) > 0
-        return tl.where(has_nan, float("nan"), tl.max(tl.max(s4, axis=2), axis=0))
-    elif LEAN:
-        return tl.reduce(tl.reduce(s4, 0, _nanmax), 1, _nanmax)
-    else:
-        return tl.reduce(tl.reduce(s4, 2, _nanmax), 0, _nanmax)
-
-
-@triton.jit
-def _finish_block(i, blk0, bmax, state, col, valid, out_ptr, out_row, row_ok, colscale, INIT: tl.constexpr,
-                  LOCAL: tl.constexpr, MODE: tl.constexpr, WP: tl.constexpr, LEAN: tl.constexpr):
-    """Block blk0 + i is scored (bmax [MP], or [WP, MP] partial maxima): apply the forced blocks, then write its block
-    scores (WP > 1: its WP partial maxima at out_row + block WP + p) or put its rank key in column i of the top-k
-    state [MP, CH]; returns the state. LEAN: bmax is of unscaled scores; the column scale (> 0, or 0) multiplies it
-    here: rounding is monotone, so max(fl(c s)) = fl(c max(s)), the same numbers (-inf stays -inf also for c = 0)."""
-    if LEAN:
-        if WP > 1:
-            bmax = tl.where(bmax == float("-inf"), bmax, bmax * colscale[None, :])
-        else:
-            bmax = tl.where(bmax == float("-inf"), bmax, bmax * colscale)
-    blk = blk0 + i
-    if LEAN and MODE == MODE_BLOCKS:  # forced blocks are written after the loop (`_write_forced`)
-        bsc = bmax
-    else:
-        forced_init = (blk < INIT) & (blk < valid)
-        forced_local = (blk >= valid - LOCAL) & (blk < valid)
-        bsc = tl.where(forced_local, LOCAL_SCORE, tl.where(forced_init, INIT_SCORE, bmax))
-    if MODE == MODE_BLOCKS:
-        if WP > 1:
-            p = tl.arange(0, WP)
-            tl.store(out_ptr + out_row[None, :] + blk * WP + p[:, None], bsc, mask=row_ok[None, :])
-        else:
-            tl.store(out_ptr + out_row + blk, bsc, mask=row_ok)
-    if MODE == MODE_TOPK:
-        key = tl.where(bsc != bsc, NAN_RANK, bsc)
-        state = tl.where(col[None, :] == i, key[:, None], state)
-    return state
-
-
-@triton.jit
-def _write_forced(blk0, n_iter, valid, out_ptr, out_row, row_ok, INIT: tl.constexpr, LOCAL: tl.constexpr,
-                  WP: tl.constexpr):
-    """MODE_BLOCKS with LEAN: after the loop, overwrite the forced blocks among this program's blocks blk0 ..
-    blk0 + n_iter - 1 (every one of their WP parts): 1e29 for the last LOCAL valid blocks of a row, else 1e30 for its
-    first INIT valid blocks (the values `_finish_block` gives otherwise, which override NaN too). Per row at most
-    INIT + LOCAL blocks, instead of two comparisons per block and row in the loop. The loop's stores of the same
-    addresses came from other threads, hence the barrier first (it orders the CTA's global writes)."""
-    tl.debug_barrier()
-    p = tl.arange(0, WP)
-    for k in tl.static_range(INIT + LOCAL):
-        if k < INIT:
-            blk = tl.full(valid.shape, k, tl.int32)
-            ok = (blk < valid) & (blk < valid - LOCAL)  # a block also local gets the local score below
-            val = INIT_SCORE
-        else:
-            blk = valid - LOCAL + (k - INIT)
-            ok = (blk >= 0) & (blk < valid)
-            val = LOCAL_SCORE
-        ok = ok & row_ok & (blk >= blk0) & (blk < blk0 + n_iter)
-        if WP > 1:
-            tl.store(out_ptr + out_row[None, :] + blk[None, :] * WP + p[:, None],
-                     tl.full([WP, valid.shape[0]], val, tl.float32), mask=ok[None, :])
-        else:
-            tl.store(out_ptr + out_row + blk, tl.full(valid.shape, val, tl.float32), mask=ok)
-
-
-@triton.jit
-def _tile_step(j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, pos, valid, bt_row, data_ptr,
-               qa, qb, qc, qd, colscale, out_ptr, out_row, row_ok, n_out, num_pages, page_bytes,
-               D: tl.constexpr, PAGE: tl.constexpr, PB: tl.constexpr, SB: tl.constexpr,
-               PAYLOAD_BITS: tl.constexpr, SCALE_KIND: tl.constexpr, SCALE_BLOCK: tl.constexpr, BS: tl.constexpr,
-               TILE_T: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, MODE: tl.constexpr,
-               NATIVE_FP8: tl.constexpr, PREFETCH: tl.constexpr, ONE_POS: tl.constexpr, FP4_WORDS: tl.constexpr,
-               POST_SCALE: tl.constexpr, NSBP: tl.constexpr, DOT_F32: tl.constexpr, WP: tl.constexpr,
-               LEAN: tl.constexpr):
-    """Tile j of the program (tokens blk0 BS + j TILE_T ..). PREFETCH: it was fetched into (payload, scales) from
-    page pg by the previous step; first issue the loads of tile j + 1 (page pg_next) and the page lookup of tile
-    j + 2, so that memory works while this tile decodes and multiplies (a register double buffer). Otherwise fetch
-    it here and let the compiler's software pipeline (num_stages) run the loads ahead. Then score it, fold it into
-    the block maximum bmax, and finish the block at its last tile. Returns (payload, scales, pg, pg_next, bmax,
-    state) for the next step (passed through unchanged without PREFETCH). POST_SCALE block scales load in the step
-    (not pipelined by the compiler, which runs only dot-operand loads ahead; carrying them one tile ahead in
-    registers measured slower on the H200: nvfp4 / mxfp4 368 / 345 us against 359 / 339 us score+topk).
-    LEAN (block modes): loads predicated per page (`tiles._tile_ok`), token masks only on tiles that need them
-    (decode: the program's last tile or a -1 page; a runtime branch), column scale after the block max."""
-    TPB: tl.constexpr = BS // TILE_T
-    t0 = blk0 * BS + j * TILE_T
-    t = t0 + tl.arange(0, TILE_T)
-    if PREFETCH:
-        cur_pay, cur_sc, cur_pg = payload, scales, pg
-        payload, scales = tiles.fetch(data_ptr, pg_next, t0 + TILE_T, t_lim, page_bytes, D, TILE_T, PAGE, PB, SB,
-                                      PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE, LEAN)
-        pg = pg_next
-        pg_next = tiles.page_of(bt_row, t0 + 2 * TILE_T, t_lim, num_pages, PAGE)
-    else:
-        cur_pg = tiles.page_of(bt_row, t0, t_lim, num_pages, PAGE)
-        cur_pay, cur_sc = tiles.fetch(data_ptr, cur_pg, t0, t_lim, page_bytes, D, TILE_T, PAGE, PB, SB,
-                                      PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE, LEAN)
-    acc = tiles.tile_dot(cur_pay, cur_sc, qa, qb, qc, qd, D, TILE_T, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK,
-                         NATIVE_FP8, FP4_WORDS, POST_SCALE, NSBP, DOT_F32)
-    if ONE_POS:  # decode: every row sits at ctx - 1, so "t <= pos" is "t < t_lim"
-        keep = ((t < t_lim) & (cur_pg >= 0))[:, None]
-    else:
-        keep = ((t < t_lim) & (cur_pg >= 0))[:, None] & (t[:, None] <= pos[None, :])
-    if LEAN and MODE != MODE_TOKENS:
-        if ONE_POS:
-            if (t0 + TILE_T <= t_lim) & (cur_pg >= 0):  # every token valid: the common tile
-                s = acc
-            else:
-                s = tl.where(keep, acc, float("-inf"))
-        else:
-            s = tl.where(keep, acc, float("-inf"))
-    else:
-        s = tl.where(keep, acc * colscale[None, :], float("-inf"))
-    if MODE == MODE_TOKENS:
-        tl.store(out_ptr + out_row[None, :] + t[:, None], s, mask=row_ok[None, :] & (t < n_out)[:, None])
-    if WP > 1:
-        bmax = _nanmax(bmax, _part_nanmax(s, WP, DOT_F32, LEAN))
-    else:
-        bmax = _nanmax(bmax, _col_nanmax(s, DOT_F32))
-    if TPB == 1:
-        state = _finish_block(j, blk0, bmax, state, col, valid, out_ptr, out_row, row_ok, colscale, INIT, LOCAL,
-                              MODE, WP, LEAN)
-        bmax = tl.full(bmax.shape, float("-inf"), tl.float32)
-    elif j % TPB == TPB - 1:
-        state = _finish_block(j // TPB, blk0, bmax, state, col, valid, out_ptr, out_row, row_ok, colscale, INIT,
-                              LOCAL, MODE, WP, LEAN)
-        bmax = tl.full(bmax.shape, float("-inf"), tl.float32)
-    return payload, scales, pg, pg_next, bmax, state
-
 
 # ----------------------------------------------------------------------------------------------------------- kernel
 @triton.jit
@@ -297,8 +120,8 @@ def _index_score_kernel(
     NSBP: tl.constexpr,  # POST_SCALE: scale blocks per token (dot rows MP NSBP); else 1
     PREFETCH: tl.constexpr,  # register double buffer of the next tile (else: the compiler's pipelining)
     DOT_F32: tl.constexpr,  # interpreter: dot in fp32
-    WP: tl.constexpr = 1,  # MODE_BLOCKS: write WP partial maxima per block (`_part_nanmax`), else the block max
-    LEAN: tl.constexpr = False,  # leaner loop bookkeeping (`_tile_step`)
+    WP: tl.constexpr = 1,  # MODE_BLOCKS: write WP partial maxima per block (index_blocks), else the block max
+    LEAN: tl.constexpr = False,  # leaner loop bookkeeping (`index_blocks.tile_step`)
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -341,20 +164,20 @@ def _index_score_kernel(
         # the interpreter cannot take a loaded scalar as a loop bound: run every step, skip the empty ones
         for j in range(0, CH * TPB):
             if j < n_tiles:
-                payload, scales, pg, pg_next, bmax, state = _tile_step(
+                payload, scales, pg, pg_next, bmax, state = tile_step(
                     j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, pos, valid, bt_row,
                     data_ptr, qa, qb, qc, qd, colscale, out_ptr, out_row, row_ok, n_out, num_pages, page_bytes, D,
                     PAGE, PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, BS, TILE_T, INIT, LOCAL, MODE, NATIVE_FP8,
                     PREFETCH, QT == 1, FP4_WORDS, POST_SCALE, NSBP, DOT_F32, WP, LEAN)
     else:
         for j in range(0, n_tiles):
-            payload, scales, pg, pg_next, bmax, state = _tile_step(
+            payload, scales, pg, pg_next, bmax, state = tile_step(
                 j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, pos, valid, bt_row,
                 data_ptr, qa, qb, qc, qd, colscale, out_ptr, out_row, row_ok, n_out, num_pages, page_bytes, D,
                 PAGE, PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, BS, TILE_T, INIT, LOCAL, MODE, NATIVE_FP8,
                 PREFETCH, QT == 1, FP4_WORDS, POST_SCALE, NSBP, DOT_F32, WP, LEAN)
     if LEAN and MODE == MODE_BLOCKS:
-        _write_forced(blk0, n_iter, valid, out_ptr, out_row, row_ok, INIT, LOCAL, WP)
+        write_forced(blk0, n_iter, valid, out_ptr, out_row, row_ok, INIT, LOCAL, WP)
     if MODE == MODE_TOPK:
         ids = tl.broadcast_to((blk0 + col)[None, :], [MP, CH])
         avail = (col[None, :] < n_iter) & (ids < valid[:, None])
@@ -384,15 +207,14 @@ _tuned_kernel = triton.autotune(
 LAUNCH_OPTIONS = ("chunk_blocks", "q_tile", "prefetch", "native_fp8", "num_warps", "num_stages", "fp4_words",
                   "in_kernel_topk", "post_scale", "warp_partials", "select", "lean")
 
-# Two-pass top-k: the scorer writes per-warp partial block maxima (`_part_nanmax`; no cross-warp reduction in its
-# loop: sm_90 loop body nvfp4 633 -> 617 SASS, barriers 6 -> 3) and the select pass maxes them. Default for E2M1
+# Two-pass top-k: the scorer writes per-warp partial block maxima (`index_blocks.part_nanmax`; no cross-warp reduction
+# in its loop: sm_90 loop body nvfp4 633 -> 617 SASS, barriers 6 -> 3) and the select pass maxes them. Default for E2M1
 # keys that scale in the decode (nvfp4); off for fp8 (slower with LEAN, below), for POST_SCALE (its scores come from a
 # sum over scale blocks whose layout does not split by warp: offline barriers 6 -> 5) and for bf16 (not measured).
-# Option warp_partials overrides.
-# H200, batch 64 x 150K, score+topk (2026-11-29 10:58 UTC, packed select): nvfp4 309.1 us with vs 316.1 without
-# (score alone 307.5); mxfp4 326.0 with vs 314.4 without; fp8 342.5 with (flat select) vs 345.3 without. With LEAN
-# (11:24 UTC): nvfp4 290.2 with vs 304.4 without; fp8 345.9 with vs 325.5 without; mxfp4 304.8 with vs 307.0 without
-# (noise). So the default is on for E2M1 keys scaled in the decode (nvfp4) only.
+# Option warp_partials overrides. H200, batch 64 x 150K, score+topk (2026-11-29 10:58 UTC, packed select): nvfp4 309.1
+# us with vs 316.1 without (score alone 307.5); mxfp4 326.0 with vs 314.4 without; fp8 342.5 with (flat select) vs 345.3
+# without. With LEAN (11:24 UTC): nvfp4 290.2 with vs 304.4 without; fp8 345.9 with vs 325.5 without; mxfp4 304.8 with
+# vs 307.0 without (noise). So the default is on for E2M1 keys scaled in the decode (nvfp4) only.
 
 
 # Dot rows (queries x heads x scale blocks) of POST_SCALE launches: by default only where the block-diagonal query

@@ -1,6 +1,6 @@
 """Key tiles and query operands of the lightning-indexer scorer (`kernels/index_score.py`), split from it by concept:
-the scorer's loop (paging, block max, top-k, launch) lives there; this module turns a page of the index cache and the
-query rows into tensor-core operands.
+the scorer's kernel and launch live there, its loop step and block bookkeeping in `kernels/index_blocks.py`; this
+module turns a page of the index cache and the query rows into tensor-core operands.
 
 - `load_query`: the bf16 query rows as dot B operands in the element order each key decode produces (bf16 rows,
   fp16 rows times 2**a, the four FP4 word quarters or even / odd bytes, or the block-diagonal quarters of POST_SCALE
@@ -140,7 +140,7 @@ def page_of(bt_row, t0, t_lim, num_pages, PAGE: tl.constexpr):
 def _tile_ok(pg, t0, t_lim, TILE_T: tl.constexpr, LEAN: tl.constexpr):
     """Load mask [TILE_T] of a key tile: per token (t < t_lim, page valid), or with LEAN per page only (pg >= 0: a
     scalar predicate; the tile lies inside that page, so its tokens past t_lim are readable memory, read as whatever
-    the page holds, and the scorer masks their scores instead: `index_score._tile_step`)."""
+    the page holds, and the scorer masks their scores instead: `index_blocks.tile_step`)."""
     r = tl.arange(0, TILE_T)
     if LEAN:
         return (r >= 0) & (pg >= 0)
