@@ -15,8 +15,8 @@ quantized format (bf16 for bf16), in element order:
   eight nibbles of a word stay inside one thread), so one [G, D] x [D, T] dot and one accumulator serve, and the
   output needs no permutation. For V, even / odd byte decodes would let Triton load the bytes straight into the dot
   operand layout (no decoded V tile through shared memory), but only without block scales: the scale multiply, a
-  second tensor operand, stops that hoist (sm_90, `.scratch/attn10_vsplit_probe.py`). NVFP4 block scales multiply in fp16 exactly (code * scale has <= 5 significant bits).
-  MXFP4 scales 2**e leave fp16's range, so each token is normalized by its largest block (2**e_tok, applied in fp32
+  second tensor operand, stops that hoist (offline sm_90 TTGIR probe, 2026-11-29). NVFP4 block scales multiply in
+  fp16 exactly (code * scale has <= 5 significant bits). MXFP4 scales 2**e leave fp16's range, so each token is normalized by its largest block (2**e_tok, applied in fp32
   to the score column for K and to the probability column for V); the remaining 2**(e - e_tok) is exact in fp16
   while a token's blocks lie within 2**9 of each other (see `tiles.decode`).
 - E4M3 (fp8): `e4m3_decode` by bits (portable, tested), or the hardware fp8 conversion behind `native_fp8`
@@ -69,7 +69,7 @@ Fitting time = O + W x batch / 64 to the defaults (256 / 64: nvfp4 70.1 / 25.9, 
 fused into the attention kernel (ticket atomics, the last split merges; no combine launch), us per layer at batch 64 /
 256: nvfp4 25.9 -> 33.6 / 69.1 -> 75.8 (16 splits at 64: 28.5 -> 41.6), fp8 21.3 -> 29.5 / 46.9 -> 53.1, mxfp4
 27.1 -> 35.1 / 76.9 -> 82.6, bf16 29.8 -> 46.2 at 64. Next: ncu's shared-memory wavefronts, bank conflicts and pipe
-use per tile (`.scratch/attn10_ncu.sh`).
+use per tile (l1tex__data_pipe_lsu_wavefronts_mem_shared, l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld/st).
 
 Masking: tokens after the query position, tiles of -1 selection slots and pages that are -1 are never loaded (masked
 loads give 0, then the score is -inf), so stale or non-finite bytes outside the selection never leak into the output.
