@@ -30,21 +30,17 @@ throughput 92 %, L2 80 %, DRAM 62 %), issue slots 72 %, ALU pipe 74 %, L1 hit ra
 touches 32 sectors half-used, the next chunk hits them again), top stall L1TEX scoreboard (42 % of 7.8 cycles per
 issue); 37.5 % occupancy (80 registers). MUL_PACK mxfp4: 56 % occupancy, ALU 64 %, issue 66 %, 13.0 cycles per issue
 (more warps queue on the same L1). nvfp4: ALU 80 % -> 66 % with MUL_PACK, issue 76 % -> 75 %. 2x / 0.5x rows per
-program were 3-16 points slower. Next lever: fewer L1 sector requests per loaded byte (coalesced 512-byte warp loads
-plus an in-register or shared-memory regroup into blocks, or TMA tiles), not fewer ALU ops.
-Round 3 (offline, not yet timed on the H200): the L1 fix as launch variants (LANES, PAIR_SCALE below). LANES = 2:
-load_blocks loads 32 contiguous bytes per lane pair and instruction (TTGIR: sizePerThread 8, threadsPerWarp [16, 1, 2]
-on [R, NB, 16]: the pair on adjacent lanes), so a warp's 16-byte load covers 16 whole sectors instead of 32 halves
-(half the sector requests per loaded byte; no sector read twice); the block amax takes one SHFL.BFLY, no shared
-memory; payload stores keep one STS / LDSM conversion and STG.128 (scale bytes now a direct STG.U16). sm_90 SASS per
-element (bf16, D = 128, default tiles, registers): mxfp4 14.84 (80) -> 15.67 (95) with LANES 2 (the block scale math
-on both lanes), 14.72 (71) with LANES 2 + MUL_PACK, 14.58 (71) with LANES 2 + FAST, 18.20 (134) with LANES 4; nvfp4
-19.12 (56) -> 22.03 (63) with LANES 2, 20.25 (64) with LANES 2 + PAIR_SCALE (each lane of a pair computes the scale
-of one block of a block pair: 2 shuffles instead of the repeat), 18.00 (96) with that at 64 x 4 tiles. All compile
-for gfx950 as well. Timed by bench/sweep_quant_variants.py (.scratch/store_call3.sh).
-Tried and measured slower (kept out): one row per thread in 32-element chunks (12.8 / 15.7-16.0 instructions per
-element) with direct 16-byte stores per lane (mxfp4 64-70 %, nvfp4 55-63 %) or joined into one coalesced row store
-(mxfp4 71-83 %, nvfp4 50-57 %); 4 blocks per thread for nvfp4 (64 x 4: 128 registers).
+program were 3-16 points slower. Halving the L1 sector requests per loaded byte did not help either (lane-split
+loads, below); coalesced 512-byte warp loads with a shared-memory regroup into blocks, or TMA tiles, are untried.
+Tried and measured slower / no gain (kept out): one row per thread in 32-element chunks (12.8 / 15.7-16.0
+instructions per element) with direct 16-byte stores per lane (mxfp4 64-70 %, nvfp4 55-63 %) or joined into one
+coalesced row store (mxfp4 71-83 %, nvfp4 50-57 %); 4 blocks per thread for nvfp4 (64 x 4: 128 registers). Blocks
+split over 2 / 4 adjacent lanes (each 16-byte load instruction on whole sectors: half the L1 sector requests per loaded
+byte; block amax by SHFL.BFLY), for nvfp4 also with the block-scale math split over the lane pair (H200, 2026-11-29
+11:29 UTC, same bench, % of copy at 64M / 256M / 1G): mxfp4-rceil 80.4 / 85.9 / 87.2 -> 2 lanes 80.4 / 86.0 / 87.3
+(no gain; with MUL_PACK or FAST 76.5-77.6 / 84.5-86.7 / 85.9-87.0; 4 lanes 71.9 / 74.4 / 72.9); nvfp4-rcp 75.1 / 79.2
+/ 80.3 -> 2 lanes 67.9 / 71.3 / 73.0 (split scale 70.2 / 73.7 / 74.2; 71.8 / 76.9 / 78.3 at 64 x 4). So the ncu "L1
+at 93 %" does not name the limit as a sector count (the sector model is wrong, or the L1 limit is per request / tag).
 """
 
 from __future__ import annotations
@@ -58,7 +54,7 @@ import triton
 import triton.language as tl
 
 from kvtool.errors import KernelArgumentError, LayoutError
-from kvtool.formats import Format, NvRecipe
+from kvtool.formats import Format
 from kvtool.formats.codecs import fp8_row_scale, nvfp4_outer_scale
 from kvtool.formats.registry import require_finite
 from kvtool.kernels import codecs as kc
@@ -120,8 +116,7 @@ def load_f32(ptrs, mask):
 
 
 @triton.jit
-def load_blocks(x_ptr, x_off, live, D: tl.constexpr, BLOCK: tl.constexpr, NBP: tl.constexpr, VEC: tl.constexpr,
-                LANES: tl.constexpr):
+def load_blocks(x_ptr, x_off, live, D: tl.constexpr, BLOCK: tl.constexpr, NBP: tl.constexpr, VEC: tl.constexpr):
     """Rows at `x_off` [R] (live mask [R]) -> fp32 [R, NBP, BLOCK]: NBP blocks per row (the ones past D are 0).
 
     Loaded as BLOCK // VEC separate chunks of VEC elements (16 bytes) per block and joined in registers, so that one
@@ -130,30 +125,28 @@ def load_blocks(x_ptr, x_off, live, D: tl.constexpr, BLOCK: tl.constexpr, NBP: t
     would give each thread one 16-byte vector of a row (the block spread over 2-4 threads). Chunk loads hit the same
     sectors one after another, so DRAM traffic is unchanged."""
     R: tl.constexpr = x_off.shape[0]
-    # W = VEC * LANES elements per chunk (16 bytes on each of LANES adjacent lanes), written out: a local name would
-    # make it a tensor
-    CH: tl.constexpr = BLOCK // (VEC * LANES)
+    CH: tl.constexpr = BLOCK // VEC
     blk = tl.arange(0, NBP)[None, :, None]
-    p = x_ptr + x_off[:, None, None] + blk * BLOCK + tl.arange(0, VEC * LANES)[None, None, :]  # [R, NBP, W], chunk 0
+    p = x_ptr + x_off[:, None, None] + blk * BLOCK + tl.arange(0, VEC)[None, None, :]  # [R, NBP, VEC], chunk 0
     if NBP * BLOCK == D:
-        m = tl.broadcast_to(live[:, None, None], (R, NBP, VEC * LANES))
+        m = tl.broadcast_to(live[:, None, None], (R, NBP, VEC))
     else:
-        m = tl.broadcast_to(live[:, None, None] & (blk * BLOCK < D), (R, NBP, VEC * LANES))
+        m = tl.broadcast_to(live[:, None, None] & (blk * BLOCK < D), (R, NBP, VEC))
     # join(a, b) adds a last dim of 2; chunk c = sum of its binary digits, lowest digit innermost after the join
     if CH == 1:
         xb = load_f32(p, m)
     elif CH == 2:
-        j = tl.join(load_f32(p, m), load_f32(p + VEC * LANES, m))  # [R, NBP, W, c]
+        j = tl.join(load_f32(p, m), load_f32(p + VEC, m))  # [R, NBP, VEC, c]
         xb = tl.reshape(tl.permute(j, (0, 1, 3, 2)), [R, NBP, BLOCK])
     elif CH == 4:
-        j = tl.join(tl.join(load_f32(p, m), load_f32(p + VEC * LANES, m)),
-                    tl.join(load_f32(p + 2 * VEC * LANES, m), load_f32(p + 3 * VEC * LANES, m)))  # [R, NBP, W, c & 1, c >> 1]
+        j = tl.join(tl.join(load_f32(p, m), load_f32(p + VEC, m)),
+                    tl.join(load_f32(p + 2 * VEC, m), load_f32(p + 3 * VEC, m)))  # [R, NBP, VEC, c & 1, c >> 1]
         xb = tl.reshape(tl.permute(j, (0, 1, 4, 3, 2)), [R, NBP, BLOCK])
     else:
-        j = tl.join(tl.join(tl.join(load_f32(p, m), load_f32(p + VEC * LANES, m)),
-                            tl.join(load_f32(p + 2 * VEC * LANES, m), load_f32(p + 3 * VEC * LANES, m))),
-                    tl.join(tl.join(load_f32(p + 4 * VEC * LANES, m), load_f32(p + 5 * VEC * LANES, m)),
-                            tl.join(load_f32(p + 6 * VEC * LANES, m), load_f32(p + 7 * VEC * LANES, m))))  # [.., W, c0, c1, c2]
+        j = tl.join(tl.join(tl.join(load_f32(p, m), load_f32(p + VEC, m)),
+                            tl.join(load_f32(p + 2 * VEC, m), load_f32(p + 3 * VEC, m))),
+                    tl.join(tl.join(load_f32(p + 4 * VEC, m), load_f32(p + 5 * VEC, m)),
+                            tl.join(load_f32(p + 6 * VEC, m), load_f32(p + 7 * VEC, m))))  # [.., VEC, c0, c1, c2]
         xb = tl.reshape(tl.permute(j, (0, 1, 5, 4, 3, 2)), [R, NBP, BLOCK])
     return xb
 
@@ -211,8 +204,6 @@ def _store_kernel(
     BLOCK_R: tl.constexpr,  # tokens per program
     FAST: tl.constexpr = True,  # 4-bit formats: the *_quantize_block_fast codecs (see FAST_CODECS)
     MUL_PACK: tl.constexpr = False,  # 4-bit formats with WORDS: kc.*_scale_block + kc.e2m1_words (see MUL_PACK)
-    LANES: tl.constexpr = 1,  # 4-bit formats: lanes per block, each load 16 bytes per lane (see LANES)
-    PAIR_SCALE: tl.constexpr = False,  # nvfp4 rcp with MUL_PACK: kc.nvfp4_scale_pairs (see PAIR_SCALE)
 ):
     # grid: (token tiles, heads); one program = BLOCK_R tokens of one head, no integer division per row
     tok = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -225,21 +216,12 @@ def _store_kernel(
         # whole blocks per thread (see load_blocks; a coalesced row tile with the block amax as a shuffle reduction
         # measured 72 % / 65 % of copy for mxfp4 / nvfp4 on the H200 against 82 % / 74 %: it repeats the per-block
         # scale work on every lane of a block)
-        xb = load_blocks(x_ptr, x_off, live, D, BLOCK, DP // BLOCK, VEC, LANES)  # [BLOCK_R, DP / BLOCK, BLOCK] fp32
+        xb = load_blocks(x_ptr, x_off, live, D, BLOCK, DP // BLOCK, VEC)  # [BLOCK_R, DP / BLOCK, BLOCK] fp32
         if MUL_PACK:  # (the launcher sets it only with WORDS)
             # sign, nibble mask and pack on the multiply pipe (kc.e2m1_words): fewer ALU-pipe ops per element
             if SCALE == SCALE_E8M0:
                 y, sbytes = kc.mxfp4_scale_block(xb, RULE)
                 words = kc.e2m1_words(tl.reshape(y, [BLOCK_R, DP]), BLOCK_R, DP, RULE == kc.RULE_FLOOR)
-            elif PAIR_SCALE:  # (the launcher sets it only for the rcp recipe and an even block count)
-                # per-block scale math once per lane of a pair (kc.nvfp4_scale_pairs) instead of on both lanes
-                # pairs (q, q + NB / 2): the top block-index bit is a register bit in these tiles (bit 0 is on a
-                # warp for 32 x 4 tiles: pairing 2q, 2q + 1 made Triton exchange through shared memory)
-                x5 = tl.permute(tl.reshape(xb, [BLOCK_R, 2, DP // 32, 2, 8]), (0, 2, 1, 3, 4))  # [R, q, b, h, 8]
-                y, sbytes = kc.nvfp4_scale_pairs(x5, g_dec, g_enc, NATIVE_FP8)
-                sbytes = tl.reshape(tl.permute(sbytes, (0, 2, 1)), [BLOCK_R, DP // BLOCK])
-                y = tl.reshape(tl.permute(y, (0, 2, 1, 3, 4)), [BLOCK_R, DP])
-                words = kc.e2m1_words(y, BLOCK_R, DP, True)
             else:
                 y, sbytes = kc.nvfp4_scale_block(xb, g_dec, g_enc, RECIPE, NATIVE_FP8)
                 words = kc.e2m1_words(tl.reshape(y, [BLOCK_R, DP]), BLOCK_R, DP, True)
@@ -329,14 +311,8 @@ def launch_config(dp: int, bits: int, config: tuple[int, int] | None = None, blo
     rows, warps = table.get(dp, (max(1, elements // dp), 4 if dp < 1024 else 8))
     if bits == 4 and block < 32:
         # nvfp4: the same 2 blocks per thread as mxfp4 (H200, 256M elements: 32 x 4 tiles 74 % of copy, 64 x 4 72 %)
-        # (SMALL_BLOCK_ROWS scales that: 2 = 64 x 4 tiles, the sweep's "x2" row for LANES 2 + PAIR_SCALE)
-        rows = max(1, rows * block * SMALL_BLOCK_ROWS // 32)
+        rows = max(1, rows * block // 32)
     return rows, warps
-
-
-# Rows-per-program multiplier for 16-element-block formats (nvfp4) over the mxfp4-matched tiles above (1 = 32 x 4 at
-# D = 128). `config=` overrides per call.
-SMALL_BLOCK_ROWS = 1
 
 
 # Block codec per scale element: the *_quantize_block_fast helpers (same bytes) or the originals. H200, bf16 [T, 1, 128]
@@ -354,18 +330,6 @@ FAST_CODECS = {"e4m3": True, "e8m0": False}
 # 76.0-76.6 / 81.6-82.8 / 82.7-84.0 (off: with 56 instead of 80
 # registers more warps queue on the L1, see the module docstring). `variant={"MUL_PACK": ...}` overrides.
 MUL_PACK = {"e4m3": True, "e8m0": False}
-# Lanes per block for 4-bit formats (load_blocks): 1 = one lane owns whole blocks (loaded as 16-byte chunks whose 32
-# lanes sit in 32 rows: each load instruction uses half of 32 sectors, the next one the other half: twice the L1
-# wavefronts of a coalesced load); 2 = adjacent lane pairs load 32 contiguous bytes of a block per instruction (whole
-# sectors; the block amax takes one SHFL.BFLY step and both lanes of the pair repeat the per-block scale math); 4 =
-# four lanes per mx block (two shuffle steps). Clamped to BLOCK // VEC (16 bytes per lane). sm_90 SASS counts in the
-# module docstring (round 3). Not yet timed on the H200 (bench/sweep_quant_variants.py). `variant={"LANES": ...}`.
-LANES = {"e4m3": 1, "e8m0": 1}
-# nvfp4 (rcp recipe, MUL_PACK encode, even block count): the per-block scale work split over the lane pair
-# (kc.nvfp4_scale_pairs: two shuffles, each lane one block of a pair) instead of repeated on both lanes with LANES 2.
-# Pairs are blocks (q, q + NB / 2): the top block-index bit sits in registers in these tiles (pairing 2q, 2q + 1, a
-# warp bit at 32 x 4, went through shared memory). sm_90 counts: module docstring. Not yet timed. `variant=` overrides.
-PAIR_SCALE = {"e4m3": False}
 # Kernel constexpr overrides for every launch (tests set {"FAST": ...} to run both codecs through the public store).
 DEFAULT_VARIANT: dict = {}
 
@@ -436,18 +400,13 @@ def launch_store(x3: torch.Tensor, slots: torch.Tensor | None, payload: torch.Te
     opts.update(DEFAULT_VARIANT)
     opts.update(variant or {})
     opts["MUL_PACK"] = bool(opts.get("MUL_PACK", MUL_PACK.get(fmt.scale_element, False))) and opts["WORDS"]
-    vec = 16 // x3.element_size()
-    lanes = int(opts.get("LANES", LANES.get(fmt.scale_element, 1))) if bits == 4 else 1
-    opts["LANES"] = max(1, min(next_pow2(lanes), (fmt.block or 1) // vec))
-    opts["PAIR_SCALE"] = (bool(opts.get("PAIR_SCALE", PAIR_SCALE.get(fmt.scale_element, False))) and opts["MUL_PACK"]
-                          and fmt.scale_element == "e4m3" and fmt.recipe == NvRecipe.RCP and dp % 32 == 0)
     block_r, num_warps = launch_config(dp, bits, config, fmt.block or 32)
     grid = (triton.cdiv(T, block_r), H)
     _store_kernel[grid](
         x3, slots if paged else payload, payload, scales if scales is not None else payload, T, H, 7,
         x3.stride(0), x3.stride(1), page_stride, head_stride, tensor_scale, g_dec, g_enc,
         PAGED=paged, PAGE=page_size, D=D, DP=dp, PB=pb, SB=fmt.scale_bytes(D),
-        **KernelFormat.of(fmt).constexprs(), NATIVE_FP8=native_fp8(x3.device), VEC=vec,
+        **KernelFormat.of(fmt).constexprs(), NATIVE_FP8=native_fp8(x3.device), VEC=16 // x3.element_size(),
         BLOCK_R=block_r, num_warps=num_warps, **opts)
 
 
