@@ -535,17 +535,8 @@ def mx_rceil_exponent(amax):
 
 @triton.jit
 def mxfp4_quantize_block_fast(x, RULE: tl.constexpr, low=7):
-    """mxfp4_quantize_block (same codes and bytes) with the rceil exponent from mx_rceil_exponent (no division) and the
-    zero-block byte from the exponent itself where the rule gives -127 for amax 0 (rceil)."""
-    amax = tl.max(tl.abs(x), axis=2)
-    zero = amax == 0.0
-    if RULE == RULE_RCEIL:
-        e = mx_rceil_exponent(amax)
-        scale = (e + 127).to(tl.uint8)  # amax 0 -> e = -127 -> byte 0
-    else:
-        e = mx_exponent(amax, RULE)
-        scale = tl.where(zero, 0, e + 127).to(tl.uint8)
-    y = x * exp2_int(-e)[:, :, None] + zero_add(zero)[:, :, None]
+    """mxfp4_quantize_block (same codes and bytes) through mxfp4_scale_block (division-free rceil exponent)."""
+    y, scale = mxfp4_scale_block(x, RULE)
     codes = e2m1_encode(y, RULE == RULE_FLOOR, low)
     return codes, scale
 
@@ -618,9 +609,10 @@ def e2m1_words(y, ROWS: tl.constexpr, COLS: tl.constexpr, SATURATE: tl.constexpr
 
 @triton.jit
 def mxfp4_scale_block(x, RULE: tl.constexpr):
-    """x: fp32 [R, NB, 32] -> (y fp32 [R, NB, 32], scale bytes uint8 [R, NB]): mxfp4_quantize_block_fast up to the
-    element encode (y = x * 2**-e + (+0 on all-zero blocks, else -0)); e2m1_encode(y, RULE == RULE_FLOOR) gives its
-    codes."""
+    """x: fp32 [R, NB, 32] -> (y fp32 [R, NB, 32], scale bytes uint8 [R, NB]): the mxfp4 block codec up to the element
+    encode, with the rceil exponent from mx_rceil_exponent (no division) and the zero-block byte from the exponent
+    itself where the rule gives -127 for amax 0 (rceil); y = x * 2**-e + (+0 on all-zero blocks, else -0), and
+    e2m1_encode(y, RULE == RULE_FLOOR) gives its codes."""
     amax = tl.max(tl.abs(x), axis=2)
     zero = amax == 0.0
     if RULE == RULE_RCEIL:
@@ -661,3 +653,18 @@ def nvfp4_scale_block(x, g_dec, g_enc, RECIPE: tl.constexpr, NATIVE: tl.constexp
             y = tl.math.div_rn(x, tl.broadcast_to(amax_6[:, :, None], x.shape))
         y = tl.where(zero[:, :, None], 0.0, y)
     return y, scale
+
+
+@triton.jit
+def fp4_scaled_words(xb, g_dec, g_enc, E8M0: tl.constexpr, RULE: tl.constexpr, RECIPE: tl.constexpr,
+                     NATIVE: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """xb: fp32 [ROWS, COLS / B, B] -> (payload words int32 [ROWS, COLS / 8], scale bytes uint8 [ROWS, COLS / B]):
+    one FP4 block codec on the multiply-pipe path: mxfp4 (E8M0: B = 32, RULE) or nvfp4 (B = 16, RECIPE, outer scale
+    g_dec / g_enc) block scales, then e2m1_words (saturating, except mxfp4 FLOOR whose codes cannot overflow)."""
+    if E8M0:
+        y, scale = mxfp4_scale_block(xb, RULE)
+        words = e2m1_words(tl.reshape(y, [ROWS, COLS]), ROWS, COLS, RULE == RULE_FLOOR)
+    else:
+        y, scale = nvfp4_scale_block(xb, g_dec, g_enc, RECIPE, NATIVE)
+        words = e2m1_words(tl.reshape(y, [ROWS, COLS]), ROWS, COLS, True)
+    return words, scale

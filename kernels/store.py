@@ -219,12 +219,8 @@ def _store_kernel(
         xb = load_blocks(x_ptr, x_off, live, D, BLOCK, DP // BLOCK, VEC)  # [BLOCK_R, DP / BLOCK, BLOCK] fp32
         if MUL_PACK:  # (the launcher sets it only with WORDS)
             # sign, nibble mask and pack on the multiply pipe (kc.e2m1_words): fewer ALU-pipe ops per element
-            if SCALE == SCALE_E8M0:
-                y, sbytes = kc.mxfp4_scale_block(xb, RULE)
-                words = kc.e2m1_words(tl.reshape(y, [BLOCK_R, DP]), BLOCK_R, DP, RULE == kc.RULE_FLOOR)
-            else:
-                y, sbytes = kc.nvfp4_scale_block(xb, g_dec, g_enc, RECIPE, NATIVE_FP8)
-                words = kc.e2m1_words(tl.reshape(y, [BLOCK_R, DP]), BLOCK_R, DP, True)
+            words, sbytes = kc.fp4_scaled_words(xb, g_dec, g_enc, SCALE == SCALE_E8M0, RULE, RECIPE, NATIVE_FP8,
+                                                BLOCK_R, DP)
             wcols = tl.arange(0, DP // 8)
             wrow = (payload_ptr + pay).to(tl.pointer_type(tl.int32))
             tl.store(wrow[:, None] + wcols[None, :], words, mask=row_mask(live, wcols, PB // 4, DP // 8))

@@ -207,28 +207,31 @@ def check_domain_round_trips(device: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------- block checks
-def check_blocks(device: str, n_rows: int, block_r: int) -> None:
-    x = block_rows(n_rows, device)
+def assert_block_codecs(x: torch.Tensor, run) -> None:
+    """run(block, rule=, recipe=, g_dec=, g_enc=) -> (payload, scale bytes) of a kernel's FP4 block codec on rows x:
+    the same bits as the torch codecs for every mxfp4 rule and every nvfp4 recipe with outer scale 1 and auto."""
     bad = []
     for rule in ScaleRule:
         q = get_format("mxfp4", scale_rule=rule).quantize(x)
-        payload, scales = run_block(x, 32, rule=int(rule), block_r=block_r)
+        payload, scales = run(32, rule=int(rule))
         if not (same_bits(payload, q.payload) and same_bits(scales, q.scales)):
             bad.append(f"mxfp4 {rule.name}: payload {first_diff(payload, q.payload)}; scales "
                        f"{first_diff(scales, q.scales)}")
     for recipe in NvRecipe:
         for outer in ("1", "auto"):
-            fmt = get_format("nvfp4", recipe=recipe, outer_scale=outer)
-            q = fmt.quantize(x)
+            q = get_format("nvfp4", recipe=recipe, outer_scale=outer).quantize(x)
+            assert outer == "1" or q.outer_scale != 1.0  # `auto` gives a non-trivial outer scale on these rows
             g_dec = torch.tensor(q.outer_scale, dtype=torch.float32)
-            if outer == "auto":
-                assert q.outer_scale != 1.0  # a non-trivial outer scale
-            payload, scales = run_block(x, 16, recipe=int(recipe), g_dec=float(g_dec), g_enc=float(1.0 / g_dec),
-                                        block_r=block_r)
+            payload, scales = run(16, recipe=int(recipe), g_dec=float(g_dec), g_enc=float(1.0 / g_dec))
             if not (same_bits(payload, q.payload) and same_bits(scales, q.scales)):
                 bad.append(f"nvfp4 {recipe.name} {outer}: payload {first_diff(payload, q.payload)}; scales "
                            f"{first_diff(scales, q.scales)}")
     assert not bad, "\n".join(bad)
+
+
+def check_blocks(device: str, n_rows: int, block_r: int) -> None:
+    x = block_rows(n_rows, device)
+    assert_block_codecs(x, lambda bs, **kw: run_block(x, bs, block_r=block_r, **kw))
 
 
 def check_pack(device: str, n_rows: int, block_r: int) -> None:
@@ -567,7 +570,6 @@ def check_fast_helpers(device: str, n: int) -> None:
 def check_fast_blocks(device: str, n_rows: int, block_r: int, native: bool = False) -> None:
     """The fast block quantizers == the torch codecs, every rule / recipe / outer scale (as check_blocks)."""
     x = block_rows(n_rows, device)
-    bad = []
 
     def run(bs, **kw):
         n, d = x.shape
@@ -578,21 +580,7 @@ def check_fast_blocks(device: str, n_rows: int, block_r: int, native: bool = Fal
                                                        RECIPE=kw.get("recipe", 0), NATIVE=native, BLOCK_R=block_r)
         return payload, scales
 
-    for rule in ScaleRule:
-        q = get_format("mxfp4", scale_rule=rule).quantize(x)
-        payload, scales = run(32, rule=int(rule))
-        if not (same_bits(payload, q.payload) and same_bits(scales, q.scales)):
-            bad.append(f"mxfp4 {rule.name}: payload {first_diff(payload, q.payload)}; scales "
-                       f"{first_diff(scales, q.scales)}")
-    for recipe in NvRecipe:
-        for outer in ("1", "auto"):
-            q = get_format("nvfp4", recipe=recipe, outer_scale=outer).quantize(x)
-            g_dec = torch.tensor(q.outer_scale, dtype=torch.float32)
-            payload, scales = run(16, recipe=int(recipe), g_dec=float(g_dec), g_enc=float(1.0 / g_dec))
-            if not (same_bits(payload, q.payload) and same_bits(scales, q.scales)):
-                bad.append(f"nvfp4 {recipe.name} {outer}: payload {first_diff(payload, q.payload)}; scales "
-                           f"{first_diff(scales, q.scales)}")
-    assert not bad, "\n".join(bad)
+    assert_block_codecs(x, run)
 
 
 def test_fast_helpers(device):
@@ -639,12 +627,7 @@ def _scaled_words_kernel(x_ptr, payload_ptr, scale_ptr, n_rows, g_dec, g_enc, D:
     cols = tl.arange(0, D)
     x = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=rmask, other=0.0)
     xb = tl.reshape(x, [BLOCK_R, D // BS, BS])
-    if BS == 32:
-        y, scale = kc.mxfp4_scale_block(xb, RULE)
-        words = kc.e2m1_words(tl.reshape(y, [BLOCK_R, D]), BLOCK_R, D, RULE == kc.RULE_FLOOR)
-    else:
-        y, scale = kc.nvfp4_scale_block(xb, g_dec, g_enc, RECIPE, NATIVE)
-        words = kc.e2m1_words(tl.reshape(y, [BLOCK_R, D]), BLOCK_R, D, True)
+    words, scale = kc.fp4_scaled_words(xb, g_dec, g_enc, BS == 32, RULE, RECIPE, NATIVE, BLOCK_R, D)
     w = tl.arange(0, D // 8)
     tl.store(payload_ptr + rows[:, None] * (D // 8) + w[None, :], words, mask=rmask)
     nb = tl.arange(0, D // BS)
@@ -670,7 +653,6 @@ def check_e2m1_words(device: str, n: int) -> None:
 def check_scaled_words(device: str, n_rows: int, block_r: int, native: bool = False) -> None:
     """*_scale_block + e2m1_words == the torch codecs' payload words and scale bytes, every rule / recipe / outer."""
     x = block_rows(n_rows, device)
-    bad = []
 
     def run(bs, **kw):
         n, d = x.shape
@@ -682,21 +664,7 @@ def check_scaled_words(device: str, n_rows: int, block_r: int, native: bool = Fa
                                                          BLOCK_R=block_r)
         return payload.view(torch.uint8), scales
 
-    for rule in ScaleRule:
-        q = get_format("mxfp4", scale_rule=rule).quantize(x)
-        payload, scales = run(32, rule=int(rule))
-        if not (same_bits(payload, q.payload) and same_bits(scales, q.scales)):
-            bad.append(f"mxfp4 {rule.name}: payload {first_diff(payload, q.payload)}; scales "
-                       f"{first_diff(scales, q.scales)}")
-    for recipe in NvRecipe:
-        for outer in ("1", "auto"):
-            q = get_format("nvfp4", recipe=recipe, outer_scale=outer).quantize(x)
-            g_dec = torch.tensor(q.outer_scale, dtype=torch.float32)
-            payload, scales = run(16, recipe=int(recipe), g_dec=float(g_dec), g_enc=float(1.0 / g_dec))
-            if not (same_bits(payload, q.payload) and same_bits(scales, q.scales)):
-                bad.append(f"nvfp4 {recipe.name} {outer}: payload {first_diff(payload, q.payload)}; scales "
-                           f"{first_diff(scales, q.scales)}")
-    assert not bad, "\n".join(bad)
+    assert_block_codecs(x, run)
 
 
 def test_e2m1_words(device):
