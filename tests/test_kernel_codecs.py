@@ -229,6 +229,19 @@ def assert_block_codecs(x: torch.Tensor, run) -> None:
     assert not bad, "\n".join(bad)
 
 
+def block_codec_runner(kernel, x: torch.Tensor, payload_dtype: torch.dtype, block_r: int, native: bool):
+    """A `run` for assert_block_codecs over a test kernel (x, payload, scales, n, g_dec, g_enc, D, BS, RULE, RECIPE,
+    NATIVE, BLOCK_R) that writes packed nibbles as bytes (uint8) or as words (int32)."""
+    def run(bs, rule=0, recipe=0, g_dec=1.0, g_enc=1.0):
+        n, d = x.shape
+        payload = torch.empty(n, d // 2 // payload_dtype.itemsize, dtype=payload_dtype, device=x.device)
+        scales = torch.empty(n, d // bs, dtype=torch.uint8, device=x.device)
+        kernel[(triton.cdiv(n, block_r),)](x, payload, scales, n, g_dec, g_enc, D=d, BS=bs, RULE=rule, RECIPE=recipe,
+                                           NATIVE=native, BLOCK_R=block_r)
+        return payload.view(torch.uint8), scales
+    return run
+
+
 def check_blocks(device: str, n_rows: int, block_r: int) -> None:
     x = block_rows(n_rows, device)
     assert_block_codecs(x, lambda bs, **kw: run_block(x, bs, block_r=block_r, **kw))
@@ -570,17 +583,7 @@ def check_fast_helpers(device: str, n: int) -> None:
 def check_fast_blocks(device: str, n_rows: int, block_r: int, native: bool = False) -> None:
     """The fast block quantizers == the torch codecs, every rule / recipe / outer scale (as check_blocks)."""
     x = block_rows(n_rows, device)
-
-    def run(bs, **kw):
-        n, d = x.shape
-        payload = torch.empty(n, d // 2, dtype=torch.uint8, device=x.device)
-        scales = torch.empty(n, d // bs, dtype=torch.uint8, device=x.device)
-        _fast_block_kernel[(triton.cdiv(n, block_r),)](x, payload, scales, n, kw.get("g_dec", 1.0),
-                                                       kw.get("g_enc", 1.0), D=d, BS=bs, RULE=kw.get("rule", 0),
-                                                       RECIPE=kw.get("recipe", 0), NATIVE=native, BLOCK_R=block_r)
-        return payload, scales
-
-    assert_block_codecs(x, run)
+    assert_block_codecs(x, block_codec_runner(_fast_block_kernel, x, torch.uint8, block_r, native))
 
 
 def test_fast_helpers(device):
@@ -653,18 +656,7 @@ def check_e2m1_words(device: str, n: int) -> None:
 def check_scaled_words(device: str, n_rows: int, block_r: int, native: bool = False) -> None:
     """*_scale_block + e2m1_words == the torch codecs' payload words and scale bytes, every rule / recipe / outer."""
     x = block_rows(n_rows, device)
-
-    def run(bs, **kw):
-        n, d = x.shape
-        payload = torch.empty(n, d // 8, dtype=torch.int32, device=x.device)
-        scales = torch.empty(n, d // bs, dtype=torch.uint8, device=x.device)
-        _scaled_words_kernel[(triton.cdiv(n, block_r),)](x, payload, scales, n, kw.get("g_dec", 1.0),
-                                                         kw.get("g_enc", 1.0), D=d, BS=bs, RULE=kw.get("rule", 0),
-                                                         RECIPE=kw.get("recipe", 0), NATIVE=native,
-                                                         BLOCK_R=block_r)
-        return payload.view(torch.uint8), scales
-
-    assert_block_codecs(x, run)
+    assert_block_codecs(x, block_codec_runner(_scaled_words_kernel, x, torch.int32, block_r, native))
 
 
 def test_e2m1_words(device):
