@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-call GPU batches for the H200 (device tool): `bash bench/gpu_run.sh tests|bench-quant|bench-attn|bench-index|...`.
+# One-call GPU batches for the H200 (device tool): `bash bench/gpu_run.sh tests-store|bench-quant|...|profile`.
 # Logs and JSON reports go to $OUT (or bench/out when run elsewhere).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +18,16 @@ for stage in "$@"; do
     bench-attn-sweep) python3 -m kvtool bench attn --device cuda --sweep > "$OUT/bench_attn_sweep.txt" 2>&1; tail -80 "$OUT/bench_attn_sweep.txt" ;;
     bench-index) python3 -m kvtool bench index --device cuda > "$OUT/bench_index.txt" 2>&1; tail -60 "$OUT/bench_index.txt" ;;
     bench-decode) python3 -m kvtool bench decode --device cuda > "$OUT/bench_decode.txt" 2>&1; tail -40 "$OUT/bench_decode.txt" ;;
+    profile)  # Nsight Compute on the default kernels at the goal shapes (bench/profile_kernels.py), one report each
+      NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+      for case in "store nvfp4" "store mxfp4" "index nvfp4" "attn nvfp4" "attn fp8"; do
+        read -r kern fmt <<< "$case"
+        timeout 120 "$NCU" --nvtx --nvtx-include "profile/" --section SpeedOfLight --section Occupancy \
+          --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section WarpStateStats \
+          python3 bench/profile_kernels.py "$kern" "$fmt" > "$OUT/ncu_${kern}_$fmt.txt" 2>&1
+        echo "== $case"; grep -E "^  [a-z_]|Duration|Throughput|Issue Slots|Achieved Occupancy|Registers|Stall" \
+          "$OUT/ncu_${kern}_$fmt.txt" | head -30
+      done ;;
     *) echo "unknown stage $stage" ;;
   esac
   echo "=== $stage done rc=$? $(date -u +%H:%M:%S)"
