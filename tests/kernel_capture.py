@@ -28,8 +28,10 @@ import importlib.util
 import inspect
 import json
 import os
+import queue
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -280,11 +282,16 @@ def switches(launch: Launch) -> dict:
 
 
 def _one_line(exc: BaseException) -> str:
-    """The compiler's message in one line: the last non-empty line that names an error, else the exception."""
-    text = f"{type(exc).__name__}: {exc}"
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    err = [ln for ln in lines if "error" in ln.lower()]
-    return (err[0] if err else lines[0] if lines else type(exc).__name__)[:400]
+    """The compiler's message in one line: a Triton CompilationError's location and last line (the error under the
+    source excerpt), else the first line that names an error (ptxas / LLVM), else the first line."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    if not lines:
+        return type(exc).__name__
+    if type(exc).__name__ == "CompilationError":
+        msg = f"{lines[0]} {lines[-1]}"
+    else:
+        msg = next((ln for ln in lines if "error" in ln.lower()), lines[0])
+    return f"{type(exc).__name__}: {msg}"[:400]
 
 
 # ---------------------------------------------------------------------------------------------- the worker process
@@ -293,22 +300,41 @@ class Worker:
     thunk factory). `submit` queues requests (the child works through them in order while the caller waits on
     others), `result` waits for one."""
 
-    def __init__(self, table_path: str):
+    def __init__(self, table_path: str, timeout_s: float = 300.0):
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.dirname(os.path.abspath(__file__)),
                                              env.get("PYTHONPATH", "")])
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), table_path], cwd=ROOT, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        self.timeout_s = timeout_s
         self.results: dict = {}
+        self.submitted: set = set()
+        self._lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)  # the worker exited
 
     def submit(self, case: str, target: str) -> None:
+        self.submitted.add((case, target))
         self.proc.stdin.write(json.dumps({"case": case, "target": target}) + "\n")
         self.proc.stdin.flush()
 
     def result(self, case: str, target: str) -> dict:
+        """The worker's answer for (case, target) (submitted now if it was not): waits at most timeout_s for each
+        answer still due."""
+        if (case, target) not in self.submitted:
+            self.submit(case, target)
         while (case, target) not in self.results:
-            line = self.proc.stdout.readline()
-            if not line:
+            try:
+                line = self._lines.get(timeout=self.timeout_s)
+            except queue.Empty:
+                raise TimeoutError(f"compile worker gave no answer in {self.timeout_s:.0f} s "
+                                   f"(waiting for {case} / {target})") from None
+            if line is None:
+                self._lines.put(None)
                 raise RuntimeError(f"compile worker exited (code {self.proc.poll()}) before {case} / {target}")
             r = json.loads(line)
             self.results[(r["case"], r["target"])] = r
@@ -316,11 +342,15 @@ class Worker:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            self.proc.stdin.close()
             try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
+                self.proc.stdin.close()
+            except BrokenPipeError:
+                pass
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:  # still compiling requests nobody waits for any more
                 self.proc.kill()
+                self.proc.wait()
 
 
 def _serve(table_path: str) -> None:

@@ -125,15 +125,15 @@ def _attn_inputs(name, rows: int, context: int = 16384):
     return q, k, v, table, ids
 
 
-def _attn_decode(name, batch: int):
+def _attn_decode(name, batch: int, **options):
     """Default launch plan on the target: batch 64 fills the GPU with splits (+ the combine kernel), batch 544 with
-    one split; batch 4 (too few tiles) runs 4-warp programs with splits."""
+    one split; batch 4 (too few tiles) runs 4-warp programs with splits. `options`: sparse_decode keywords."""
     def make():
         from kvtool.kernels import sparse_attn as SA
 
         q, k, v, table, ids = _attn_inputs(name, batch)
         ctx = torch.full((batch,), 16384, dtype=torch.int32)
-        return lambda: SA.sparse_decode(q, k, v, table, ctx, ids, ATTN["block"])
+        return lambda: SA.sparse_decode(q, k, v, table, ctx, ids, ATTN["block"], **options)
     return make
 
 
@@ -167,6 +167,10 @@ for _f in SCORE_FORMATS:
 # the topk.py kernels no default launch uses: the in-kernel top-k's merge, the split select's packed merge
 CASES["index-decode-topk-inkernel/nvfp4"] = _index_decode("nvfp4", "decode_topk", in_kernel_topk=True)
 CASES["index-decode-topk-split256/nvfp4"] = _index_decode("nvfp4", "decode_topk", select="split256")
+# attention's portable (integer) e4m3 decode, which its default launch skips on both targets (see NATIVE_FP8 below)
+PORTABLE_FP8 = ("attn-decode-splits-portable/fp8", "attn-decode-splits-portable/nvfp4")
+for _case in PORTABLE_FP8:
+    CASES[_case] = _attn_decode(_case.split("/")[1], 64, native_fp8=False)
 
 # what each group must launch (by kernel object name), checked on every target
 EXPECT = {
@@ -176,6 +180,7 @@ EXPECT = {
     "index-decode-blocks": {"index_score._tuned_kernel"},
     "index-prefill-topk": {"index_score._tuned_kernel", "topk._select_kernel"},
     "attn-decode-splits": {"sparse_attn._sparse_attn_kernel", "sparse_attn._combine_kernel"},
+    "attn-decode-splits-portable": {"sparse_attn._sparse_attn_kernel", "sparse_attn._combine_kernel"},
     "attn-decode-nosplit": {"sparse_attn._sparse_attn_kernel"},
     "attn-decode-small": {"sparse_attn._sparse_attn_kernel", "sparse_attn._combine_kernel"},
     "attn-prefill": {"sparse_attn._sparse_attn_kernel"},
@@ -190,14 +195,18 @@ EXPECT = {
 NATIVE_FP8 = {"cuda:90": {"store": True, "dequant": True, "index_score": True, "sparse_attn": True},
               "hip:gfx950": {"store": False, "dequant": False, "index_score": False, "sparse_attn": True}}
 
+# what each group must not launch: the one-split attention launches have no combine pass
+ABSENT = {"attn-decode-nosplit": {"sparse_attn._combine_kernel"}, "attn-prefill": {"sparse_attn._combine_kernel"}}
+
 
 @pytest.fixture(scope="module")
-def workers():
-    """One compile worker per target, each sent every request at once (they compile while the tests wait)."""
+def workers(request):
+    """One compile worker per target, each sent every selected request at once (they compile while tests wait)."""
     ws = {t: kernel_capture.Worker(os.path.abspath(__file__)) for t in kernel_capture.TARGETS}
-    for t, w in ws.items():
-        for case in CASES:
-            w.submit(case, t)
+    for item in request.session.items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if item.module is request.module and "case" in params:
+            ws[params["target"]].submit(params["case"], params["target"])
     yield ws
     for w in ws.values():
         w.close()
@@ -219,12 +228,15 @@ def test_default_launch_compiles(workers, target, case):
     group = case.split("/")[0]
     missing = EXPECT[group] - set(r["launches"])
     assert not missing, f"{case}: expected launches {sorted(missing)} not captured (got {r['launches']})"
+    extra = ABSENT.get(group, set()) & set(r["launches"])
+    assert not extra, f"{case}: unexpected launches {sorted(extra)}"
     for c in r["compiled"]:
         assert c["binary_bytes"] > 0, f"{case}: {c['name']} [{c['variant']}] compiled to an empty binary"
     for sw in r["switches"]:
         module = sw["name"].split(".")[0]
         if sw["native_fp8"] is not None:
-            assert sw["native_fp8"] == NATIVE_FP8[target][module], f"{case}: {sw}"
+            want = False if case in PORTABLE_FP8 else NATIVE_FP8[target][module]
+            assert sw["native_fp8"] == want, f"{case}: {sw}"
         assert not sw["fp32_dots"], f"{case}: the interpreter's fp32 dots in a compiled launch: {sw}"
         # sparse attention caps registers at 128 for fp16-dot (quantized) 4-warp programs, on CUDA only
         capped = target == "cuda:90" and sw["name"] == "sparse_attn._sparse_attn_kernel" \
