@@ -28,6 +28,7 @@ import importlib.util
 import inspect
 import json
 import os
+import pkgutil
 import queue
 import subprocess
 import sys
@@ -39,8 +40,6 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KERNEL_MODULES = ("codecs", "attn_tiles", "index_tiles", "index_blocks", "store", "dequant", "quant", "topk",
-                  "index_score", "sparse_attn")
 
 
 @dataclass(frozen=True)
@@ -175,7 +174,11 @@ class _Patches:
 
 
 def kernel_modules() -> dict:
-    return {m: importlib.import_module(f"kvtool.kernels.{m}") for m in KERNEL_MODULES}
+    """Every module of kvtool.kernels by short name (a new kernel module is spied on without a change here)."""
+    import kvtool.kernels
+
+    names = sorted(m.name for m in pkgutil.iter_modules(kvtool.kernels.__path__))
+    return {m: importlib.import_module(f"kvtool.kernels.{m}") for m in names}
 
 
 def capture(thunk: Callable[[], Any], target: Target) -> list[Launch]:
