@@ -20,7 +20,7 @@ quantized format (bf16 for bf16), in element order:
   to the score column for K and to the probability column for V); the remaining 2**(e - e_tok) is exact in fp16
   while a token's blocks lie within 2**9 of each other (see `tiles.decode`).
 - E4M3 (fp8): `e4m3_decode` by bits (portable, tested), or the hardware fp8 conversion behind `native_fp8`
-  (CUDA capability >= 8.9 only); E4M3 values are exact in fp16. Per-token fp32 scales multiply score columns (K)
+  (`store.native_fp8`: CUDA capability >= 8.9 only, not ROCm); E4M3 values are exact in fp16. Per-token fp32 scales multiply score columns (K)
   and probability columns (V, over the tile's largest so that P stays within fp16's range).
 - Whole-tensor scalars (fp8 `tensor` scale, nvfp4 outer scale g_dec) fold into the softmax scale (K) and the final
   normalization (V): one multiply per row instead of one per element.
@@ -90,6 +90,7 @@ from kvtool.errors import KernelArgumentError
 from kvtool.kernels import attn_tiles as tiles
 from kvtool.kernels import codecs as kc
 from kvtool.kernels.attn_tiles import SCALE_E8M0, SCALE_ROW
+from kvtool.kernels.store import native_fp8 as store_native_fp8
 from kvtool.paged import PagedCache
 
 
@@ -423,7 +424,7 @@ def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_
     fmt = k_cache.fmt
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     if native_fp8 is None:
-        native_fp8 = q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) >= (8, 9)
+        native_fp8 = store_native_fp8(q.device)  # the store's rule: CUDA (not ROCm) capability >= 8.9, compiled
     f16 = uses_fp16_dots(fmt)
     e2m1 = fmt.element is not None and fmt.element.name == "e2m1"
     t, splits, tiles_per_split, warps = launch_plan(rows, hkv, topk, block_size, k_cache.page_size, q.device,

@@ -4,10 +4,11 @@
 object of `kvtool.kernels` (JIT functions and autotuners) replaced by a spy that records the launch (kernel, args,
 kwargs, grid) instead of running it, and with the launchers' device switches set as on `target`:
 - the INTERPRET constants read at import (store, dequant, index scorer) are set False;
-- `native_fp8` (store, dequant, index scorer) and the index scorer's SM count run their own rule on a fake CUDA
-  device of the target (`_FakeTorch`: torch.version.cuda / hip, capability, SM count);
-- sparse attention reads the device inline in `_launch` (`q.device.type == "cuda"`), which CPU tensors cannot fake:
-  `launch_plan` gets the target's SM count, and `_launch`'s two device rules are applied here (`_SparseAttnRules`).
+- `native_fp8` (store, dequant, index scorer, and sparse attention's `store_native_fp8`) and the index scorer's SM
+  count run their own rule on a fake CUDA device of the target (`_FakeTorch`: torch.version.cuda / hip, capability,
+  SM count);
+- sparse attention reads the device inline in `_launch` for its register cap, which CPU tensors cannot fake:
+  `launch_plan` gets the target's SM count, and `_launch`'s maxnreg rule is applied here (`_SparseAttnRules`).
 `compile_launch(launch, target)` lets Triton's own binder specialize the recorded arguments for the target's backend
 (signature, constexprs, 16-byte divisibility attributes: what a real launch compiles) and compiles each variant
 (every autotune config of an autotuned launch) with `triton.compile(ASTSource(...))`: a cubin for cuda:90, an hsaco
@@ -131,10 +132,9 @@ class _Spy:
 
 
 class _SparseAttnRules:
-    """Sparse attention's device rules that read `q.device` inline in `_launch` (kernels/sparse_attn.py): NATIVE_FP8
-    defaults to `capability >= (8, 9)` on any 'cuda' device (ROCm included: no torch.version.cuda check there), and
-    `maxnreg` (default 128 for fp16-dot formats with 4 warps, else 0) is passed only where torch.version.cuda is set.
-    The wrapper fills the first; `finish` adds the second to the recorded attention launch."""
+    """Sparse attention's device rule that reads `q.device` inline in `_launch` (kernels/sparse_attn.py): `maxnreg`
+    (default 128 for fp16-dot formats with 4 warps, else 0) is passed only where torch.version.cuda is set. The
+    wrapper records what each call asked for; `finish` adds the rule's result to the recorded attention launch."""
 
     def __init__(self, sa, target: Target):
         self.real, self.target = sa._launch, target
@@ -143,8 +143,6 @@ class _SparseAttnRules:
 
     def __call__(self, *args, **kwargs):
         bound = self.sig.bind(*args, **kwargs)
-        if bound.arguments["native_fp8"] is None:
-            bound.arguments["native_fp8"] = self.target.capability >= (8, 9)
         self.maxnreg.append(bound.arguments["maxnreg"])
         return self.real(*bound.args, **bound.kwargs)
 
@@ -206,8 +204,9 @@ def capture(thunk: Callable[[], Any], target: Target) -> list[Launch]:
         st, isc, sa = mods["store"], mods["index_score"], mods["sparse_attn"]
         rule = st.native_fp8.__wrapped__  # the lru_cache'd rule itself (its cache holds CPU answers)
         p.setattr(st, "torch", fake)  # the rule reads torch.version / torch.cuda from the store module
-        for mod in (st, mods["dequant"], isc):
+        for mod in (st, mods["dequant"], isc):  # sparse_attn binds it as store_native_fp8
             p.setattr(mod, "native_fp8", lambda device: rule(cuda0))
+        p.setattr(sa, "store_native_fp8", lambda device: rule(cuda0))
         real_sms = isc._num_sms
         p.setattr(isc, "torch", fake)
         p.setattr(isc, "_num_sms", lambda device: real_sms(cuda0))
