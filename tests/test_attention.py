@@ -266,3 +266,13 @@ def test_bench_attn_plumbing_on_cpu():
     got = eager_sparse_decode(step.q, step.k[0], step.v[0], step.table, step.ctx, step.ids[0], 128)
     want = paged_sparse_decode_ref(step.q, step.k[0], step.v[0], step.table, step.ctx, step.ids[0], 128)
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
+    # the fixed-cost probes of the sweep: the first k selected blocks kept, the rest -1; k = 0 moves only q, ids, out
+    io = 2 * 2 * 16 * 128 * 2 + 2 * 16 * 4 + 2 * 4
+    empty = step.probe_ids(0)
+    assert (empty[0] == -1).all() and step.selection_bytes(empty) == io
+    one = step.probe_ids(1)
+    assert torch.equal(one[0][..., 0], step.ids[0][..., 0]) and (one[0][..., 1:] == -1).all()
+    assert io < step.selection_bytes(one) <= io + 2 * 2 * 128 * 2 * 68
+    assert step.selection_bytes(step.ids) == step.bytes
+    out = eager_sparse_decode(step.q, step.k[0], step.v[0], step.table, step.ctx, empty[0], 128)
+    assert not out.float().any()  # nothing visible: zeros

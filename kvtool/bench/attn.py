@@ -47,6 +47,10 @@ SWEEP = (
     ("tile=32 maxnreg=128 splits=4", {"tile_tokens": 32, "num_warps": 2, "maxnreg": 128, "num_splits": 4}),
 )
 
+# Probes of the fixed cost per layer (sweep only): the default launch with only the first k selected blocks of every
+# row left (k = 0: nothing is loaded; the time is launch, lookups, partial stores and the combine pass).
+PROBE_KEEP = (0, 1, 4)
+
 
 class _Step:
     """One batch's inputs for `layers` layers of one format: caches, selections, q; plus its byte count."""
@@ -75,20 +79,35 @@ class _Step:
             ids = random_block_selection(pos, bs, geo["topk"], hkv, gen).transpose(0, 1).contiguous()
             self.ids.append(ids.to(device))
         self.q = torch.randn(batch, geo["num_q_heads"], d, generator=gen).to(torch.bfloat16).to(device)
-        visible = 0
-        for ids in self.ids:
-            tok0 = ids.long().cpu()[..., None] * bs + torch.arange(bs)
-            visible += int(((ids.cpu()[..., None] >= 0) & (tok0 < context)).sum())
-        self.kv_bytes = visible * self.fmt.bytes_per_token(d) * 2
-        io = 2 * self.q.numel() * 2 + self.ids[0].numel() * 4 + batch * 4
-        self.bytes = self.kv_bytes + layers * io
+        self.context = context
+        self.bytes = self.selection_bytes(self.ids)
 
-    def kernel(self, **options) -> Callable[[], object]:
+    def selection_bytes(self, ids_per_layer: list[torch.Tensor]) -> int:
+        """Bytes one pass over the layers must move: the selected, visible K and V tokens once, q, ids and output."""
+        bs, d = GEOMETRY["block_size"], GEOMETRY["head_dim"]
+        visible = 0
+        for ids in ids_per_layer:
+            tok0 = ids.long().cpu()[..., None] * bs + torch.arange(bs)
+            visible += int(((ids.cpu()[..., None] >= 0) & (tok0 < self.context)).sum())
+        io = 2 * self.q.numel() * 2 + ids_per_layer[0].numel() * 4 + self.batch * 4
+        return visible * self.fmt.bytes_per_token(d) * 2 + len(ids_per_layer) * io
+
+    def probe_ids(self, keep: int) -> list[torch.Tensor]:
+        """The selections with only the first `keep` selected blocks of every (row, KV head) left (the rest -1)."""
+        out = []
+        for ids in self.ids:
+            cut = ids.clone()
+            cut[..., keep:] = -1
+            out.append(cut)
+        return out
+
+    def kernel(self, ids_per_layer: list[torch.Tensor] | None = None, **options) -> Callable[[], object]:
         from kvtool.kernels.sparse_attn import sparse_decode
 
         bs = GEOMETRY["block_size"]
+        ids_per_layer = self.ids if ids_per_layer is None else ids_per_layer
         return lambda: [sparse_decode(self.q, k, v, self.table, self.ctx, ids, bs, **options)
-                        for k, v, ids in zip(self.k, self.v, self.ids)]
+                        for k, v, ids in zip(self.k, self.v, ids_per_layer)]
 
     def eager(self) -> Callable[[], object]:
         return lambda: [eager_sparse_decode(self.q, k, v, self.table, self.ctx, ids, GEOMETRY["block_size"])
@@ -186,6 +205,12 @@ def run_attn_bench(batches=DEFAULT_BATCHES, formats=DEFAULT_FORMATS, context: in
                         continue
                     cases.append(BenchCase(f"triton {label} {vname}", step.kernel(**options), step.bytes, group,
                                            f"{how} x {layers} layers", cuda_graph=device.startswith("cuda")))
+                for keep in PROBE_KEEP if sweep else ():
+                    ids = step.probe_ids(keep)
+                    cases.append(BenchCase(f"triton {label} probe: {keep} of {GEOMETRY['topk']} blocks",
+                                           step.kernel(ids), step.selection_bytes(ids), group,
+                                           f"{how} x {layers} layers; default launch",
+                                           cuda_graph=device.startswith("cuda")))
             if peers:
                 cases.append(BenchCase(f"torch eager {label}", step.eager(), step.bytes, group,
                                        f"eager x {layers} layers"))

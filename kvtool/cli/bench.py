@@ -63,7 +63,8 @@ def bench_attn(
     = "bf16,fp8,fp8-token,nvfp4,mxfp4",
     context: Annotated[int, typer.Option("--context", help="Tokens per request (16 of its blocks are read).")] = 8000,
     peers: Annotated[bool, typer.Option("--peers/--no-peers", help="Also time torch eager and SDPA.")] = True,
-    sweep: Annotated[bool, typer.Option("--sweep", help="Also time launch variants (splits, tile, warps).")] = False,
+    sweep: Annotated[bool, typer.Option("--sweep", help="Also time launch variants (splits, tile, warps) and "
+                                        "fixed-cost probes (0 / 1 / 4 of the 16 blocks).")] = False,
     device: DeviceOpt = "cuda",
     as_json: JsonOpt = False,
 ) -> None:
