@@ -1,18 +1,47 @@
 #!/usr/bin/env bash
 # One-call GPU batches for the H200 (device tool): `bash bench/gpu_run.sh tests-store|bench-quant|...|profile`.
-# Logs and JSON reports go to $OUT (or bench/out when run elsewhere).
+# Logs and JSON reports go to $OUT (or bench/out when run elsewhere). The tests-* stages run only the GPU-marked tests
+# (the rest runs in CI), sharded over parallel processes (SHARDS, SHARD_TIMEOUT).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT="${OUT:-bench/out}"; mkdir -p "$OUT"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+
+# sharded NAME PYTEST_ARGS...: the selected tests in $SHARDS parallel pytest processes (one GPU; the compiles run on
+# the host's cores at once), each under $SHARD_TIMEOUT seconds; one log, a summary line per shard, the failures.
+# A shard that hits its limit prints no summary: its unreached test ids are listed in $OUT/NAME.unreached.
+sharded() {
+  local name=$1; shift
+  local dir; dir=$(mktemp -d)
+  python3 -m pytest --collect-only -q -p no:cacheprovider "$@" | grep '::' > "$dir/ids"
+  echo "$name: $(wc -l < "$dir/ids") tests in ${SHARDS:-10} shards"
+  [ -s "$dir/ids" ] || { echo "$name: no tests collected"; return; }  # pytest without ids would run everything
+  split -n "r/${SHARDS:-10}" "$dir/ids" "$dir/shard_"
+  for f in "$dir"/shard_*; do
+    [ -s "$f" ] || { rm -f "$f"; continue; }
+    timeout "${SHARD_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider -rf $(cat "$f") > "$f.log" 2>&1 &
+  done
+  wait
+  : > "$OUT/$name.unreached"
+  for f in "$dir"/shard_??; do
+    echo "== $(basename "$f")"; cat "$f" "$f.log"
+    if ! tail -1 "$f.log" | grep -qE "passed|failed|error"; then
+      done_n=$(grep -oE "^[.sFEx]+" "$f.log" | tr -d '\n' | wc -c)
+      tail -n +"$((done_n + 1))" "$f" >> "$OUT/$name.unreached"
+    fi
+  done > "$OUT/$name.log"
+  for f in "$dir"/shard_??; do echo "$(basename "$f"): $(tail -1 "$f.log" | cut -c1-100)"; done
+  grep -h "^FAILED\|^ERROR" "$dir"/shard_*.log | head -20
+  echo "$name: $(wc -l < "$OUT/$name.unreached") tests not reached (listed in $OUT/$name.unreached)"
+}
 for stage in "$@"; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case "$stage" in
-    tests-store) timeout "${STAGE_TIMEOUT:-590}" python3 -m pytest -q -p no:cacheprovider tests/test_kernels_store.py tests/test_kernel_codecs.py tests/test_formats.py > "$OUT/tests_store.log" 2>&1; tail -5 "$OUT/tests_store.log" ;;
-    tests-attn) timeout "${STAGE_TIMEOUT:-590}" python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attn.py tests/test_attention.py > "$OUT/tests_attn.log" 2>&1; tail -5 "$OUT/tests_attn.log" ;;
-    tests-index) timeout "${STAGE_TIMEOUT:-590}" python3 -m pytest -q -p no:cacheprovider tests/test_kernels_index.py tests/test_indexer.py > "$OUT/tests_index.log" 2>&1; tail -5 "$OUT/tests_index.log" ;;
-    tests-rest) timeout "${STAGE_TIMEOUT:-590}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_container.py tests/test_decode.py tests/test_models.py > "$OUT/tests_rest.log" 2>&1; tail -5 "$OUT/tests_rest.log" ;;
+    tests-store) sharded tests_store -m gpu tests/test_kernels_store.py tests/test_kernel_codecs.py tests/test_formats.py ;;
+    tests-attn) sharded tests_attn -m gpu tests/test_kernels_attn.py tests/test_attention.py ;;
+    tests-index) sharded tests_index -m gpu tests/test_kernels_index.py tests/test_indexer.py ;;
+    tests-rest) sharded tests_rest -m gpu tests/test_container.py tests/test_decode.py tests/test_models.py ;;
     bench-quant) python3 -m kvtool bench quant --device cuda --sizes 64M,256M,1G --formats nvfp4,mxfp4,mxfp4-floor,fp8,fp8-token > "$OUT/bench_quant.txt" 2>&1; tail -60 "$OUT/bench_quant.txt" ;;
     bench-attn) python3 -m kvtool bench attn --device cuda > "$OUT/bench_attn.txt" 2>&1; tail -60 "$OUT/bench_attn.txt" ;;
     bench-attn-sweep) python3 -m kvtool bench attn --device cuda --sweep > "$OUT/bench_attn_sweep.txt" 2>&1; tail -80 "$OUT/bench_attn_sweep.txt" ;;
