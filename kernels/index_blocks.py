@@ -179,3 +179,80 @@ def tile_step(j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, po
                               LOCAL, MODE, WP, LEAN)
         bmax = tl.full(bmax.shape, float("-inf"), tl.float32)
     return payload, scales, pg, pg_next, bmax, state
+
+
+@triton.jit
+def pair_step(j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, pos, valid, bt_row, data_ptr,
+               qa, qb, qc, qd, colscale, out_ptr, out_row, row_ok, n_out, num_pages, page_bytes,
+               D: tl.constexpr, PAGE: tl.constexpr, PB: tl.constexpr, SB: tl.constexpr,
+               PAYLOAD_BITS: tl.constexpr, SCALE_KIND: tl.constexpr, SCALE_BLOCK: tl.constexpr, BS: tl.constexpr,
+               TILE_T: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, MODE: tl.constexpr,
+               NATIVE_FP8: tl.constexpr, PREFETCH: tl.constexpr, ONE_POS: tl.constexpr, FP4_WORDS: tl.constexpr,
+               POST_SCALE: tl.constexpr, NSBP: tl.constexpr, DOT_F32: tl.constexpr, WP: tl.constexpr,
+               LEAN: tl.constexpr):
+    """Tiles j and j + 1 of the program (PAIR launches: the loop runs n_tiles // 2 of these, then one `tile_step`
+    if n_tiles is odd), so that the loop's per-iteration bookkeeping (counter, pipeline stage indices, barriers of
+    the cp.async ring) is paid once per two tiles. Where each tile is one block (TPB = 1) of a LEAN block-score
+    launch without PREFETCH, both blocks are scored here and their maxima written by ONE store of the two blocks'
+    adjacent outputs ([WP, MP, 2] or [MP, 2]), which halves the store's shared-memory round trip (the compiler
+    converts the reduction's layout to a coalesced one through shared memory, one barrier per store) and takes one
+    mask branch for both tiles. Otherwise two `tile_step` calls. Same numbers as two `tile_step` calls, bit for bit."""
+    TPB: tl.constexpr = BS // TILE_T
+    if TPB == 1 and LEAN and MODE == MODE_BLOCKS and not PREFETCH:
+        t0 = blk0 * BS + j * TILE_T
+        t = t0 + tl.arange(0, TILE_T)
+        pg_a = tiles.page_of(bt_row, t0, t_lim, num_pages, PAGE)
+        pg_b = tiles.page_of(bt_row, t0 + TILE_T, t_lim, num_pages, PAGE)
+        pay_a, sc_a = tiles.fetch(data_ptr, pg_a, t0, t_lim, page_bytes, D, TILE_T, PAGE, PB, SB, PAYLOAD_BITS,
+                                  SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE, LEAN)
+        pay_b, sc_b = tiles.fetch(data_ptr, pg_b, t0 + TILE_T, t_lim, page_bytes, D, TILE_T, PAGE, PB, SB,
+                                  PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE, LEAN)
+        acc_a = tiles.tile_dot(pay_a, sc_a, qa, qb, qc, qd, D, TILE_T, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK,
+                               NATIVE_FP8, FP4_WORDS, POST_SCALE, NSBP, DOT_F32)
+        acc_b = tiles.tile_dot(pay_b, sc_b, qa, qb, qc, qd, D, TILE_T, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK,
+                               NATIVE_FP8, FP4_WORDS, POST_SCALE, NSBP, DOT_F32)
+        if ONE_POS:
+            keep_a = ((t < t_lim) & (pg_a >= 0))[:, None]
+            keep_b = ((t + TILE_T < t_lim) & (pg_b >= 0))[:, None]
+            if (t0 + 2 * TILE_T <= t_lim) & (pg_a >= 0) & (pg_b >= 0):  # both tiles whole: the common case
+                s_a = acc_a
+                s_b = acc_b
+            else:
+                s_a = tl.where(keep_a, acc_a, float("-inf"))
+                s_b = tl.where(keep_b, acc_b, float("-inf"))
+        else:
+            keep_a = ((t < t_lim) & (pg_a >= 0))[:, None] & (t[:, None] <= pos[None, :])
+            keep_b = ((t + TILE_T < t_lim) & (pg_b >= 0))[:, None] & ((t + TILE_T)[:, None] <= pos[None, :])
+            s_a = tl.where(keep_a, acc_a, float("-inf"))
+            s_b = tl.where(keep_b, acc_b, float("-inf"))
+        if WP > 1:
+            m_a = part_nanmax(s_a, WP, DOT_F32, LEAN)
+            m_b = part_nanmax(s_b, WP, DOT_F32, LEAN)
+            c = colscale[None, :]
+        else:
+            m_a = col_nanmax(s_a, DOT_F32)
+            m_b = col_nanmax(s_b, DOT_F32)
+            c = colscale
+        # the column scale after the max, as `finish_block` does with LEAN (forced blocks come after the loop)
+        m_a = tl.where(m_a == float("-inf"), m_a, m_a * c)
+        m_b = tl.where(m_b == float("-inf"), m_b, m_b * c)
+        blk = blk0 + j
+        k2 = tl.arange(0, 2)
+        if WP > 1:
+            p = tl.arange(0, WP)
+            offs = out_row[None, :, None] + blk * WP + p[:, None, None] + WP * k2[None, None, :]
+            tl.store(out_ptr + offs, tl.join(m_a, m_b), mask=row_ok[None, :, None])
+        else:
+            tl.store(out_ptr + out_row[:, None] + blk + k2[None, :], tl.join(m_a, m_b), mask=row_ok[:, None])
+    else:
+        payload, scales, pg, pg_next, bmax, state = tile_step(
+            j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, pos, valid, bt_row,
+            data_ptr, qa, qb, qc, qd, colscale, out_ptr, out_row, row_ok, n_out, num_pages, page_bytes, D,
+            PAGE, PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, BS, TILE_T, INIT, LOCAL, MODE, NATIVE_FP8,
+            PREFETCH, ONE_POS, FP4_WORDS, POST_SCALE, NSBP, DOT_F32, WP, LEAN)
+        payload, scales, pg, pg_next, bmax, state = tile_step(
+            j + 1, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, pos, valid, bt_row,
+            data_ptr, qa, qb, qc, qd, colscale, out_ptr, out_row, row_ok, n_out, num_pages, page_bytes, D,
+            PAGE, PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, BS, TILE_T, INIT, LOCAL, MODE, NATIVE_FP8,
+            PREFETCH, ONE_POS, FP4_WORDS, POST_SCALE, NSBP, DOT_F32, WP, LEAN)
+    return payload, scales, pg, pg_next, bmax, state

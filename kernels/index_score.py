@@ -75,7 +75,7 @@ import triton.language as tl
 
 from kvtool.errors import KernelArgumentError
 from kvtool.kernels import index_tiles as tiles
-from kvtool.kernels.index_blocks import MODE_BLOCKS, MODE_TOPK, tile_step, write_forced
+from kvtool.kernels.index_blocks import MODE_BLOCKS, MODE_TOPK, pair_step, tile_step, write_forced
 from kvtool.kernels.index_tiles import SCALE_KIND
 from kvtool.kernels.store import native_fp8
 from kvtool.kernels.topk import MAX_SELECT_BLOCKS, merge_candidates, pick_next, select_from_block_scores
@@ -122,6 +122,7 @@ def _index_score_kernel(
     DOT_F32: tl.constexpr,  # interpreter: dot in fp32
     WP: tl.constexpr = 1,  # MODE_BLOCKS: write WP partial maxima per block (index_blocks), else the block max
     LEAN: tl.constexpr = False,  # leaner loop bookkeeping (`index_blocks.tile_step`)
+    PAIR: tl.constexpr = False,  # two tiles per loop iteration (`index_blocks.pair_step`), then an odd tail tile
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -160,22 +161,47 @@ def _index_score_kernel(
     payload, scales = tiles.fetch(data_ptr, pg0, blk0 * BS, t_lim if PREFETCH else 0, page_bytes, D, TILE_T, PAGE,
                                   PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE, LEAN)
     pg_next = tiles.page_of(bt_row, blk0 * BS + TILE_T, t_lim, num_pages, PAGE)
-    if DOT_F32:
-        # the interpreter cannot take a loaded scalar as a loop bound: run every step, skip the empty ones
-        for j in range(0, CH * TPB):
-            if j < n_tiles:
+    if PAIR:
+        # the same steps as below, two per iteration; the odd tail tile after the loop (n_tiles > 0: C remainder
+        # compiled, Python's in the interpreter)
+        if DOT_F32:
+            for jj in range(0, (CH * TPB) // 2):
+                if jj < n_tiles // 2:
+                    payload, scales, pg, pg_next, bmax, state = pair_step(
+                        2 * jj, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, pos, valid, bt_row,
+                        data_ptr, qa, qb, qc, qd, colscale, out_ptr, out_row, row_ok, n_out, num_pages, page_bytes,
+                        D, PAGE, PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, BS, TILE_T, INIT, LOCAL, MODE,
+                        NATIVE_FP8, PREFETCH, QT == 1, FP4_WORDS, POST_SCALE, NSBP, DOT_F32, WP, LEAN)
+        else:
+            for jj in range(0, n_tiles // 2):
+                payload, scales, pg, pg_next, bmax, state = pair_step(
+                    2 * jj, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, pos, valid, bt_row,
+                    data_ptr, qa, qb, qc, qd, colscale, out_ptr, out_row, row_ok, n_out, num_pages, page_bytes,
+                    D, PAGE, PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, BS, TILE_T, INIT, LOCAL, MODE,
+                    NATIVE_FP8, PREFETCH, QT == 1, FP4_WORDS, POST_SCALE, NSBP, DOT_F32, WP, LEAN)
+        if (n_tiles > 0) & (n_tiles % 2 == 1):
+            payload, scales, pg, pg_next, bmax, state = tile_step(
+                n_tiles - 1, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, pos, valid, bt_row,
+                data_ptr, qa, qb, qc, qd, colscale, out_ptr, out_row, row_ok, n_out, num_pages, page_bytes, D,
+                PAGE, PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, BS, TILE_T, INIT, LOCAL, MODE, NATIVE_FP8,
+                PREFETCH, QT == 1, FP4_WORDS, POST_SCALE, NSBP, DOT_F32, WP, LEAN)
+    else:
+        if DOT_F32:
+            # the interpreter cannot take a loaded scalar as a loop bound: run every step, skip the empty ones
+            for j in range(0, CH * TPB):
+                if j < n_tiles:
+                    payload, scales, pg, pg_next, bmax, state = tile_step(
+                        j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, pos, valid, bt_row,
+                        data_ptr, qa, qb, qc, qd, colscale, out_ptr, out_row, row_ok, n_out, num_pages, page_bytes, D,
+                        PAGE, PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, BS, TILE_T, INIT, LOCAL, MODE, NATIVE_FP8,
+                        PREFETCH, QT == 1, FP4_WORDS, POST_SCALE, NSBP, DOT_F32, WP, LEAN)
+        else:
+            for j in range(0, n_tiles):
                 payload, scales, pg, pg_next, bmax, state = tile_step(
                     j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, pos, valid, bt_row,
                     data_ptr, qa, qb, qc, qd, colscale, out_ptr, out_row, row_ok, n_out, num_pages, page_bytes, D,
                     PAGE, PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, BS, TILE_T, INIT, LOCAL, MODE, NATIVE_FP8,
                     PREFETCH, QT == 1, FP4_WORDS, POST_SCALE, NSBP, DOT_F32, WP, LEAN)
-    else:
-        for j in range(0, n_tiles):
-            payload, scales, pg, pg_next, bmax, state = tile_step(
-                j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, pos, valid, bt_row,
-                data_ptr, qa, qb, qc, qd, colscale, out_ptr, out_row, row_ok, n_out, num_pages, page_bytes, D,
-                PAGE, PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, BS, TILE_T, INIT, LOCAL, MODE, NATIVE_FP8,
-                PREFETCH, QT == 1, FP4_WORDS, POST_SCALE, NSBP, DOT_F32, WP, LEAN)
     if LEAN and MODE == MODE_BLOCKS:
         write_forced(blk0, n_iter, valid, out_ptr, out_row, row_ok, INIT, LOCAL, WP)
     if MODE == MODE_TOPK:
@@ -202,10 +228,10 @@ def _configs():
 
 _tuned_kernel = triton.autotune(
     configs=_configs(), key=["PAYLOAD_BITS", "SCALE_KIND", "D", "BS", "MP", "CH", "MODE", "HI", "NATIVE_FP8",
-                             "FP4_WORDS", "POST_SCALE", "WP", "LEAN"]
+                             "FP4_WORDS", "POST_SCALE", "WP", "LEAN", "PAIR"]
 )(_index_score_kernel)
 LAUNCH_OPTIONS = ("chunk_blocks", "q_tile", "prefetch", "native_fp8", "num_warps", "num_stages", "fp4_words",
-                  "in_kernel_topk", "post_scale", "warp_partials", "select", "lean")
+                  "in_kernel_topk", "post_scale", "warp_partials", "select", "lean", "tile_pairs")
 
 # Two-pass top-k: the scorer writes per-warp partial block maxima (`index_blocks.part_nanmax`; no cross-warp reduction
 # in its loop: sm_90 loop body nvfp4 633 -> 617 SASS, barriers 6 -> 3) and the select pass maxes them. Default for E2M1
@@ -380,7 +406,8 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
                       HIGHER_ID=cfg.tie_rule != "lower-id", MODE=kmode,
                       NATIVE_FP8=native_fp8(iq4.device) if native is None else bool(native),
                       FP4_WORDS=words, POST_SCALE=post, NSBP=nsbp, DOT_F32=INTERPRET, WP=wp,
-                      LEAN=kmode == 1 and (LEAN_DEFAULT if options.get("lean") is None else bool(options["lean"])))
+                      LEAN=kmode == 1 and (LEAN_DEFAULT if options.get("lean") is None else bool(options["lean"])),
+                      PAIR=bool(options.get("tile_pairs", False)))
         grid = (bsz * n_qtiles, splits)
         fixed = [k for k in ("prefetch", "num_warps", "num_stages") if options.get(k) is not None]
         if fixed or INTERPRET or warps < 4:

@@ -445,6 +445,80 @@ def test_prefill_lean(label):
     assert_scores_match(K.prefill_block_scores(iq, cache, table, cl, cfg, prefetch=True, lean=True), ref_scores, tol)
 
 
+# ------------------------------------------------------------------------------------- two tiles per iteration
+def poison_nan_token(cache, slots, b, tok):
+    """Make token tok of request b score NaN: a NaN scale code (E4M3 0x7F, E8M0 0xFF, fp32 row NaN bytes) or, for
+    bf16 / fp8 without scales, a NaN payload element (bf16 NaN, E4M3 0x7F)."""
+    page, off = int(slots[b][tok]) // cache.page_size, int(slots[b][tok]) % cache.page_size
+    if cache.fmt.scale_element in ("e4m3", "e8m0", "fp32-row"):
+        cache.scale_plane()[page, 0, off, :] = 0xFF if cache.fmt.scale_element != "e4m3" else 0x7F
+    elif cache.fmt.family == "bf16":
+        cache.payload_plane()[page, 0, off].view(torch.bfloat16)[3] = math.nan
+    else:
+        cache.payload_plane()[page, 0, off, 3] = 0x7F
+
+
+@pytest.mark.parametrize("case", list(LEAN_CASES))
+@pytest.mark.parametrize("label", ["bf16", "fp8", "fp8-token", "nvfp4", "mxfp4"])
+def test_decode_tile_pairs(label, case):
+    """tile_pairs (two tiles per loop iteration, an odd tail tile after the loop; where a tile is a block, both
+    blocks written by one store): the reference's ids and block scores on the LEAN test's poisoned ragged cache
+    (contexts over tile / page edges, an empty row), a NaN token inside a context, programs of 1 .. 8 tiles (odd and
+    even counts, so that both the pair loop and the tail run), forced blocks, warp partials and the block max, both
+    loop kinds."""
+    page, bs = LEAN_CASES[case]
+    ctx = [1, 31, 32, 33, 0, 129, 200]
+    cache, table, cl, slots = make_cache(label, ctx, page=page, seed=70)
+    poison_unused_slots(cache, table.cpu(), cl.cpu())
+    poison_nan_token(cache, slots, 6, 150)
+    iq = queries(len(ctx), 4, 128, seed=71)
+    cfg = IndexerConfig(block_size=bs, topk=4, init_blocks=0, local_blocks=0)
+    check_decode(cache, table, cl, iq, cfg, chunk_blocks=4, lean=True, tile_pairs=True)
+    cfg = IndexerConfig(block_size=bs, topk=4, init_blocks=2, local_blocks=3)
+    check_decode(cache, table, cl, iq, cfg, chunk_blocks=8, lean=True, tile_pairs=True, warp_partials=True)
+    cfg = IndexerConfig(block_size=bs, topk=4, init_blocks=1, local_blocks=2)
+    check_decode(cache, table, cl, iq, cfg, chunk_blocks=2, lean=True, tile_pairs=True, prefetch=True,
+                 warp_partials=False)
+
+
+@pytest.mark.parametrize("label", ["fp8", "nvfp4", "mxfp4"])
+def test_prefill_tile_pairs(label):
+    """tile_pairs in prefill (per-row causal masks on both tiles of a pair) and without LEAN, poisoned bytes past
+    the context: the reference's ids and block scores."""
+    ctx = [70, 33]
+    cache, table, cl, _ = make_cache(label, ctx, page=16, seed=72)
+    poison_unused_slots(cache, table.cpu(), cl.cpu())
+    iq = queries(2, 4, 128, seed=73, q=5)
+    cfg = IndexerConfig(block_size=16, topk=3, init_blocks=1, local_blocks=0)
+    ref_ids, ref_scores = paged_reference(iq, cache, table, cl, cfg)
+    tol = tolerance(iq, cache, table, cl)
+    assert_ids_match(K.prefill_topk(iq, cache, table, cl, cfg, prefetch=False, lean=True, tile_pairs=True,
+                                    chunk_blocks=8), ref_ids, ref_scores, tol)
+    assert_scores_match(K.prefill_block_scores(iq, cache, table, cl, cfg, prefetch=False, lean=True,
+                                               tile_pairs=True, chunk_blocks=4), ref_scores, tol)
+    assert_scores_match(K.prefill_block_scores(iq, cache, table, cl, cfg, prefetch=False, lean=False,
+                                               tile_pairs=True, chunk_blocks=8), ref_scores, tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("label", ["fp8", "nvfp4", "mxfp4"])
+def test_gpu_decode_tile_pairs(label):
+    """tile_pairs at engine geometry (128-token pages and blocks, 4 heads, top-16) up to 150K, poisoned bytes past
+    every context, a NaN token: the autotuned launch with the default forced blocks, then the pipelined loop at 3
+    and 5 stages without forced local blocks (the partial last tile decides a block), and the prefetch loop."""
+    ctx = [150_000, 1, 8192, 0, 70_001, 129, 40_000, 128, 255]
+    cache, table, cl, slots = make_cache(label, ctx, page=128, seed=74)
+    poison_unused_slots(cache, table.cpu(), cl.cpu())
+    poison_nan_token(cache, slots, 0, 77_777)
+    iq = queries(len(ctx), 4, 128, seed=75)
+    check_decode(cache, table, cl, iq, IndexerConfig(), tuned=True, tile_pairs=True)
+    cfg = IndexerConfig(init_blocks=2, local_blocks=0)
+    for stages in (3, 5):
+        check_decode(cache, table, cl, iq, cfg, tile_pairs=True, prefetch=False, num_stages=stages, num_warps=4)
+    check_decode(cache, table, cl, iq, cfg, tile_pairs=True, prefetch=True, num_stages=1, num_warps=4,
+                 warp_partials=False)
+
+
 # ------------------------------------------------------------------------------------------ FP4 post-scaled dot
 POST_VARIANTS = {"scale-in-decode": {"post_scale": False}, "post": {"post_scale": True},
                  "post-prefetch": {"post_scale": True, "prefetch": True}}

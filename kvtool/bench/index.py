@@ -61,6 +61,13 @@ SWEEP = (
     ("lean prefetch", {"lean": True, "prefetch": True, "num_stages": 1, "num_warps": 4}, None),
     ("lean warp partials", {"lean": True, "warp_partials": True}, ("mxfp4",)),
     ("lean no warp partials", {"lean": True, "warp_partials": False}, ("fp8", "nvfp4")),
+    # round 3 (offline sm_90 loop SASS per 128-token tile, LEAN defaults -> tile pairs s5 / s3: nvfp4 535 -> 511 /
+    # 510.5, mxfp4 post-scaled 542 -> 533.5 / 505.5, fp8 355 -> 326.5; registers nvfp4 126 -> 155 / 162)
+    ("pairs", {"tile_pairs": True}, None),
+    ("pairs s3", {"tile_pairs": True, "prefetch": False, "num_stages": 3, "num_warps": 4}, None),
+    ("pairs s4", {"tile_pairs": True, "prefetch": False, "num_stages": 4, "num_warps": 4}, None),
+    ("pairs s5", {"tile_pairs": True, "prefetch": False, "num_stages": 5, "num_warps": 4}, None),
+    ("pairs prefetch", {"tile_pairs": True, "prefetch": True, "num_stages": 1, "num_warps": 4}, None),
 )
 FP4_ONLY = ("post_scale",)
 
