@@ -231,7 +231,8 @@ _tuned_kernel = triton.autotune(
                              "FP4_WORDS", "POST_SCALE", "WP", "LEAN", "PAIR"]
 )(_index_score_kernel)
 LAUNCH_OPTIONS = ("chunk_blocks", "q_tile", "prefetch", "native_fp8", "num_warps", "num_stages", "fp4_words",
-                  "in_kernel_topk", "post_scale", "warp_partials", "select", "lean", "tile_pairs")
+                  "in_kernel_topk", "post_scale", "warp_partials", "select", "lean", "tile_pairs",
+                  "max_registers")
 
 # Two-pass top-k: the scorer writes per-warp partial block maxima (`index_blocks.part_nanmax`; no cross-warp reduction
 # in its loop: sm_90 loop body nvfp4 633 -> 617 SASS, barriers 6 -> 3) and the select pass maxes them. Default for E2M1
@@ -330,8 +331,9 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
     64-block programs: two passes 358 us, in-kernel 381 us), post_scale (FP4 words: block scales applied to the
     partial scores of a block-diagonal query after the dot; default where its dot rows fit 16, see
     POST_SCALE_DEFAULT_ROWS), warp_partials (two-pass top-k: per-warp partial block maxima, see
-    the comment above the launchers), select (the select pass's launch variant, `topk.SELECT_VARIANTS`), and prefetch /
-    num_warps / num_stages (a fixed launch instead of the autotuned one)."""
+    the comment above the launchers), select (the select pass's launch variant, `topk.SELECT_VARIANTS`), tile_pairs
+    (two tiles per loop iteration, `index_blocks.pair_step`; off by default until timed), and prefetch / num_warps /
+    num_stages / max_registers (a fixed launch instead of the autotuned one; max_registers: CUDA's maxnreg)."""
     bad = set(options) - set(LAUNCH_OPTIONS)
     if bad:
         raise KernelArgumentError(f"index scorer: unknown launch options {sorted(bad)} (known: {LAUNCH_OPTIONS})")
@@ -409,11 +411,14 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
                       LEAN=kmode == 1 and (LEAN_DEFAULT if options.get("lean") is None else bool(options["lean"])),
                       PAIR=bool(options.get("tile_pairs", False)))
         grid = (bsz * n_qtiles, splits)
-        fixed = [k for k in ("prefetch", "num_warps", "num_stages") if options.get(k) is not None]
+        fixed = [k for k in ("prefetch", "num_warps", "num_stages", "max_registers") if options.get(k) is not None]
         if fixed or INTERPRET or warps < 4:
+            # max_registers: a register cap (CUDA maxnreg; tile_pairs needs ~160 without it: 3 programs per SM
+            # instead of 4); the interpreter has no registers
+            cap = {} if INTERPRET or not options.get("max_registers") else {"maxnreg": int(options["max_registers"])}
             _index_score_kernel[grid](*args, **consts, PREFETCH=bool(options.get("prefetch", False)),
                                       num_warps=options.get("num_warps") or warps,
-                                      num_stages=1 if INTERPRET else options.get("num_stages") or 1)
+                                      num_stages=1 if INTERPRET else options.get("num_stages") or 1, **cap)
         else:
             _tuned_kernel[grid](*args, **consts)
     if mode != 2:

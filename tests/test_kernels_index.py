@@ -478,7 +478,7 @@ def test_decode_tile_pairs(label, case):
     check_decode(cache, table, cl, iq, cfg, chunk_blocks=8, lean=True, tile_pairs=True, warp_partials=True)
     cfg = IndexerConfig(block_size=bs, topk=4, init_blocks=1, local_blocks=2)
     check_decode(cache, table, cl, iq, cfg, chunk_blocks=2, lean=True, tile_pairs=True, prefetch=True,
-                 warp_partials=False)
+                 warp_partials=False, max_registers=128)  # the register cap is a no-op in the interpreter
 
 
 @pytest.mark.parametrize("label", ["fp8", "nvfp4", "mxfp4"])
@@ -515,6 +515,8 @@ def test_gpu_decode_tile_pairs(label):
     cfg = IndexerConfig(init_blocks=2, local_blocks=0)
     for stages in (3, 5):
         check_decode(cache, table, cl, iq, cfg, tile_pairs=True, prefetch=False, num_stages=stages, num_warps=4)
+    check_decode(cache, table, cl, iq, cfg, tile_pairs=True, prefetch=False, num_stages=3, num_warps=4,
+                 max_registers=128)
     check_decode(cache, table, cl, iq, cfg, tile_pairs=True, prefetch=True, num_stages=1, num_warps=4,
                  warp_partials=False)
 
