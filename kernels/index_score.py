@@ -257,6 +257,14 @@ POST_SCALE_ROWS = 64
 # 307.0, fp8 349.0 -> 345.9 (325.5 without warp partials); predicted ~270 / ~290 / ~320. On by default.
 LEAN_DEFAULT = True
 
+# Launch option tile_pairs (kernel PAIR, `index_blocks.pair_step`): two tiles per loop iteration, so the loop counter
+# (64-bit: LLVM widens it), cp.async ring indices and barriers are paid once per 256 tokens, and (tile = block, LEAN,
+# pipelined) both blocks' maxima leave in one store: one shared-memory round trip (Triton converts the reduction's
+# layout to a coalesced one for the store) per two blocks. Offline sm_90 loop SASS per 128-token tile (4 warps,
+# lean_offline.py geometry), default -> pairs s5 / s3: nvfp4 535 -> 511 / 510.5 (BAR.SYNC 4 -> 2, 64-bit ops 18 ->
+# 13), mxfp4 post-scaled 542 -> 533.5 / 505.5, fp8 355 -> 326.5 (s5); registers nvfp4 126 -> 155 / 162 (3 programs
+# per SM instead of 4), hence max_registers=128 sweep rows (nvfp4 s3 515.5, mxfp4 s3 511). Off until timed.
+
 # Smallest head dim for the FP4 word decode (`kc.fp4_quarter`): at D = 64 the H200 gave wrong selections (see the
 # module docstring); the byte decode covers smaller heads. A module constant so that a GPU diagnostic can lower it.
 MIN_WORDS_DIM = 128
