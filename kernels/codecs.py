@@ -425,6 +425,21 @@ def mxfp4_quantize_block(x, RULE: tl.constexpr, low=7):
 
 
 @triton.jit
+def nvfp4_scaled(x, s, g_dec, amax_6, RECIPE: tl.constexpr):
+    """x fp32 [R, NB, 16], decoded E4M3 block scales s and amax / 6 [R, NB] -> x in units of its block scale, by the
+    recipe: rcp x * RN(1 / (s g_dec)), div RN(x / (s g_dec)), unrounded RN(x / (amax / 6))."""
+    if RECIPE == RECIPE_RCP:
+        denom = s * g_dec
+        y = x * tl.math.div_rn(tl.full(denom.shape, 1.0, tl.float32), denom)[:, :, None]
+    elif RECIPE == RECIPE_DIV:
+        denom = s * g_dec
+        y = tl.math.div_rn(x, tl.broadcast_to(denom[:, :, None], x.shape))
+    else:
+        y = tl.math.div_rn(x, tl.broadcast_to(amax_6[:, :, None], x.shape))
+    return y
+
+
+@triton.jit
 def nvfp4_quantize_block(x, g_dec, g_enc, RECIPE: tl.constexpr, NATIVE: tl.constexpr = False, low=7):
     """x: fp32 [R, NB, 16]; g_dec / g_enc: fp32 outer scales (decode, encode = fp32(1 / g_dec)) ->
     (codes int32 [R, NB, 16], scale bytes uint8 [R, NB]). Mirrors formats.codecs.nvfp4_quantize op by op.
@@ -435,14 +450,7 @@ def nvfp4_quantize_block(x, g_dec, g_enc, RECIPE: tl.constexpr, NATIVE: tl.const
     amax_6 = tl.math.div_rn(amax, tl.full(amax.shape, E2M1_MAX, tl.float32))
     scale = e4m3_encode(amax_6 * g_enc, NATIVE)
     s = e4m3_decode(scale)
-    if RECIPE == RECIPE_RCP:
-        denom = s * g_dec
-        y = x * tl.math.div_rn(tl.full(denom.shape, 1.0, tl.float32), denom)[:, :, None]
-    elif RECIPE == RECIPE_DIV:
-        denom = s * g_dec
-        y = tl.math.div_rn(x, tl.broadcast_to(denom[:, :, None], x.shape))
-    else:
-        y = tl.math.div_rn(x, tl.broadcast_to(amax_6[:, :, None], x.shape))
+    y = nvfp4_scaled(x, s, g_dec, amax_6, RECIPE)
     codes = tl.where((scale == 0)[:, :, None], 0, e2m1_encode(y, True, low))
     return codes, scale
 
@@ -560,14 +568,7 @@ def nvfp4_quantize_block_fast(x, g_dec, g_enc, RECIPE: tl.constexpr, NATIVE: tl.
         s = scale.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
         s = e4m3_decode(scale)
-    if RECIPE == RECIPE_RCP:
-        denom = s * g_dec
-        y = x * tl.math.div_rn(tl.full(denom.shape, 1.0, tl.float32), denom)[:, :, None]
-    elif RECIPE == RECIPE_DIV:
-        denom = s * g_dec
-        y = tl.math.div_rn(x, tl.broadcast_to(denom[:, :, None], x.shape))
-    else:
-        y = tl.math.div_rn(x, tl.broadcast_to(amax_6[:, :, None], x.shape))
+    y = nvfp4_scaled(x, s, g_dec, amax_6, RECIPE)
     codes = tl.where(zero[:, :, None], 0, e2m1_encode(y, True, low))
     return codes, scale
 
