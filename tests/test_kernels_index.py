@@ -393,6 +393,13 @@ def poison_unused_slots(cache, table, ctx):
                 sc[pg, 0, first:] = 0xFF if cache.fmt.scale_element in ("e8m0", "fp32-row") else 0x7F
 
 
+def poisoned_cache(label, ctx, page, seed):
+    """make_cache with every slot past each context poisoned (`poison_unused_slots`): (cache, table, ctx, slots)."""
+    cache, table, cl, slots = make_cache(label, ctx, page=page, seed=seed)
+    poison_unused_slots(cache, table.cpu(), cl.cpu())
+    return cache, table, cl, slots
+
+
 LEAN_CASES = {  # (page, block): tiles of whole pages (16 / 64) and tiles of a quarter page (t0 % PAGE != 0)
     "tile=page16": (16, 32), "tile=page64": (64, 64), "tile<page": (64, 16)}
 
@@ -406,8 +413,7 @@ def test_decode_lean(label, case):
     edges, an empty row, forced blocks; both loop kinds; warp partials (64-token tiles: 4 parts) and the block max."""
     page, bs = LEAN_CASES[case]
     ctx = [1, 31, 32, 33, 0, 129, 200]
-    cache, table, cl, _ = make_cache(label, ctx, page=page, seed=60)
-    poison_unused_slots(cache, table.cpu(), cl.cpu())
+    cache, table, cl, _ = poisoned_cache(label, ctx, page=page, seed=60)
     iq = queries(len(ctx), 4, 128, seed=61)
     # no forced local blocks first: the partial last tile of each context decides its block's score
     cfg = IndexerConfig(block_size=bs, topk=4, init_blocks=0, local_blocks=0)
@@ -422,8 +428,7 @@ def test_decode_lean(label, case):
 @pytest.mark.parametrize("label", ["bf16", "fp8", "nvfp4", "mxfp4"])
 def test_decode_not_lean(label):
     """The per-token-masked loop (lean=False, the default before LEAN) on the same poisoned, ragged cache."""
-    cache, table, cl, _ = make_cache(label, [1, 33, 0, 129, 200], page=64, seed=62)
-    poison_unused_slots(cache, table.cpu(), cl.cpu())
+    cache, table, cl, _ = poisoned_cache(label, [1, 33, 0, 129, 200], page=64, seed=62)
     iq = queries(5, 4, 128, seed=63)
     check_decode(cache, table, cl, iq, IndexerConfig(block_size=64, topk=4, init_blocks=0, local_blocks=0),
                  chunk_blocks=2, lean=False)
@@ -435,8 +440,7 @@ def test_decode_not_lean(label):
 def test_prefill_lean(label):
     """LEAN in prefill (per-row causal masks on every tile) with poisoned bytes past the context."""
     ctx = [70, 33]
-    cache, table, cl, _ = make_cache(label, ctx, page=16, seed=62)
-    poison_unused_slots(cache, table.cpu(), cl.cpu())
+    cache, table, cl, _ = poisoned_cache(label, ctx, page=16, seed=62)
     iq = queries(2, 4, 128, seed=63, q=5)
     cfg = IndexerConfig(block_size=16, topk=3, init_blocks=1, local_blocks=0)
     ref_ids, ref_scores = paged_reference(iq, cache, table, cl, cfg)
@@ -468,8 +472,7 @@ def test_decode_tile_pairs(label, case):
     loop kinds."""
     page, bs = LEAN_CASES[case]
     ctx = [1, 31, 32, 33, 0, 129, 200]
-    cache, table, cl, slots = make_cache(label, ctx, page=page, seed=70)
-    poison_unused_slots(cache, table.cpu(), cl.cpu())
+    cache, table, cl, slots = poisoned_cache(label, ctx, page=page, seed=70)
     poison_nan_token(cache, slots, 6, 150)
     iq = queries(len(ctx), 4, 128, seed=71)
     cfg = IndexerConfig(block_size=bs, topk=4, init_blocks=0, local_blocks=0)
@@ -486,8 +489,7 @@ def test_prefill_tile_pairs(label):
     """tile_pairs in prefill (per-row causal masks on both tiles of a pair) and without LEAN, poisoned bytes past
     the context: the reference's ids and block scores."""
     ctx = [70, 33]
-    cache, table, cl, _ = make_cache(label, ctx, page=16, seed=72)
-    poison_unused_slots(cache, table.cpu(), cl.cpu())
+    cache, table, cl, _ = poisoned_cache(label, ctx, page=16, seed=72)
     iq = queries(2, 4, 128, seed=73, q=5)
     cfg = IndexerConfig(block_size=16, topk=3, init_blocks=1, local_blocks=0)
     ref_ids, ref_scores = paged_reference(iq, cache, table, cl, cfg)
@@ -507,8 +509,7 @@ def test_gpu_decode_tile_pairs(label):
     every context, a NaN token: the autotuned launch with the default forced blocks, then the pipelined loop at 3
     and 5 stages without forced local blocks (the partial last tile decides a block), and the prefetch loop."""
     ctx = [150_000, 1, 8192, 0, 70_001, 129, 40_000, 128, 255]
-    cache, table, cl, slots = make_cache(label, ctx, page=128, seed=74)
-    poison_unused_slots(cache, table.cpu(), cl.cpu())
+    cache, table, cl, slots = poisoned_cache(label, ctx, page=128, seed=74)
     poison_nan_token(cache, slots, 0, 77_777)
     iq = queries(len(ctx), 4, 128, seed=75)
     check_decode(cache, table, cl, iq, IndexerConfig(), tuned=True, tile_pairs=True)
@@ -658,8 +659,7 @@ def test_gpu_decode_lean(label):
     context: the autotuned launch with the default forced blocks, then both fixed loop kinds without forced local
     blocks (the partial last tile decides a block), with and without warp partials."""
     ctx = [150_000, 1, 8192, 0, 70_001, 129, 40_000, 128]
-    cache, table, cl, _ = make_cache(label, ctx, page=128, seed=64)
-    poison_unused_slots(cache, table.cpu(), cl.cpu())
+    cache, table, cl, _ = poisoned_cache(label, ctx, page=128, seed=64)
     iq = queries(len(ctx), 4, 128, seed=65)
     check_decode(cache, table, cl, iq, IndexerConfig(), tuned=True, lean=True)
     cfg = IndexerConfig(init_blocks=2, local_blocks=0)
@@ -672,8 +672,7 @@ def test_gpu_decode_lean(label):
 @pytest.mark.parametrize("label", ["fp8", "nvfp4", "mxfp4"])
 def test_gpu_prefill_lean(label):
     ctx = [4096, 3001]
-    cache, table, cl, _ = make_cache(label, ctx, page=128, seed=66)
-    poison_unused_slots(cache, table.cpu(), cl.cpu())
+    cache, table, cl, _ = poisoned_cache(label, ctx, page=128, seed=66)
     iq = queries(2, 4, 128, seed=67, q=512)
     cfg = IndexerConfig(local_blocks=0)
     ref_ids, ref_scores = paged_reference(iq, cache, table, cl, cfg)
