@@ -47,15 +47,19 @@ for stage in "$@"; do
     bench-attn-sweep) python3 -m kvtool bench attn --device cuda --sweep > "$OUT/bench_attn_sweep.txt" 2>&1; tail -80 "$OUT/bench_attn_sweep.txt" ;;
     bench-index) python3 -m kvtool bench index --device cuda > "$OUT/bench_index.txt" 2>&1; tail -60 "$OUT/bench_index.txt" ;;
     bench-decode) python3 -m kvtool bench decode --device cuda > "$OUT/bench_decode.txt" 2>&1; tail -40 "$OUT/bench_decode.txt" ;;
-    profile)  # Nsight Compute on the default kernels at the goal shapes (bench/profile_kernels.py), one report each
+    profile)  # Nsight Compute on the default kernels at the goal shapes (bench/profile_kernels.py): a full report
+      # each, at the clocks the benchmarks run at (--clock-control none), plus the per-SASS-line stall summary
       NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
-      for case in "store nvfp4" "store mxfp4" "index nvfp4" "attn nvfp4" "attn fp8"; do
-        read -r kern fmt <<< "$case"
-        timeout 120 "$NCU" --nvtx --nvtx-include "profile/" --section SpeedOfLight --section Occupancy \
-          --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section WarpStateStats \
-          python3 bench/profile_kernels.py "$kern" "$fmt" > "$OUT/ncu_${kern}_$fmt.txt" 2>&1
-        echo "== $case"; grep -E "^  [a-z_]|Duration|Throughput|Issue Slots|Achieved Occupancy|Registers|Stall" \
-          "$OUT/ncu_${kern}_$fmt.txt" | head -30
+      for case in ${PROFILE_CASES:-store_nvfp4 store_mxfp4 index_nvfp4 attn_nvfp4 attn_fp8}; do
+        read -r kern fmt <<< "${case/_/ }"
+        rep="$OUT/ncu_${kern}_$fmt"
+        timeout 150 "$NCU" --nvtx --nvtx-include "profile/" --set full --import-source no --clock-control none \
+          -f -o "$rep" python3 bench/profile_kernels.py "$kern" "$fmt" > "$rep.log" 2>&1
+        "$NCU" --import "$rep.ncu-rep" > "$rep.txt" 2>&1
+        "$NCU" --import "$rep.ncu-rep" --page source --csv --print-source sass > "$rep.sass.csv" 2>&1
+        python3 bench/ncu_source_top.py "$rep.sass.csv" --top 30 > "$rep.top.txt" 2>&1
+        echo "== $case"; grep -E "^  [a-zA-Z_]|Duration|Throughput|Issue Slots|Achieved Occupancy|Registers Per|No Eligible" \
+          "$rep.txt" | head -40; head -45 "$rep.top.txt"
       done ;;
     *) echo "unknown stage $stage" ;;
   esac
