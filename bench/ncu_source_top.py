@@ -34,6 +34,9 @@ def tables(text: str):
                 yield title, header, rows
             header, rows = rec, []
         elif header is None or len(rec) < len(header) // 2:
+            if header is not None and rows:  # a title line starts the next kernel's table
+                yield title, header, rows
+                header, rows = None, []
             title = line.strip()[:160]
         else:
             rows.append(rec)

@@ -263,7 +263,16 @@ LEAN_DEFAULT = True
 # layout to a coalesced one for the store) per two blocks. Offline sm_90 loop SASS per 128-token tile (4 warps,
 # lean_offline.py geometry), default -> pairs s5 / s3: nvfp4 535 -> 511 / 510.5 (BAR.SYNC 4 -> 2, 64-bit ops 18 ->
 # 13), mxfp4 post-scaled 542 -> 533.5 / 505.5, fp8 355 -> 326.5 (s5); registers nvfp4 126 -> 155 / 162 (3 programs
-# per SM instead of 4), hence max_registers=128 sweep rows (nvfp4 s3 515.5, mxfp4 s3 511). Off until timed.
+# per SM instead of 4), hence max_registers=128 sweep rows (nvfp4 s3 515.5, mxfp4 s3 511).
+# H200, batch 64 x 150K score+topk (2026-11-29 12:59 UTC, bench index --sweep; predicted nvfp4 ~266 us): pairs s5
+# r128 nvfp4 272.9 -> 260.8 us, mxfp4 305.7 -> 300.2; uncapped pairs s5 271.4 / 364.2, s3 300.2 / 361.1; fp8 slower
+# in every pair row (324.8 -> 409-554). So FP4 block-score launches on CUDA default to FP4_PAIR_LAUNCH.
+def _fp4_pair_default(device: torch.device) -> bool:
+    """FP4_PAIR_LAUNCH applies on CUDA devices (measured there; its register cap is a CUDA launch option)."""
+    return device.type == "cuda" and torch.version.cuda is not None
+
+
+FP4_PAIR_LAUNCH = {"tile_pairs": True, "prefetch": False, "num_stages": 5, "num_warps": 4, "max_registers": 128}
 
 # Smallest head dim for the FP4 word decode (`kc.fp4_quarter`): at D = 64 the H200 gave wrong selections (see the
 # module docstring); the byte decode covers smaller heads. A module constant so that a GPU diagnostic can lower it.
@@ -340,12 +349,16 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
     partial scores of a block-diagonal query after the dot; default where its dot rows fit 16, see
     POST_SCALE_DEFAULT_ROWS), warp_partials (two-pass top-k: per-warp partial block maxima, see
     the comment above the launchers), select (the select pass's launch variant, `topk.SELECT_VARIANTS`), tile_pairs
-    (two tiles per loop iteration, `index_blocks.pair_step`; off by default until timed), and prefetch / num_warps /
-    num_stages / max_registers (a fixed launch instead of the autotuned one; max_registers: CUDA's maxnreg)."""
+    (two tiles per loop iteration, `index_blocks.pair_step`; FP4 top-k on CUDA: FP4_PAIR_LAUNCH), and prefetch /
+    num_warps / num_stages / max_registers (a fixed launch instead of the autotuned one; max_registers: CUDA's maxnreg)."""
     bad = set(options) - set(LAUNCH_OPTIONS)
     if bad:
         raise KernelArgumentError(f"index scorer: unknown launch options {sorted(bad)} (known: {LAUNCH_OPTIONS})")
     _check(iq4, cache, block_table, context_lens, cfg)
+    if (_fp4_pair_default(iq4.device) and cache.fmt.spec.payload_bits == 4 and mode == 2
+            and not options.get("in_kernel_topk") and iq4.shape[-1] >= MIN_WORDS_DIM
+            and not any(options.get(k) is not None for k in FP4_PAIR_LAUNCH)):
+        options = {**FP4_PAIR_LAUNCH, **options}  # measured default (above); a register cap is CUDA-only
     iq4 = iq4 if iq4.stride(-1) == 1 else iq4.contiguous()
     pos = _positions(q_pos, iq4, context_lens)
     bsz, nq, hi, d = iq4.shape

@@ -210,6 +210,7 @@ def capture(thunk: Callable[[], Any], target: Target) -> list[Launch]:
         real_sms = isc._num_sms
         p.setattr(isc, "torch", fake)
         p.setattr(isc, "_num_sms", lambda device: real_sms(cuda0))
+        p.setattr(isc, "_fp4_pair_default", lambda device: not target.rocm)
         real_plan = sa.launch_plan
         p.setattr(sa, "torch", fake)
         p.setattr(sa, "launch_plan", lambda *a, **k: real_plan(*a, **{"sms": target.sms, **k}))
