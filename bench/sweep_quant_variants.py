@@ -14,6 +14,7 @@ import torch
 from kvtool.bench.common import copy_bandwidth, time_fn
 from kvtool.formats import get_format
 from kvtool.kernels.dequant import launch_dequant
+from kvtool.kernels import store as store_mod
 from kvtool.kernels.store import cache_scales, launch_config, launch_store, store
 from kvtool.kernels.dequant import gather_dequantize
 from kvtool.paged import PagedCache
@@ -26,12 +27,16 @@ dev = "cuda"
 copy = copy_bandwidth(dev)
 print(f"copy {copy:.0f} GB/s", flush=True)
 
-# (variant, config) per scale element: the current defaults (first row of each list) against the encode toggles the
-# store keeps (kernels/store.py FAST_CODECS / MUL_PACK); a config "x0.5" / "x2" scales the default rows per program.
-# The lane-split block loads (LANES / PAIR_SCALE) measured no gain on the H200 (11:29 UTC) and were removed.
+# (variant, config) per scale element: the current defaults (first row of each list) against persistent programs
+# (kernels/store.py PERSIST: programs per SM, capped by the launcher at what an SM holds; sm_90 registers per thread
+# from the offline compile in brackets, programs an SM holds in parens) with the default or other tiles; a config
+# "x0.5" / "x2" scales the default rows per program. Lane-split block loads (11:29 UTC) were removed: no gain.
 STORE = {
-    "e8m0": [(dict(), None), (dict(MUL_PACK=True), None), (dict(FAST=True), None)],
-    "e4m3": [(dict(), None), (dict(MUL_PACK=False), None), (dict(MUL_PACK=False, FAST=False), None)],
+    "e8m0": [(dict(), None), (dict(PERSIST=3), None),  # 64 x 4 [168] (3)
+             (dict(PERSIST=5), (32, 4)), (dict(PERSIST=2), (64, 8)),  # [96] (5); [116] (2)
+             (dict(PERSIST=4, FAST=True), None)],  # [127] (4)
+    "e4m3": [(dict(), None), (dict(PERSIST=5), None), (dict(PERSIST=3), None),  # 32 x 4 [96] (5)
+             (dict(PERSIST=7), (16, 4)), (dict(PERSIST=4), (32, 8))],  # [72] (7); [64] (4)
 }
 if parts not in ("store", "all"):
     STORE = {}
@@ -39,6 +44,26 @@ DEQ = [(dict(), None)] if parts in ("dequant", "all") else []
 HOST = parts in ("host", "all")
 
 TABLE: dict = {}  # (format, variant, config) -> {elements: (fraction of copy, bytes ok)}
+
+
+class Spy:
+    """Records the grid and the compiled kernel's registers of each store launch (CUDA-graph replays bypass it)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.last = kernel, ""
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            k = self.kernel[grid](*args, **kwargs)
+            self.last = f"grid {grid[0]}x{grid[1]} regs {getattr(k, 'n_regs', '?')}"
+            return k
+        return launch
+
+    def warmup(self, *args, **kwargs):
+        return self.kernel.warmup(*args, **kwargs)
+
+
+SPY = store_mod._store_kernel = Spy(store_mod._store_kernel)
 signal.signal(signal.SIGTERM, lambda *a: print_table(*a))
 for n_el, label in [(n, lb) for n in sizes for lb in labels]:
     fmt = get_format(label)
@@ -81,9 +106,10 @@ for n_el, label in [(n, lb) for n in sizes for lb in labels]:
             ok = torch.equal(cache.data, ref.data)
             sec = time_fn(fn, dev, cuda_graph=True)
             TABLE.setdefault((fmt.label, str(var), str(cfg)), {})[n_el] = (st_bytes / sec / 1e9 / copy, ok)
-            print(f"store   {fmt.label:12s} {str(var):40s} {str(cfg):>8s}  {'OK ' if ok else 'BAD'} "
+            print(f"store   {fmt.label:12s} {str(var):30s} {str(cfg):>8s}  {'OK ' if ok else 'BAD'} "
                   f"{sec * 1e6:8.1f} us {st_bytes / sec / 1e9:6.0f} GB/s {st_bytes / sec / 1e9 / copy:6.1%} "
-                  f"[{st_bytes / sec / 1e9 / same:6.1%} of same-bytes copy] (compile+check {time.time() - t0:.1f}s)", flush=True)
+                  f"[{st_bytes / sec / 1e9 / same:6.1%} of same-bytes copy] {SPY.last} "
+                  f"(compile+check {time.time() - t0:.1f}s)", flush=True)
         except Exception as e:  # noqa: BLE001
             TABLE.setdefault((fmt.label, str(var), str(cfg)), {})[n_el] = (float("nan"), False)
             print(f"store   {fmt.label} {var} {cfg}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
