@@ -74,6 +74,7 @@ import triton
 import triton.language as tl
 
 from kvtool.errors import KernelArgumentError
+from kvtool.kernels import index_gluon
 from kvtool.kernels import index_tiles as tiles
 from kvtool.kernels.index_blocks import MODE_BLOCKS, MODE_TOPK, pair_step, tile_step, write_forced
 from kvtool.kernels.index_tiles import SCALE_KIND
@@ -232,7 +233,10 @@ _tuned_kernel = triton.autotune(
 )(_index_score_kernel)
 LAUNCH_OPTIONS = ("chunk_blocks", "q_tile", "prefetch", "native_fp8", "num_warps", "num_stages", "fp4_words",
                   "in_kernel_topk", "post_scale", "warp_partials", "select", "lean", "tile_pairs",
-                  "max_registers")
+                  "max_registers", "gluon")
+# launch options that pick a variant of the portable kernel: any of them given turns the Gluon fast path off
+PORTABLE_OPTIONS = ("q_tile", "prefetch", "native_fp8", "num_warps", "num_stages", "fp4_words", "in_kernel_topk",
+                    "post_scale", "warp_partials", "lean", "tile_pairs", "max_registers")
 
 # Two-pass top-k: the scorer writes per-warp partial block maxima (`index_blocks.part_nanmax`; no cross-warp reduction
 # in its loop: sm_90 loop body nvfp4 633 -> 617 SASS, barriers 6 -> 3) and the select pass maxes them. Default for E2M1
@@ -267,6 +271,25 @@ LEAN_DEFAULT = True
 # H200, batch 64 x 150K score+topk (2026-11-29 12:59 UTC, bench index --sweep; predicted nvfp4 ~266 us): pairs s5
 # r128 nvfp4 272.9 -> 260.8 us, mxfp4 305.7 -> 300.2; uncapped pairs s5 271.4 / 364.2, s3 300.2 / 361.1; fp8 slower
 # in every pair row (324.8 -> 409-554). So FP4 block-score launches on CUDA default to FP4_PAIR_LAUNCH.
+def _use_gluon(iq4, cache, cfg, q_pos, mode: int, options: dict) -> bool:
+    """The NVIDIA fast path (`kernels/index_gluon.py`) for FP4 decode block scores and top-k: option gluon=True
+    forces it (nvfp4 or mxfp4, where it applies), False keeps the portable kernel; by default it runs for nvfp4
+    (index_gluon.DEFAULT_SCALES) where it applies unless a portable-kernel variant option is given. Block-score and
+    two-pass top-k launches only."""
+    want = options.get("gluon")
+    portable = [k for k in PORTABLE_OPTIONS if options.get(k) is not None]
+    if want and portable:
+        raise KernelArgumentError(f"index scorer: gluon=True does not take the portable kernel's options {portable}")
+    if want is False or mode not in (1, 2) or portable:
+        return False
+    scales = ("e4m3", "e8m0") if want else index_gluon.DEFAULT_SCALES
+    ok = index_gluon.device_ok(iq4.device) and index_gluon.applies(iq4, cache, cfg, q_pos, scales)
+    if want and not ok:
+        raise KernelArgumentError("index scorer: gluon=True needs a CUDA device with capability >= 8.9 and an FP4 "
+                                  "decode launch of head dim 128, 128-token blocks and at most 8 index heads")
+    return ok
+
+
 def _fp4_pair_default(device: torch.device) -> bool:
     """FP4_PAIR_LAUNCH applies on CUDA devices (measured there; its register cap is a CUDA launch option)."""
     return device.type == "cuda" and torch.version.cuda is not None
@@ -355,6 +378,18 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
     if bad:
         raise KernelArgumentError(f"index scorer: unknown launch options {sorted(bad)} (known: {LAUNCH_OPTIONS})")
     _check(iq4, cache, block_table, context_lens, cfg)
+    bsz = iq4.shape[0]
+    gl_ctx = max_context if max_context is not None else (
+        int(context_lens.max()) if mode != 2 and bsz else block_table.shape[1] * cache.page_size)
+    nb = triton.cdiv(max(gl_ctx, 1), cfg.block_size)
+    if (mode == 1 or nb <= MAX_SELECT_BLOCKS) and _use_gluon(iq4, cache, cfg, q_pos, mode, options):
+        parts = index_gluon.decode_block_parts(iq4, cache, block_table, context_lens, cfg, nb,
+                                               options.get("chunk_blocks"), fill=mode == 1)
+        if mode == 1:
+            return parts.amax(-1)  # NaN-propagating, like the kernels' block maxima
+        pos = _positions(q_pos, iq4, context_lens)
+        return select_from_block_scores(parts, pos, cfg.block_size, cfg.topk, higher_id=cfg.tie_rule != "lower-id",
+                                        variant=options.get("select"))
     if (_fp4_pair_default(iq4.device) and cache.fmt.spec.payload_bits == 4 and mode == 2
             and not options.get("in_kernel_topk") and iq4.shape[-1] >= MIN_WORDS_DIM
             and not any(options.get(k) is not None for k in FP4_PAIR_LAUNCH)):

@@ -211,6 +211,7 @@ def capture(thunk: Callable[[], Any], target: Target) -> list[Launch]:
         p.setattr(isc, "torch", fake)
         p.setattr(isc, "_num_sms", lambda device: real_sms(cuda0))
         p.setattr(isc, "_fp4_pair_default", lambda device: not target.rocm)
+        p.setattr(mods["index_gluon"], "device_ok", lambda device: not target.rocm)  # the NVIDIA fast path
         real_plan = sa.launch_plan
         p.setattr(sa, "torch", fake)
         p.setattr(sa, "launch_plan", lambda *a, **k: real_plan(*a, **{"sms": target.sms, **k}))
@@ -260,7 +261,10 @@ def compile_launch(launch: Launch, target: Target) -> list[Compiled]:
         t0 = time.perf_counter()
         hit = key in _MEMO
         if not hit:
-            comp = triton.compile(ASTSource(kern, signature, constexprs, attrs), target=target.gpu_target(),
+            source = ASTSource
+            if getattr(kern, "is_gluon", lambda: False)():  # Gluon kernels (kernels/index_gluon.py)
+                from triton.experimental.gluon._runtime import GluonASTSource as source
+            comp = triton.compile(source(kern, signature, constexprs, attrs), target=target.gpu_target(),
                                   options=options.__dict__)
             _MEMO[key] = len(comp.asm.get(target.binary) or b"")
         out.append(Compiled(launch.name, label, _MEMO[key], hit, time.perf_counter() - t0))

@@ -167,6 +167,9 @@ for _f in SCORE_FORMATS:
 # the topk.py kernels no default launch uses: the in-kernel top-k's merge, the split select's packed merge
 CASES["index-decode-topk-inkernel/nvfp4"] = _index_decode("nvfp4", "decode_topk", in_kernel_topk=True)
 CASES["index-decode-topk-split256/nvfp4"] = _index_decode("nvfp4", "decode_topk", select="split256")
+# the Gluon scorer's mxfp4 variant (off by default: slower than the portable kernel) and its refusal on ROCm
+CASES["index-decode-topk-gluon/mxfp4"] = _index_decode("mxfp4", "decode_topk", gluon=True)
+XFAIL[("index-decode-topk-gluon/mxfp4", "hip:gfx950")] = "gluon=True is refused off CUDA (KernelArgumentError)"
 # attention's portable (integer) e4m3 decode, which its default launch skips on both targets (see NATIVE_FP8 below)
 PORTABLE_FP8 = ("attn-decode-splits-portable/fp8", "attn-decode-splits-portable/nvfp4")
 for _case in PORTABLE_FP8:
@@ -174,12 +177,12 @@ for _case in PORTABLE_FP8:
 
 # what each group must launch (by kernel object name; a tuple: one of these), checked on every target. The index
 # scorer: autotuned, or its fixed launch (FP4 top-k on CUDA: index_score.FP4_PAIR_LAUNCH)
-SCORER = ("index_score._tuned_kernel", "index_score._index_score_kernel")
+SCORER = ("index_score._tuned_kernel", "index_score._index_score_kernel", "index_gluon.decode_block_parts_kernel")
 EXPECT = {
     "store": {"store._store_kernel"}, "quantize": {"store._store_kernel"},
     "gather-bf16": {"dequant._dequant_kernel"}, "dequantize-fp32": {"dequant._dequant_kernel"},
     "index-decode-topk": {SCORER, "topk._select_kernel"},
-    "index-decode-blocks": {"index_score._tuned_kernel"},
+    "index-decode-blocks": {SCORER},
     "index-prefill-topk": {SCORER, "topk._select_kernel"},
     "attn-decode-splits": {"sparse_attn._sparse_attn_kernel", "sparse_attn._combine_kernel"},
     "attn-decode-splits-portable": {"sparse_attn._sparse_attn_kernel", "sparse_attn._combine_kernel"},
@@ -188,6 +191,7 @@ EXPECT = {
     "attn-prefill": {"sparse_attn._sparse_attn_kernel"},
     "index-decode-topk-inkernel": {"index_score._tuned_kernel", "topk._merge_kernel"},
     "index-decode-topk-split256": {SCORER, "topk._select_kernel", "topk._merge_packed_kernel"},
+    "index-decode-topk-gluon": {"index_gluon.decode_block_parts_kernel", "topk._select_kernel"},
 }
 
 

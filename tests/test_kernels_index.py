@@ -860,3 +860,52 @@ def test_bench_index_cli_plumbing():
         assert {"triton score mxfp4-rceil", "triton score+topk mxfp4-rceil"} <= set(names)
     row = report["rows"][0]
     assert row["bytes_moved"] >= 200 * 68 and row["time_us"] > 0
+
+
+# ------------------------------------------------------------------------ NVIDIA fast path (kernels/index_gluon.py)
+def test_gluon_path_is_refused_where_it_cannot_run():
+    """gluon=True on a device or launch it does not cover is an error, not a silent fallback; gluon=False and the
+    portable-kernel options keep the portable kernel (what every CPU test runs)."""
+    cache, table, cl, _ = make_cache("nvfp4", [40], page=16)
+    iq = queries(1, 4, 128)
+    cfg = IndexerConfig(block_size=16, topk=2)
+    if not K.index_gluon.device_ok(iq.device):
+        with pytest.raises(KernelArgumentError, match="gluon=True"):
+            K.decode_topk(iq, cache, table, cl, cfg, gluon=True)
+    with pytest.raises(KernelArgumentError, match="portable kernel's options"):
+        K.decode_topk(iq, cache, table, cl, cfg, gluon=True, prefetch=False)
+    assert not K.index_gluon.applies(iq[:, None], cache, cfg, None)  # 16-token blocks
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [128, 256])
+@pytest.mark.parametrize("label", ["nvfp4", "nvfp4-auto", "mxfp4", "mxfp4-floor"])
+def test_gpu_decode_gluon(label, page):
+    """The Gluon FP4 decode scorer at engine geometry (4 heads, 128-token blocks, top-16) against the reference on
+    the dequantized cache and against the portable kernel: ragged contexts over block and page edges (0, 1, 127,
+    128, 129, ...) up to 150K, poisoned bytes past every context, a NaN token inside one, forced init / local blocks,
+    blocks per program from 1 to one wave; ids tie-aware, block scores within the accumulation bound, the same
+    -inf / NaN pattern as the portable kernel."""
+    ctx = [150_000, 1, 127, 128, 129, 0, 70_001, 8192, 40_000, 255, 257]
+    cache, table, cl, slots = poisoned_cache(label, ctx, page=page, seed=90)
+    poison_nan_token(cache, slots, 6, 33_333)
+    iq = queries(len(ctx), 4, 128, seed=91)
+    for cfg in (IndexerConfig(), IndexerConfig(init_blocks=2, local_blocks=0),
+                IndexerConfig(init_blocks=1, local_blocks=2, tie_rule="lower-id")):
+        for chunk in (None, 1, 7):
+            options = {"gluon": True} if chunk is None else {"gluon": True, "chunk_blocks": chunk}
+            check_decode(cache, table, cl, iq, cfg, tuned=True, **options)
+    got = K.decode_block_scores(iq, cache, table, cl, IndexerConfig(), gluon=True)
+    port = K.decode_block_scores(iq, cache, table, cl, IndexerConfig(), gluon=False)
+    assert_scores_match(got, port, tolerance(iq, cache, table, cl))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [1, 3, 8])
+def test_gpu_decode_gluon_heads(heads):
+    """1 .. 8 index heads (the dot's 8 columns, padded) and a query row of zeros (total ties: ids in order)."""
+    ctx = [5000, 1, 300]
+    cache, table, cl, _ = poisoned_cache("nvfp4", ctx, page=128, seed=92)
+    iq = queries(len(ctx), heads, 128, seed=93)
+    iq[1] = 0
+    check_decode(cache, table, cl, iq, IndexerConfig(topk=8), tuned=True, gluon=True)

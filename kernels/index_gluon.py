@@ -1,0 +1,284 @@
+"""NVIDIA fast path of the lightning-indexer decode scorer for FP4 index caches (nvfp4, mxfp4), written in Gluon
+(Triton's explicit-layout dialect) so that the decoded key tile is born in the tensor-core operand registers.
+
+Why a second kernel: the portable scorer (`kernels/index_score.py`) decodes E2M1 words into a blocked layout and
+Triton converts that to the dot operand layout through shared memory (STS, barrier, LDSM) before a wgmma that it
+then waits on; ncu on the H200 (2026-11-29 13:00 UTC, nvfp4, batch 64 x 150K) put 25 % of the warp stall samples on
+WARPGROUP.ARRIVE and a third of the cycles on shared-memory (MIO) waits, at 54 % issue efficiency. Here every thread
+loads the 16 bytes of each of its token rows that its mma.sync A-operand registers need and decodes them in place:
+- the dot is `K [128 tokens, 128] x Q^T [128, 8]` (mma.sync m16n8k16, 4 warps, the 4 index heads padded to 8);
+- in the A operand (`A_L`) thread (lane 4 g + t) holds, per token row, the columns 2 t + {0, 1} + 8 m (m < 16). The
+  order of the head dim inside a dot is free (the query is loaded in the same order), so column c is given the
+  element `column_element(c)`: the thread's 32 elements of a row are bytes 16 t .. 16 t + 15 of the packed row (one
+  16-byte load, words 4 t .. 4 t + 3 in `W_L`), and each fp16 pair register is nibbles K and K + 4 of one word,
+  built by `kc.e2m1_pair` (the sparse-attention decode: four integer ops per two elements);
+- the joins / permute / reshape from words to the [128, 128] tile only rename registers: `gl.convert_layout(...,
+  assert_trivial=True)` proves at compile time that no data moves;
+- block scales: nvfp4 blocks 2 t, 2 t + 1 of a row (one fp16 factor per word, hardware E4M3 -> fp16, one HMUL2 per
+  register); mxfp4: block t (the thread's 32 elements are exactly one MX block), the factor 2**(e - emax + 14)
+  relative to the token's largest exponent (two shuffles), 2**(emax - 14) on the fp32 token score: the numbers of
+  `kc.e8m0_word_factors`;
+- the next tile's loads are issued before this tile's decode (register double buffer); each warp's 32 tokens of a
+  block reduce to a partial maximum per head inside the warp (no shared memory, no barrier) and the select pass
+  maxes the 4 parts (`topk.select_from_block_scores`, as for the portable kernel's warp partials).
+Semantics are the portable kernel's (SPEC section 3, LEAN block scores): tokens at or past the context and tiles of
+-1 pages score -inf, NaN scores win the block maximum, the column scale multiplies the block maxima, forced init /
+local blocks get 1e30 / 1e29. Exactness: the same exact fp16 products as index_score (E2M1 x E4M3 and E2M1 x 2**k
+in fp16, the query times 2**a), fp32 accumulation in another order.
+
+Measured (H200, batch 64 x 150K, score + top-k, 2026-11-29 13:13 UTC, copy 4140 GB/s; `kvtool bench index --sweep`
+has the rows): nvfp4 240 us at 32 blocks per program against the portable kernel's 256 us in the same run (the
+prototype alone, block maxima only: 212 us at ~13:06 UTC, copy 4245 GB/s, against the portable 272 us). Offline
+sm_90: 94 registers, ~470 SASS per thread and 128-token tile on the common path (portable: ~511 + the shared-memory
+round trip), 16 HMMA, no shared memory in the loop. Still issue-bound: ~2.5 instructions per key element are the
+E2M1 decode and the scale multiply (4 integer ops per fp16 pair, one HMUL2 per pair).
+
+Where it runs: CUDA devices with the hardware E4M3 conversion (capability >= 8.9) and Gluon; decode (one query per
+request), head dim 128, 128-token blocks within pages of a multiple of 128 tokens, at most 8 index heads. Elsewhere
+(and on ROCm: gfx950 gets the portable kernel, whose code is tested in CI) `index_score` runs the portable kernel.
+The interpreter cannot run Gluon: CI compiles this kernel for sm_90 (tests/test_kernel_compile.py); the GPU tests
+compare it with the portable kernel and the reference (tests/test_kernels_index.py, marked gpu).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from kvtool.kernels import codecs as kc
+from kvtool.kernels import index_blocks as ib
+
+try:  # Gluon ships with Triton >= 3.5; without it the portable kernel runs everywhere
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+except ImportError:  # pragma: no cover - the pinned Triton has it
+    gluon = None
+
+TOKENS = 128  # tokens per tile = one index block
+DIM = 128  # head dim
+HEADS_PAD = 8  # the dot's N: index heads padded to one mma n8 tile
+NUM_WARPS = 4  # 32 tokens per warp; also the number of partial maxima per block (WP)
+CHUNK_BLOCKS = 32  # blocks per program (H200, nvfp4 batch 64 x 150K top-k: 8 / 16 / 32 / 64 blocks 242 / 241 / 240 /
+# 249 us; one wave of programs, 118 blocks each, 257 us)
+
+if gluon is not None:
+    NW = gl.constexpr(NUM_WARPS)
+    MMA = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
+    A_L = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    B_L = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    # A_L for [128, 128] fp16 (gl.to_linear_layout): registers -> col 1, row 8, cols 8 16 32 64, row 64; lanes ->
+    # cols 2 4, rows 1 2 4; warps -> rows 16 32. The word tile [128 tokens, 16 words] keeps those rows; its word
+    # bits 0, 1 sit in registers (four consecutive words: one 16-byte load) and bits 2, 3 on the lanes of cols 2, 4.
+    _ROWS_REG = [[8, 0], [64, 0]]
+    _ROWS_LANE = [[1, 0], [2, 0], [4, 0]]
+    _ROWS_WARP = [[16, 0], [32, 0]]
+    W_L = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2]] + _ROWS_REG, lane_bases=[[0, 4], [0, 8]] + _ROWS_LANE,
+                                     warp_bases=_ROWS_WARP, block_bases=[], shape=[TOKENS, 16])
+    # nvfp4 block scales [128, 8] (block = word // 2): block bit 0 in a register, bits 1, 2 on those lanes
+    S16_L = gl.DistributedLinearLayout(reg_bases=[[0, 1]] + _ROWS_REG, lane_bases=[[0, 2], [0, 4]] + _ROWS_LANE,
+                                       warp_bases=_ROWS_WARP, block_bases=[], shape=[TOKENS, 8])
+    # mxfp4 block scales [128, 4] (block = word // 4): the block bits on those lanes
+    S32_L = gl.DistributedLinearLayout(reg_bases=_ROWS_REG, lane_bases=[[0, 1], [0, 2]] + _ROWS_LANE,
+                                       warp_bases=_ROWS_WARP, block_bases=[], shape=[TOKENS, 4])
+    Q_L = gl.BlockedLayout([1, HEADS_PAD], [32, 1], [NUM_WARPS, 1], [1, 0])  # the query, once per program
+
+    TOK = gl.constexpr(TOKENS)
+    DIMC = gl.constexpr(DIM)
+    HP = gl.constexpr(HEADS_PAD)
+    e2m1_pair = gluon.jit(kc.e2m1_pair.fn)
+    pow2_f16 = gluon.jit(kc.pow2_f16.fn)
+    exp2_int = gluon.jit(kc.exp2_int.fn)
+    nanmax = gluon.jit(ib.nanmax.fn)
+
+    @gluon.jit
+    def column_element(c):
+        """Column c of the decoded tile -> its element of the head dim. c's bits (low to high): h (the fp16 half:
+        nibble K or K + 4), w2, w3 (the lane's words), k0, k1 (K), w0, w1 (the word in the lane's 16 bytes); the
+        element is 8 w + K + 4 h (see `decode_tile`)."""
+        w = ((c >> 5) & 3) + 4 * ((c >> 1) & 3)
+        return 8 * w + ((c >> 3) & 3) + 4 * (c & 1)
+
+    @gluon.jit
+    def decode_tile(words, f16):
+        """Packed E2M1 words int32 [128, 16] (W_L) and one fp16 factor per word [128, 16] (W_L) -> fp16 [128, 128]
+        in A_L, column c holding element column_element(c) times 2**-14 times the factor."""
+        p0 = e2m1_pair(words, 0)
+        p1 = e2m1_pair(words, 1)
+        p2 = e2m1_pair(words, 2)
+        p3 = e2m1_pair(words, 3)
+        x0 = gl.join(p0.to(gl.int16), (p0 >> 16).to(gl.int16))
+        x1 = gl.join(p1.to(gl.int16), (p1 >> 16).to(gl.int16))
+        x2 = gl.join(p2.to(gl.int16), (p2 >> 16).to(gl.int16))
+        x3 = gl.join(p3.to(gl.int16), (p3 >> 16).to(gl.int16))
+        x = gl.join(gl.join(x0, x1), gl.join(x2, x3)).to(gl.float16, bitcast=True)  # [128, 16 w, h, k0, k1]
+        s = gl.join(f16, f16)
+        s = gl.join(s, s)
+        x = x * gl.join(s, s)
+        x = gl.reshape(x, [TOK, 2, 2, 2, 2, 2, 2, 2])  # token, w3, w2, w1, w0, h, k0, k1
+        x = gl.permute(x, (0, 3, 4, 7, 6, 1, 2, 5))  # token, w1, w0, k1, k0, w3, w2, h: c's bits high to low
+        return gl.convert_layout(gl.reshape(x, [TOK, DIMC]), A_L, assert_trivial=True)
+
+    @gluon.jit
+    def nv_factors(sb):
+        """nvfp4 E4M3 block-scale bytes uint8 [128, 8] (S16_L) -> fp16 [128, 16] (W_L): word w gets block w // 2
+        (hardware E4M3 -> fp16, exact; NaN codes give NaN)."""
+        f = sb.to(gl.float8e4nv, bitcast=True).to(gl.float16)
+        return gl.convert_layout(gl.reshape(gl.join(f, f), [TOK, 16]), W_L, assert_trivial=True)
+
+    @gluon.jit
+    def mx_factors(sb):
+        """mxfp4 E8M0 bytes uint8 [128, 4] (S32_L) -> (fp16 [128, 16] (W_L) 2**(e - emax + 14) per word (NaN for
+        byte 255), fp32 [128] 2**(emax - 14) per token): `kc.e8m0_word_factors`' numbers, emax over the quad."""
+        b = sb.to(gl.int32)
+        bmax = gl.max(gl.where(b == 255, 0, b), axis=1)
+        f = gl.where(b == 255, float("nan"), pow2_f16(b - gl.expand_dims(bmax, 1) + 14))
+        f = gl.join(f, f)
+        f = gl.reshape(gl.join(f, f), [TOK, 16])
+        return gl.convert_layout(f, W_L, assert_trivial=True), exp2_int(bmax - 141)
+
+    @gluon.jit
+    def _fetch(data_ptr, bt_row, blk, n_blk, num_pages, page_bytes, w_off, s_off, PAGE: gl.constexpr,
+               PB: gl.constexpr, SB: gl.constexpr):
+        """Block blk's page (-1 if blk >= n_blk or the table entry is -1 / out of range) and its word and scale
+        loads (masked off for page -1)."""
+        pg = gl.load(bt_row + (blk * TOK) // PAGE, mask=blk < n_blk, other=-1)
+        pg = gl.where((pg >= 0) & (pg < num_pages), pg, -1)
+        base = gl.maximum(pg, 0).to(gl.int64) * page_bytes
+        row0 = (blk * TOK) % PAGE  # the block's first token in its page
+        words = gl.load(data_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + (base + row0 * PB) // 4 + w_off,
+                        mask=pg >= 0, other=0)
+        sb = gl.load(data_ptr + base + row0 * SB + s_off, mask=pg >= 0, other=0)
+        return pg, words, sb
+
+    @gluon.jit
+    def decode_block_parts_kernel(
+        q_ptr,  # bf16 [B, Hi, D] (decode queries), last dim contiguous
+        data_ptr,  # uint8 [num_pages, 1, page_bytes]: the paged FP4 index cache
+        bt_ptr,  # int32 [B, max_pages] block table (-1 = no page)
+        ctx_ptr,  # int32 [B] context lengths (the query sits at ctx - 1)
+        out_ptr,  # fp32 [B, Hi, NB * NW]: the NW partial maxima of every valid block
+        gscale,  # fp32 whole-tensor factor (nvfp4 outer scale, else 1)
+        num_pages, page_bytes, n_out, ch,  # ch: blocks per program
+        stride_qb, stride_qh, stride_bt,  # strides in elements
+        HI: gl.constexpr,  # index heads (<= 8)
+        PAGE: gl.constexpr,  # tokens per page (a multiple of 128)
+        PB: gl.constexpr,  # payload bytes per token (64)
+        SB: gl.constexpr,  # scale bytes per token (8 nvfp4, 4 mxfp4)
+        E8M0: gl.constexpr,  # mxfp4 (E8M0 scales of 32 elements), else nvfp4 (E4M3 of 16)
+        INIT: gl.constexpr,  # forced init blocks
+        LOCAL: gl.constexpr,  # forced local blocks
+    ):
+        b = gl.program_id(0)
+        split = gl.program_id(1)
+        ctx = gl.load(ctx_ptr + b)
+        valid = (ctx + TOK - 1) // TOK  # valid blocks of the row (the query at ctx - 1)
+        blk0 = split * ch
+        n_blk = gl.minimum(valid - blk0, ch)
+        # the query as the dot's B operand in the tile's column order, times 2**a per head (max in [2**14, 2**15))
+        c = gl.arange(0, DIMC, layout=gl.SliceLayout(1, Q_L))
+        n = gl.arange(0, HP, layout=gl.SliceLayout(0, Q_L))
+        q = gl.load(q_ptr + b.to(gl.int64) * stride_qb + gl.expand_dims(n, 0) * stride_qh
+                    + gl.expand_dims(column_element(c), 1), mask=gl.expand_dims(n < HI, 0), other=0.0)
+        q = q.to(gl.float32)
+        e = ((gl.max(gl.abs(q), axis=0).to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        a = gl.minimum(gl.maximum(14 - e, -126), 126)
+        qt = gl.convert_layout((q * gl.expand_dims(exp2_int(a), 0)).to(gl.float16), B_L)
+        colscale = gl.convert_layout(exp2_int(-a) * (gscale * 16384.0), gl.SliceLayout(0, MMA))
+        # per-tile offsets inside a page
+        tr = gl.arange(0, TOK, layout=gl.SliceLayout(1, W_L))
+        w_off = gl.expand_dims(tr, 1) * (PB // 4) + gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, W_L)), 0)
+        if E8M0:
+            sr = gl.arange(0, TOK, layout=gl.SliceLayout(1, S32_L))
+            sc = gl.arange(0, 4, layout=gl.SliceLayout(0, S32_L))
+        else:
+            sr = gl.arange(0, TOK, layout=gl.SliceLayout(1, S16_L))
+            sc = gl.arange(0, 8, layout=gl.SliceLayout(0, S16_L))
+        s_off = PAGE * PB + gl.expand_dims(sr, 1) * SB + gl.expand_dims(sc, 0)
+        # the partial maxima's store offsets and column scales, put through the same reshape and reductions as the
+        # scores, so that they land in the partial maxima's own layout (no layout conversion in the loop)
+        tok = gl.arange(0, TOK, layout=gl.SliceLayout(1, MMA))
+        head = gl.arange(0, HP, layout=gl.SliceLayout(0, MMA))
+        p_off = gl.expand_dims(head, 0) * n_out + gl.expand_dims((tok // 16) % NW, 1)  # [128, 8]: head, warp
+        p_off = gl.max(gl.max(gl.reshape(p_off, [2, NW, 16, HP]), axis=2), axis=0)
+        p_scale = gl.expand_dims(colscale, 0) + gl.full([TOK, HP], 0.0, gl.float32, layout=MMA)
+        p_scale = gl.max(gl.max(gl.reshape(p_scale, [2, NW, 16, HP]), axis=2), axis=0)
+        p_mask = p_off < HI * n_out
+        out_row = out_ptr + (b * HI).to(gl.int64) * n_out
+        bt_row = bt_ptr + b.to(gl.int64) * stride_bt
+        pg, words, sb = _fetch(data_ptr, bt_row, blk0, blk0 + n_blk, num_pages, page_bytes, w_off, s_off, PAGE,
+                              PB, SB)
+        for j in range(0, n_blk):
+            blk = blk0 + j
+            pg_n, words_n, sb_n = _fetch(data_ptr, bt_row, blk + 1, blk0 + n_blk, num_pages, page_bytes, w_off,
+                                         s_off, PAGE, PB, SB)
+            if E8M0:
+                f16, rowfac = mx_factors(sb)
+            else:
+                f16 = nv_factors(sb)
+            acc = mma_v2(decode_tile(words, f16), qt, gl.full([TOK, HP], 0.0, gl.float32, layout=MMA))
+            if E8M0:
+                acc = acc * gl.expand_dims(gl.convert_layout(rowfac, gl.SliceLayout(1, MMA)), 1)
+            if (blk * TOK + TOK > ctx) | (pg < 0):  # a tile with tokens past the context or without a page
+                keep = (blk * TOK + tok < ctx) & (pg >= 0)
+                acc = gl.where(gl.expand_dims(keep, 1), acc, float("-inf"))
+            # tokens of warp w: rows 16 w + {0..15} + 64 r; its partial maximum stays inside the warp
+            part = gl.reduce(gl.reduce(gl.reshape(acc, [2, NW, 16, HP]), 2, nanmax), 0, nanmax)
+            part = gl.where(part == float("-inf"), part, part * p_scale)
+            if blk >= valid - LOCAL:  # forced blocks: local, else init (they override NaN too)
+                part = p_scale * 0.0 + 1e29
+            elif blk < INIT:
+                part = p_scale * 0.0 + 1e30
+            gl.store(out_row + blk * NW + p_off, part, mask=p_mask)
+            pg, words, sb = pg_n, words_n, sb_n
+
+
+@functools.lru_cache(maxsize=None)
+def device_ok(device: torch.device) -> bool:
+    """This path runs on CUDA devices with Gluon and the hardware E4M3 conversion (capability >= 8.9)."""
+    if gluon is None or device.type != "cuda" or torch.version.cuda is None:
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+# Formats (by scale element) the launcher sends here by default: nvfp4 only. The mxfp4 variant (E8M0, the same
+# kernel) measured slower than the portable kernel's post-scaled dot on the H200 (batch 64 x 150K top-k, 13:13 UTC:
+# 346 us at 32 blocks per program vs 296 us; its per-token relative factors compile to byte repacks around every
+# HMUL2 and 130 registers, 3 programs per SM); it stays reachable with gluon=True and is tested.
+DEFAULT_SCALES = ("e4m3",)
+
+
+def applies(iq4: torch.Tensor, cache, cfg, q_pos, scales=("e4m3", "e8m0")) -> bool:
+    """Shape and format conditions of this kernel (the device condition is `device_ok`); scales: the FP4 block-scale
+    elements accepted (DEFAULT_SCALES for the launcher's default)."""
+    _, nq, hi, d = iq4.shape
+    return (cache.fmt.spec.payload_bits == 4 and cache.fmt.scale_element in scales and d == DIM
+            and cache.head_dim == DIM and cache.payload_bytes == DIM // 2 and cfg.block_size == TOKENS
+            and cache.page_size % TOKENS == 0 and nq == 1 and q_pos is None and 1 <= hi <= HEADS_PAD
+            and cache.num_heads == 1)
+
+
+def decode_block_parts(iq4: torch.Tensor, cache, block_table: torch.Tensor, context_lens: torch.Tensor, cfg,
+                       nb: int, chunk_blocks: int | None = None, fill: bool = True) -> torch.Tensor:
+    """iq4 bf16 [B, 1, Hi, 128] decode queries -> fp32 [B, 1, Hi, nb, NUM_WARPS] partial block maxima (their max is
+    the block score with the forced blocks applied; -inf past each row's valid blocks). Inputs as checked by
+    `index_score._check`; `applies` and `device_ok` hold. chunk_blocks: blocks per program (CHUNK_BLOCKS).
+    fill=False leaves the blocks past each row's valid ones unwritten (the select pass reads only valid blocks)."""
+    bsz, _, hi, _ = iq4.shape
+    shape = (bsz, 1, hi, nb * NUM_WARPS)
+    out = torch.full(shape, float("-inf"), dtype=torch.float32, device=iq4.device) if fill else \
+        torch.empty(shape, dtype=torch.float32, device=iq4.device)
+    if bsz == 0 or nb == 0:
+        return out.view(bsz, 1, hi, nb, NUM_WARPS)
+    ch = chunk_blocks or CHUNK_BLOCKS
+    q = iq4[:, 0] if iq4.stride(-1) == 1 else iq4[:, 0].contiguous()
+    gscale = cache.outer_scale() if cache.fmt.scale_element == "e4m3" else 1.0
+    grid = (bsz, triton.cdiv(nb, ch))
+    decode_block_parts_kernel[grid](
+        q, cache.data, block_table, context_lens, out, float(gscale), cache.num_pages, cache.page_bytes,
+        nb * NUM_WARPS, ch, q.stride(0), q.stride(1), block_table.stride(0),
+        HI=hi, PAGE=cache.page_size, PB=cache.payload_bytes, SB=cache.scale_bytes,
+        E8M0=cache.fmt.scale_element == "e8m0", INIT=cfg.init_blocks, LOCAL=cfg.local_blocks, num_warps=NUM_WARPS)
+    return out.view(bsz, 1, hi, nb, NUM_WARPS)
