@@ -28,15 +28,19 @@ copy = copy_bandwidth(dev)
 print(f"copy {copy:.0f} GB/s", flush=True)
 
 # (variant, config) per scale element: the current defaults (first row of each list) against persistent programs
-# (kernels/store.py PERSIST: programs per SM, capped by the launcher at what an SM holds; sm_90 registers per thread
-# from the offline compile in brackets, programs an SM holds in parens) with the default or other tiles; a config
-# "x0.5" / "x2" scales the default rows per program. Lane-split block loads (11:29 UTC) were removed: no gain.
+# (kernels/store.py PERSIST: programs per SM, capped by the launcher at what an SM holds; PREFETCH off: only the
+# next tile's slots loaded ahead; MAXNREG: register cap; sm_90 registers per thread from the offline compile in
+# brackets, programs an SM holds in parens) with the default or other tiles; a config "x0.5" / "x2" scales the
+# default rows per program. Lane-split block loads (11:29 UTC) were removed: no gain.
 STORE = {
-    "e8m0": [(dict(), None), (dict(PERSIST=3), None),  # 64 x 4 [168] (3)
-             (dict(PERSIST=5), (32, 4)), (dict(PERSIST=2), (64, 8)),  # [96] (5); [116] (2)
-             (dict(PERSIST=4, FAST=True), None)],  # [127] (4)
-    "e4m3": [(dict(), None), (dict(PERSIST=5), None), (dict(PERSIST=3), None),  # 32 x 4 [96] (5)
-             (dict(PERSIST=7), (16, 4)), (dict(PERSIST=4), (32, 8))],  # [72] (7); [64] (4)
+    "e8m0": [(dict(), None), (dict(PERSIST=5), (32, 4)),  # [96] (5)
+             (dict(PERSIST=4, PREFETCH=False), None), (dict(PERSIST=5, PREFETCH=False, MAXNREG=96), None),  # [128] (4)
+             (dict(PERSIST=7, PREFETCH=False), (32, 4)), (dict(PERSIST=8, PREFETCH=False, MAXNREG=64), (32, 4)),  # [72]
+             (dict(MAXNREG=72), None)],  # the default launch at 72 registers: 7 programs per SM instead of 6
+    "e4m3": [(dict(), None), (dict(PERSIST=5), None),  # 32 x 4 [96] (5)
+             (dict(PERSIST=7, PREFETCH=False), None), (dict(PERSIST=8, PREFETCH=False, MAXNREG=64), None),  # [71] (7)
+             (dict(PERSIST=9, PREFETCH=False, MAXNREG=56), None), (dict(PERSIST=9, PREFETCH=False), (16, 4)),  # [56]
+             (dict(MAXNREG=48), None)],  # the default launch at 48 registers: 10 programs per SM instead of 9
 }
 if parts not in ("store", "all"):
     STORE = {}
@@ -142,11 +146,11 @@ def print_table(*_):
     """The compact table: % of the copy bandwidth per size, '!' where the bytes differ from the torch store (also
     printed when `timeout` stops the sweep, with the sizes done so far)."""
     if TABLE:
-        print("\nstore, % of copy  " + "".join(f"{n / 2**20:>9.0f}M " for n in sizes))
+        print("\n" + "store, % of copy".ljust(71) + "".join(f"{n / 2**20:>9.0f}M " for n in sizes))
         for (label, var, cfg), row in TABLE.items():
             cells = "".join(f"{row[n][0]:>9.1%}{' ' if row[n][1] else '!'} " if n in row else f"{'-':>11s}"
                             for n in sizes)
-            print(f"{label:12s} {var + ('' if cfg == 'None' else ' ' + cfg):42s}{cells}")
+            print(f"{label:12s} {var + ('' if cfg == 'None' else ' ' + cfg):58s}{cells}")
         print("(! = bytes differ from the torch store or the launch failed)", flush=True)
     if _:
         sys.exit(124)

@@ -344,32 +344,45 @@ def _store_kernel(
     FAST: tl.constexpr = True,  # 4-bit formats: the *_quantize_block_fast codecs (see FAST_CODECS)
     MUL_PACK: tl.constexpr = False,  # 4-bit formats with WORDS: kc.*_scale_block + kc.e2m1_words (see MUL_PACK)
     PERSIST: tl.constexpr = False,  # persistent programs with a prefetch of the next tile (see PERSIST)
+    PREFETCH: tl.constexpr = True,  # PERSIST: the next tile's rows loaded before this tile's encode (else its slots)
     ROUNDS: tl.constexpr = 0,  # PERSIST under the interpreter: tiles per program, ceil(tiles / step); 0 = computed
 ):
     if PERSIST:
-        # grid: (G programs, heads); program p encodes tiles p, p + G, ... Before a tile is encoded and stored, the
-        # next tile's rows are loaded (raw: the decode, their first use, runs when that tile is encoded) and the slots
-        # of the tile after it, so that a tile's loads are in flight during every encode and the slot -> live mask ->
-        # row load chain never waits; kernel parameters and address setup are paid once per program.
+        # grid: (G programs, heads); program p encodes tiles p, p + G, ... PREFETCH: before a tile is encoded and
+        # stored, the next tile's rows are loaded (raw: the decode, their first use, runs when that tile is encoded)
+        # and the slots of the tile after it, so that a tile's loads are in flight during every encode and the slot
+        # -> live mask -> row load chain never waits; else only the next tile's slots are loaded ahead.
         first = tl.program_id(0)
         head = tl.program_id(1)
-        live, pay, sc, x = load_tile(x_ptr, first, load_slots(tile_tokens(first, BLOCK_R), n_tok, slot_ptr, PAGED),
-                                     head, n_tok, num_heads, stride_xt, stride_xh, page_stride, head_stride, PAGED,
-                                     PAGE, D, DP, PB, SB, BITS, BLOCK, VEC, BLOCK_R, False)
-        slot_next = load_slots(tile_tokens(first + step, BLOCK_R), n_tok, slot_ptr, PAGED)
         n_tiles = tl.cdiv(n_tok, BLOCK_R)
+        slot_next = load_slots(tile_tokens(first, BLOCK_R), n_tok, slot_ptr, PAGED)
+        if PREFETCH:
+            live, pay, sc, x = load_tile(x_ptr, first, slot_next, head, n_tok, num_heads, stride_xt, stride_xh,
+                                         page_stride, head_stride, PAGED, PAGE, D, DP, PB, SB, BITS, BLOCK, VEC,
+                                         BLOCK_R, False)
+            slot_next = load_slots(tile_tokens(first + step, BLOCK_R), n_tok, slot_ptr, PAGED)
         # (ROUNDS: the interpreter, where a loop bound computed at run time has no __index__ (numpy 2); a while loop,
         # or a loop from program_id, converts its carried row vectors through shared memory every round)
         for i in range(0, ROUNDS if ROUNDS > 0 else tl.cdiv(n_tiles - first, step)):
             tile = first + i * step
-            live_n, pay_n, sc_n, x_n = load_tile(x_ptr, tile + step, slot_next, head, n_tok, num_heads, stride_xt,
-                                                 stride_xh, page_stride, head_stride, PAGED, PAGE, D, DP, PB, SB,
-                                                 BITS, BLOCK, VEC, BLOCK_R, False)
-            slot_next = load_slots(tile_tokens(tile + 2 * step, BLOCK_R), n_tok, slot_ptr, PAGED)
-            encode_store(words_f32(x, x_ptr.dtype.element_ty), live, pay, sc, payload_ptr, scale_ptr, low7,
-                         tensor_scale, g_dec, g_enc, D, DP, PB, SB, BITS, SCALE, BLOCK, RULE, RECIPE, DS_FLOOR, POW2,
-                         NATIVE_FP8, WORDS, BLOCK_R, FAST, MUL_PACK)
-            live, pay, sc, x = live_n, pay_n, sc_n, x_n
+            if PREFETCH:
+                live_n, pay_n, sc_n, x_n = load_tile(x_ptr, tile + step, slot_next, head, n_tok, num_heads,
+                                                     stride_xt, stride_xh, page_stride, head_stride, PAGED, PAGE, D,
+                                                     DP, PB, SB, BITS, BLOCK, VEC, BLOCK_R, False)
+                slot_next = load_slots(tile_tokens(tile + 2 * step, BLOCK_R), n_tok, slot_ptr, PAGED)
+                encode_store(words_f32(x, x_ptr.dtype.element_ty), live, pay, sc, payload_ptr, scale_ptr, low7,
+                             tensor_scale, g_dec, g_enc, D, DP, PB, SB, BITS, SCALE, BLOCK, RULE, RECIPE, DS_FLOOR,
+                             POW2, NATIVE_FP8, WORDS, BLOCK_R, FAST, MUL_PACK)
+                live, pay, sc, x = live_n, pay_n, sc_n, x_n
+            else:
+                slot = slot_next
+                slot_next = load_slots(tile_tokens(tile + step, BLOCK_R), n_tok, slot_ptr, PAGED)
+                live, pay, sc, x = load_tile(x_ptr, tile, slot, head, n_tok, num_heads, stride_xt, stride_xh,
+                                             page_stride, head_stride, PAGED, PAGE, D, DP, PB, SB, BITS, BLOCK, VEC,
+                                             BLOCK_R, True)
+                encode_store(x, live, pay, sc, payload_ptr, scale_ptr, low7, tensor_scale, g_dec, g_enc, D, DP, PB,
+                             SB, BITS, SCALE, BLOCK, RULE, RECIPE, DS_FLOOR, POW2, NATIVE_FP8, WORDS, BLOCK_R, FAST,
+                             MUL_PACK)
     else:
         # grid: (token tiles, heads); one program = BLOCK_R tokens of one head, no integer division per row
         tile = tl.program_id(0)
@@ -530,12 +543,15 @@ def launch_store(x3: torch.Tensor, slots: torch.Tensor | None, payload: torch.Te
     opts.update(variant or {})
     opts["MUL_PACK"] = bool(opts.get("MUL_PACK", MUL_PACK.get(fmt.scale_element, False))) and opts["WORDS"]
     per_sm = int(opts.pop("PERSIST", PERSIST.get(fmt.scale_element, 0)))
+    maxnreg = int(opts.pop("MAXNREG", 0))  # a register cap (CUDA maxnreg), for more programs per SM
     block_r, num_warps = launch_config(dp, bits, config, fmt.block or 32)
     args = [x3, slots if paged else payload, payload, scales if scales is not None else payload, T, H, 7,
             x3.stride(0), x3.stride(1), page_stride, head_stride, tensor_scale, g_dec, g_enc, 1]
     kwargs = dict(PAGED=paged, PAGE=page_size, D=D, DP=dp, PB=pb, SB=fmt.scale_bytes(D),
                   **KernelFormat.of(fmt).constexprs(), NATIVE_FP8=native_fp8(x3.device), VEC=16 // x3.element_size(),
                   BLOCK_R=block_r, PERSIST=per_sm > 0, num_warps=num_warps, **opts)
+    if maxnreg and x3.device.type == "cuda" and not INTERPRET:
+        kwargs["maxnreg"] = maxnreg
     tiles = triton.cdiv(T, block_r)
     if per_sm > 0 and not x_words(x3):
         kwargs["PERSIST"], per_sm = False, 0  # the prefetch keeps 16-bit rows as int32 words: needs 4-byte rows

@@ -378,15 +378,15 @@ def test_store_gpu_fp4_codecs(fmt, variant, device, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("per_sm", [4, 64])
+@pytest.mark.parametrize("per_sm,prefetch", [(4, True), (64, True), (8, False)], ids=["4", "64", "8-no-prefetch"])
 @pytest.mark.parametrize("label", ["nvfp4-rcp", "nvfp4-div-auto", "mxfp4-rceil", "mxfp4-floor", "fp8-token", "bf16"])
-def test_store_gpu_persistent(label, per_sm, device, monkeypatch):
+def test_store_gpu_persistent(label, per_sm, prefetch, device, monkeypatch):
     """The PERSIST path at real sizes with the default tiles: bf16 [32K, 2, 128] and fp32 [32K, 1, 96] into
     128-token pages, 20 % of tokens skipped, and a whole-tensor quantize; 64 programs per SM is more than an SM holds
     (the launcher caps the grid at the resident count)."""
     from kvtool.kernels import store as store_mod
 
-    spy = spy_launches(monkeypatch, {"PERSIST": per_sm})
+    spy = spy_launches(monkeypatch, {"PERSIST": per_sm, "PREFETCH": prefetch})
     fmt = get_format(label)
     seed = SEED + 61
     n, pages, page_size = 1 << 15, (1 << 15) * 5 // 4 // 128, 128
@@ -449,15 +449,20 @@ PERSIST_SHAPES = [("bf16", 1, 128, 27), ("fp16", 2, 64, 27), ("fp32", 2, 96, 27)
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.label)
 def test_store_persistent(fmt, device, monkeypatch):
-    """The PERSIST path (persistent programs, next tile prefetched as raw words) through the public store and
-    quantize: ragged slots with -1, page crossings, bf16 / fp16 / fp32, a padded head dim, H = 1 and 2."""
+    """The PERSIST path (persistent programs, next tile prefetched as raw words; without PREFETCH only its slots)
+    through the public store and quantize: ragged slots with -1, page crossings, bf16 / fp16 / fp32, a padded head
+    dim, H = 1 and 2."""
+    from kvtool.kernels import store as store_mod
+
     spy = spy_launches(monkeypatch, {"PERSIST": 4})
-    for dtype, heads, dim, n in PERSIST_SHAPES:
-        seed = SEED + 41 + heads * 100 + dim
-        x = spread_values((n, heads, dim), seed, DTYPES[dtype]).to(device)
-        slots = slot_mapping(n, 3 * 16, 16, seed).to(device)
-        check_store(fmt, x, slots, 3, 16, seed, config=(4, 4))
-        check_planes(fmt, x, config=(4, 4))
+    for variant, shapes in (({"PERSIST": 4}, PERSIST_SHAPES), ({"PERSIST": 4, "PREFETCH": False}, PERSIST_SHAPES[::2])):
+        monkeypatch.setattr(store_mod, "DEFAULT_VARIANT", variant)
+        for dtype, heads, dim, n in shapes:
+            seed = SEED + 41 + heads * 100 + dim
+            x = spread_values((n, heads, dim), seed, DTYPES[dtype]).to(device)
+            slots = slot_mapping(n, 3 * 16, 16, seed).to(device)
+            check_store(fmt, x, slots, 3, 16, seed, config=(4, 4))
+            check_planes(fmt, x, config=(4, 4))
     tiles = -(-27 // 4)
     assert spy.launches and all(persist for _, persist, _ in spy.launches)
     if torch.device(device).type == "cpu":  # one SM under the interpreter: 4 programs per head group
