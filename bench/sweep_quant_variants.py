@@ -14,7 +14,6 @@ import torch
 from kvtool.bench.common import copy_bandwidth, time_fn
 from kvtool.formats import get_format
 from kvtool.kernels.dequant import launch_dequant
-from kvtool.kernels import store as store_mod
 from kvtool.kernels.store import cache_scales, launch_config, launch_store, store
 from kvtool.kernels.dequant import gather_dequantize
 from kvtool.paged import PagedCache
@@ -27,20 +26,12 @@ dev = "cuda"
 copy = copy_bandwidth(dev)
 print(f"copy {copy:.0f} GB/s", flush=True)
 
-# (variant, config) per scale element: the current defaults (first row of each list) against persistent programs
-# (kernels/store.py PERSIST: programs per SM, capped by the launcher at what an SM holds; PREFETCH off: only the
-# next tile's slots loaded ahead; MAXNREG: register cap; sm_90 registers per thread from the offline compile in
-# brackets, programs an SM holds in parens) with the default or other tiles; a config "x0.5" / "x2" scales the
-# default rows per program. Lane-split block loads (11:29 UTC) were removed: no gain.
+# (variant, config) per scale element: the current defaults (first row of each list) against the encode toggles the
+# store keeps (kernels/store.py FAST_CODECS / MUL_PACK); a config "x0.5" / "x2" scales the default rows per program.
+# Lane-split block loads (11:29 UTC) and persistent programs (13:17 / 13:21 UTC) measured no gain and were removed.
 STORE = {
-    "e8m0": [(dict(), None), (dict(PERSIST=5), (32, 4)),  # [96] (5)
-             (dict(PERSIST=4, PREFETCH=False), None), (dict(PERSIST=5, PREFETCH=False, MAXNREG=96), None),  # [128] (4)
-             (dict(PERSIST=7, PREFETCH=False), (32, 4)), (dict(PERSIST=8, PREFETCH=False, MAXNREG=64), (32, 4)),  # [72]
-             (dict(MAXNREG=72), None)],  # the default launch at 72 registers: 7 programs per SM instead of 6
-    "e4m3": [(dict(), None), (dict(PERSIST=5), None),  # 32 x 4 [96] (5)
-             (dict(PERSIST=7, PREFETCH=False), None), (dict(PERSIST=8, PREFETCH=False, MAXNREG=64), None),  # [71] (7)
-             (dict(PERSIST=9, PREFETCH=False, MAXNREG=56), None), (dict(PERSIST=9, PREFETCH=False), (16, 4)),  # [56]
-             (dict(MAXNREG=48), None)],  # the default launch at 48 registers: 10 programs per SM instead of 9
+    "e8m0": [(dict(), None), (dict(MUL_PACK=True), None), (dict(FAST=True), None)],
+    "e4m3": [(dict(), None), (dict(MUL_PACK=False), None), (dict(MUL_PACK=False, FAST=False), None)],
 }
 if parts not in ("store", "all"):
     STORE = {}
@@ -48,26 +39,6 @@ DEQ = [(dict(), None)] if parts in ("dequant", "all") else []
 HOST = parts in ("host", "all")
 
 TABLE: dict = {}  # (format, variant, config) -> {elements: (fraction of copy, bytes ok)}
-
-
-class Spy:
-    """Records the grid and the compiled kernel's registers of each store launch (CUDA-graph replays bypass it)."""
-
-    def __init__(self, kernel):
-        self.kernel, self.last = kernel, ""
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            k = self.kernel[grid](*args, **kwargs)
-            self.last = f"grid {grid[0]}x{grid[1]} regs {getattr(k, 'n_regs', '?')}"
-            return k
-        return launch
-
-    def warmup(self, *args, **kwargs):
-        return self.kernel.warmup(*args, **kwargs)
-
-
-SPY = store_mod._store_kernel = Spy(store_mod._store_kernel)
 signal.signal(signal.SIGTERM, lambda *a: print_table(*a))
 for n_el, label in [(n, lb) for n in sizes for lb in labels]:
     fmt = get_format(label)
@@ -110,10 +81,9 @@ for n_el, label in [(n, lb) for n in sizes for lb in labels]:
             ok = torch.equal(cache.data, ref.data)
             sec = time_fn(fn, dev, cuda_graph=True)
             TABLE.setdefault((fmt.label, str(var), str(cfg)), {})[n_el] = (st_bytes / sec / 1e9 / copy, ok)
-            print(f"store   {fmt.label:12s} {str(var):30s} {str(cfg):>8s}  {'OK ' if ok else 'BAD'} "
+            print(f"store   {fmt.label:12s} {str(var):40s} {str(cfg):>8s}  {'OK ' if ok else 'BAD'} "
                   f"{sec * 1e6:8.1f} us {st_bytes / sec / 1e9:6.0f} GB/s {st_bytes / sec / 1e9 / copy:6.1%} "
-                  f"[{st_bytes / sec / 1e9 / same:6.1%} of same-bytes copy] {SPY.last} "
-                  f"(compile+check {time.time() - t0:.1f}s)", flush=True)
+                  f"[{st_bytes / sec / 1e9 / same:6.1%} of same-bytes copy] (compile+check {time.time() - t0:.1f}s)", flush=True)
         except Exception as e:  # noqa: BLE001
             TABLE.setdefault((fmt.label, str(var), str(cfg)), {})[n_el] = (float("nan"), False)
             print(f"store   {fmt.label} {var} {cfg}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
@@ -146,11 +116,11 @@ def print_table(*_):
     """The compact table: % of the copy bandwidth per size, '!' where the bytes differ from the torch store (also
     printed when `timeout` stops the sweep, with the sizes done so far)."""
     if TABLE:
-        print("\n" + "store, % of copy".ljust(71) + "".join(f"{n / 2**20:>9.0f}M " for n in sizes))
+        print("\nstore, % of copy  " + "".join(f"{n / 2**20:>9.0f}M " for n in sizes))
         for (label, var, cfg), row in TABLE.items():
             cells = "".join(f"{row[n][0]:>9.1%}{' ' if row[n][1] else '!'} " if n in row else f"{'-':>11s}"
                             for n in sizes)
-            print(f"{label:12s} {var + ('' if cfg == 'None' else ' ' + cfg):58s}{cells}")
+            print(f"{label:12s} {var + ('' if cfg == 'None' else ' ' + cfg):42s}{cells}")
         print("(! = bytes differ from the torch store or the launch failed)", flush=True)
     if _:
         sys.exit(124)

@@ -89,12 +89,12 @@ def first_diff(a: torch.Tensor, b: torch.Tensor) -> str:
 
 # ------------------------------------------------------------------------------------------------------ checks
 def check_store(fmt: Format, x: torch.Tensor, slots: torch.Tensor, pages: int, page_size: int, seed: int,
-                validate: bool = True, config: tuple[int, int] | None = None) -> None:
+                validate: bool = True) -> None:
     """Kernel store == torch store over the whole buffer; gather-dequantize == torch dequantize, fp32 and bf16."""
     n, heads, dim = x.shape
     ref, ker = fresh_caches(fmt, pages, page_size, heads, dim, x.device.type, seed)
     ref.store(x, slots)
-    store(ker, x, slots, validate=validate, config=config)
+    store(ker, x, slots, validate=validate)
     assert ref.tensor_amax == ker.tensor_amax
     assert torch.equal(ker.data.cpu(), ref.data.cpu()), \
         f"{fmt.label} seed {seed}: cache bytes {first_diff(ker.data, ref.data)}"
@@ -104,11 +104,10 @@ def check_store(fmt: Format, x: torch.Tensor, slots: torch.Tensor, pages: int, p
         assert same_bits(got, want), f"{fmt.label} seed {seed} {dtype}: values {first_diff(got, want)}"
 
 
-def check_planes(fmt: Format, x: torch.Tensor, tensor_amax: torch.Tensor | None = None,
-                 config: tuple[int, int] | None = None) -> None:
+def check_planes(fmt: Format, x: torch.Tensor, tensor_amax: torch.Tensor | None = None) -> None:
     """triton_quantize == fmt.quantize (payload, scales, outer scale, types); triton_dequantize == q.dequantize."""
     want = fmt.quantize(x, tensor_amax=tensor_amax)
-    got = triton_quantize(fmt, x, tensor_amax, config=config)
+    got = triton_quantize(fmt, x, tensor_amax)
     assert got.shape == want.shape and got.outer_scale == want.outer_scale
     assert same_bits(got.payload, want.payload), f"{fmt.label}: payload {first_diff(got.payload, want.payload)}"
     if want.scales is None:
@@ -377,31 +376,6 @@ def test_store_gpu_fp4_codecs(fmt, variant, device, monkeypatch):
         check_store(fmt, x, slots, pages, page_size, seed, validate=False)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("per_sm,prefetch", [(4, True), (64, True), (8, False)], ids=["4", "64", "8-no-prefetch"])
-@pytest.mark.parametrize("label", ["nvfp4-rcp", "nvfp4-div-auto", "mxfp4-rceil", "mxfp4-floor", "fp8-token", "bf16"])
-def test_store_gpu_persistent(label, per_sm, prefetch, device, monkeypatch):
-    """The PERSIST path at real sizes with the default tiles: bf16 [32K, 2, 128] and fp32 [32K, 1, 96] into
-    128-token pages, 20 % of tokens skipped, and a whole-tensor quantize; 64 programs per SM is more than an SM holds
-    (the launcher caps the grid at the resident count)."""
-    from kvtool.kernels import store as store_mod
-
-    spy = spy_launches(monkeypatch, {"PERSIST": per_sm, "PREFETCH": prefetch})
-    fmt = get_format(label)
-    seed = SEED + 61
-    n, pages, page_size = 1 << 15, (1 << 15) * 5 // 4 // 128, 128
-    slots = slot_mapping(n, pages * page_size, page_size, seed).to(device)
-    check_store(fmt, spread_values((n, 2, 128), seed, torch.bfloat16).to(device), slots, pages, page_size, seed,
-                validate=False)
-    check_store(fmt, spread_values((n, 1, 96), seed + 1, torch.float32).to(device), slots, pages, page_size,
-                seed + 1, validate=False)
-    check_planes(fmt, spread_values((1 << 16, 128), seed + 2, torch.bfloat16).to(device))
-    sms = store_mod.sm_count(torch.device(device))
-    assert all(persist and grid[0] * grid[1] <= per_sm * sms + grid[1] for grid, persist, _ in spy.launches)
-    if per_sm == 64:
-        assert all(grid[0] * grid[1] < 32 * sms for grid, _, _ in spy.launches)
-
-
 def test_store_both_codecs(device, monkeypatch):
     """Interpreter sizes: the codec FAST_CODECS does not pick for each 4-bit family, and the encode MUL_PACK does
     not pick, through the public store."""
@@ -415,78 +389,6 @@ def test_store_both_codecs(device, monkeypatch):
             x = spread_values((40, 2, 64), SEED + 31, torch.bfloat16).to(device)
             slots = slot_mapping(40, 3 * 32, 32, SEED + 31).to(device)
             check_store(fmt, x, slots, 3, 32, SEED + 31)
-
-
-class LaunchSpy:
-    """Stands in for kernels.store._store_kernel: records (grid, PERSIST, step) of every launch, then runs it."""
-
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches.append((grid, kwargs.get("PERSIST", False), args[-1]))
-            return self.kernel[grid](*args, **kwargs)
-        return launch
-
-    def warmup(self, *args, **kwargs):
-        return self.kernel.warmup(*args, **kwargs)
-
-
-def spy_launches(monkeypatch, variant: dict) -> LaunchSpy:
-    from kvtool.kernels import store as store_mod
-
-    spy = LaunchSpy(store_mod._store_kernel)
-    monkeypatch.setattr(store_mod, "_store_kernel", spy)
-    monkeypatch.setattr(store_mod, "DEFAULT_VARIANT", variant)
-    return spy
-
-
-# (input dtype, heads, head dim, tokens): 4-token tiles, so 27 tokens are 7 tiles: 4 programs (H = 1) or 2 (H = 2)
-# under the interpreter, neither dividing the tile count (programs run 1-2 / 3-4 rounds, some a masked last one).
-PERSIST_SHAPES = [("bf16", 1, 128, 27), ("fp16", 2, 64, 27), ("fp32", 2, 96, 27)]
-
-
-@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.label)
-def test_store_persistent(fmt, device, monkeypatch):
-    """The PERSIST path (persistent programs, next tile prefetched as raw words; without PREFETCH only its slots)
-    through the public store and quantize: ragged slots with -1, page crossings, bf16 / fp16 / fp32, a padded head
-    dim, H = 1 and 2."""
-    from kvtool.kernels import store as store_mod
-
-    spy = spy_launches(monkeypatch, {"PERSIST": 4})
-    for variant, shapes in (({"PERSIST": 4}, PERSIST_SHAPES), ({"PERSIST": 4, "PREFETCH": False}, PERSIST_SHAPES[::2])):
-        monkeypatch.setattr(store_mod, "DEFAULT_VARIANT", variant)
-        for dtype, heads, dim, n in shapes:
-            seed = SEED + 41 + heads * 100 + dim
-            x = spread_values((n, heads, dim), seed, DTYPES[dtype]).to(device)
-            slots = slot_mapping(n, 3 * 16, 16, seed).to(device)
-            check_store(fmt, x, slots, 3, 16, seed, config=(4, 4))
-            check_planes(fmt, x, config=(4, 4))
-    tiles = -(-27 // 4)
-    assert spy.launches and all(persist for _, persist, _ in spy.launches)
-    if torch.device(device).type == "cpu":  # one SM under the interpreter: 4 programs per head group
-        assert {grid for grid, _, _ in spy.launches} == {(4, 1), (2, 2)}
-    assert all(grid[0] < tiles and step == grid[0] for grid, _, step in spy.launches)
-
-
-def test_store_persistent_edges(device, monkeypatch):
-    """PERSIST with every token skipped, a single tile, more programs than tiles, the edge-case table, and 16-bit
-    input whose rows are not 4-byte aligned (the launcher falls back to one program per tile: same bytes)."""
-    spy = spy_launches(monkeypatch, {"PERSIST": 64})
-    for label in ("nvfp4-rcp-auto", "mxfp4-rceil"):
-        fmt = get_format(label)
-        x = spread_values((9, 1, 64), SEED + 51, torch.bfloat16).to(device)
-        check_store(fmt, x, torch.full((9,), -1, dtype=torch.int64, device=device), 2, 8, SEED + 51, config=(4, 4))
-        check_store(fmt, x[:3], torch.tensor([5, -1, 2], device=device), 2, 8, SEED + 51, config=(4, 4))
-        e = edge_case_tensor(128)[:, None, :].to(device)
-        check_store(fmt, e, torch.randperm(e.shape[0] + 7, generator=torch.Generator().manual_seed(SEED))[
-            : e.shape[0]].to(device), (e.shape[0] + 7 + 15) // 16, 16, SEED, config=(8, 4))
-        flat = spread_values((9 * 65 + 1,), SEED + 52, torch.bfloat16).to(device)
-        odd = flat[1:].reshape(9, 1, 65)[:, :, :64]  # rows at odd element offsets
-        check_store(fmt, odd, slot_mapping(9, 2 * 8, 8, SEED + 52).to(device), 2, 8, SEED + 52, config=(4, 4))
-    persist = [p for _, p, _ in spy.launches]
-    assert persist.count(False) == 2 and persist.count(True) == len(persist) - 2
 
 
 # ------------------------------------------------------------------------------------------------ bench plumbing
