@@ -11,7 +11,7 @@ loads the 16 bytes of each of its token rows that its mma.sync A-operand registe
   order of the head dim inside a dot is free (the query is loaded in the same order), so column c is given the
   element `column_element(c)`: the thread's 32 elements of a row are bytes 16 t .. 16 t + 15 of the packed row (one
   16-byte load, words 4 t .. 4 t + 3 in `W_L`), and each fp16 pair register is nibbles K and K + 4 of one word,
-  built by `kc.e2m1_pair` (the sparse-attention decode: four integer ops per two elements);
+  built by `kc.e2m1_pairs` (shared with sparse attention: 11 integer ops per word of eight elements);
 - the joins / permute / reshape from words to the [128, 128] tile only rename registers: `gl.convert_layout(...,
   assert_trivial=True)` proves at compile time that no data moves;
 - block scales: nvfp4 blocks 2 t, 2 t + 1 of a row (one fp16 factor per word, hardware E4M3 -> fp16, one HMUL2 per
@@ -88,7 +88,7 @@ if gluon is not None:
     TOK = gl.constexpr(TOKENS)
     DIMC = gl.constexpr(DIM)
     HP = gl.constexpr(HEADS_PAD)
-    e2m1_pair = gluon.jit(kc.e2m1_pair.fn)
+    e2m1_pairs = gluon.jit(kc.e2m1_pairs.fn)
     pow2_f16 = gluon.jit(kc.pow2_f16.fn)
     exp2_int = gluon.jit(kc.exp2_int.fn)
     nanmax = gluon.jit(ib.nanmax.fn)
@@ -102,13 +102,11 @@ if gluon is not None:
         return 8 * w + ((c >> 3) & 3) + 4 * (c & 1)
 
     @gluon.jit
-    def decode_tile(words, f16):
+    def decode_tile(words, f16, lo3, sign8):
         """Packed E2M1 words int32 [128, 16] (W_L) and one fp16 factor per word [128, 16] (W_L) -> fp16 [128, 128]
-        in A_L, column c holding element column_element(c) times 2**-14 times the factor."""
-        p0 = e2m1_pair(words, 0)
-        p1 = e2m1_pair(words, 1)
-        p2 = e2m1_pair(words, 2)
-        p3 = e2m1_pair(words, 3)
+        in A_L, column c holding element column_element(c) times 2**-14 times the factor. lo3 / sign8: the run-time
+        masks of `kc.e2m1_pairs`."""
+        p0, p1, p2, p3 = e2m1_pairs(words, lo3, sign8)
         x0 = gl.join(p0.to(gl.int16), (p0 >> 16).to(gl.int16))
         x1 = gl.join(p1.to(gl.int16), (p1 >> 16).to(gl.int16))
         x2 = gl.join(p2.to(gl.int16), (p2 >> 16).to(gl.int16))
@@ -160,8 +158,10 @@ if gluon is not None:
         bt_ptr,  # int32 [B, max_pages] block table (-1 = no page)
         ctx_ptr,  # int32 [B] context lengths (the query sits at ctx - 1)
         out_ptr,  # fp32 [B, Hi, NB * NW]: the NW partial maxima of every valid block
+        pos_ptr,  # int32 [B]: written here, the query positions ctx - 1 (-1 for an empty row) for the select pass
         gscale,  # fp32 whole-tensor factor (nvfp4 outer scale, else 1)
         num_pages, page_bytes, n_out, ch,  # ch: blocks per program
+        lo3, sign8,  # int32 0x07070707, 0x80808080 at run time (kc.e2m1_pairs: one LOP3 per bit-select)
         stride_qb, stride_qh, stride_bt,  # strides in elements
         HI: gl.constexpr,  # index heads (<= 8)
         PAGE: gl.constexpr,  # tokens per page (a multiple of 128)
@@ -174,6 +174,8 @@ if gluon is not None:
         b = gl.program_id(0)
         split = gl.program_id(1)
         ctx = gl.load(ctx_ptr + b)
+        if split == 0:
+            gl.store(pos_ptr + b, gl.maximum(ctx - 1, -1))
         valid = (ctx + TOK - 1) // TOK  # valid blocks of the row (the query at ctx - 1)
         blk0 = split * ch
         n_blk = gl.minimum(valid - blk0, ch)
@@ -218,7 +220,7 @@ if gluon is not None:
                 f16, rowfac = mx_factors(sb)
             else:
                 f16 = nv_factors(sb)
-            acc = mma_v2(decode_tile(words, f16), qt, gl.full([TOK, HP], 0.0, gl.float32, layout=MMA))
+            acc = mma_v2(decode_tile(words, f16, lo3, sign8), qt, gl.full([TOK, HP], 0.0, gl.float32, layout=MMA))
             if E8M0:
                 acc = acc * gl.expand_dims(gl.convert_layout(rowfac, gl.SliceLayout(1, MMA)), 1)
             if (blk * TOK + TOK > ctx) | (pg < 0):  # a tile with tokens past the context or without a page
@@ -261,24 +263,29 @@ def applies(iq4: torch.Tensor, cache, cfg, q_pos, scales=("e4m3", "e8m0")) -> bo
 
 
 def decode_block_parts(iq4: torch.Tensor, cache, block_table: torch.Tensor, context_lens: torch.Tensor, cfg,
-                       nb: int, chunk_blocks: int | None = None, fill: bool = True) -> torch.Tensor:
-    """iq4 bf16 [B, 1, Hi, 128] decode queries -> fp32 [B, 1, Hi, nb, NUM_WARPS] partial block maxima (their max is
-    the block score with the forced blocks applied; -inf past each row's valid blocks). Inputs as checked by
+                       nb: int, chunk_blocks: int | None = None, fill: bool = True
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """iq4 bf16 [B, 1, Hi, 128] decode queries -> (fp32 [B, 1, Hi, nb, NUM_WARPS] partial block maxima (their max
+    is the block score with the forced blocks applied; -inf past each row's valid blocks), int32 [B, 1] query
+    positions ctx - 1, -1 for an empty row: the select pass's input, written by the kernel instead of by a few
+    small torch kernels). Inputs as checked by
     `index_score._check`; `applies` and `device_ok` hold. chunk_blocks: blocks per program (CHUNK_BLOCKS).
     fill=False leaves the blocks past each row's valid ones unwritten (the select pass reads only valid blocks)."""
     bsz, _, hi, _ = iq4.shape
     shape = (bsz, 1, hi, nb * NUM_WARPS)
     out = torch.full(shape, float("-inf"), dtype=torch.float32, device=iq4.device) if fill else \
         torch.empty(shape, dtype=torch.float32, device=iq4.device)
+    pos = torch.full((bsz, 1), -1, dtype=torch.int32, device=iq4.device) if nb == 0 else \
+        torch.empty((bsz, 1), dtype=torch.int32, device=iq4.device)
     if bsz == 0 or nb == 0:
-        return out.view(bsz, 1, hi, nb, NUM_WARPS)
+        return out.view(bsz, 1, hi, nb, NUM_WARPS), pos
     ch = chunk_blocks or CHUNK_BLOCKS
     q = iq4[:, 0] if iq4.stride(-1) == 1 else iq4[:, 0].contiguous()
     gscale = cache.outer_scale() if cache.fmt.scale_element == "e4m3" else 1.0
     grid = (bsz, triton.cdiv(nb, ch))
     decode_block_parts_kernel[grid](
-        q, cache.data, block_table, context_lens, out, float(gscale), cache.num_pages, cache.page_bytes,
-        nb * NUM_WARPS, ch, q.stride(0), q.stride(1), block_table.stride(0),
+        q, cache.data, block_table, context_lens, out, pos, float(gscale), cache.num_pages, cache.page_bytes,
+        nb * NUM_WARPS, ch, 0x07070707, -0x7F7F7F80, q.stride(0), q.stride(1), block_table.stride(0),
         HI=hi, PAGE=cache.page_size, PB=cache.payload_bytes, SB=cache.scale_bytes,
         E8M0=cache.fmt.scale_element == "e8m0", INIT=cfg.init_blocks, LOCAL=cfg.local_blocks, num_warps=NUM_WARPS)
-    return out.view(bsz, 1, hi, nb, NUM_WARPS)
+    return out.view(bsz, 1, hi, nb, NUM_WARPS), pos

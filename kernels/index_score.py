@@ -350,9 +350,11 @@ def _check(iq4: torch.Tensor, cache, block_table: torch.Tensor, context_lens: to
 def _positions(q_pos, iq4: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
     """int32 [B, Q] positions (-1 = padding): given, or the last Q positions of each context."""
     b, nq = iq4.shape[:2]
-    if q_pos is None:
-        pos = context_lens[:, None].long() - nq + torch.arange(nq, device=iq4.device)[None, :]
-        return torch.where(pos < 0, -1, pos).to(torch.int32).contiguous()
+    if q_pos is None:  # int32 throughout: few small kernels (each one costs ~2 us in a decode step's graph)
+        if nq == 1:
+            return (context_lens - 1).clamp_(min=-1)[:, None]
+        pos = context_lens[:, None] + torch.arange(-nq, 0, device=iq4.device, dtype=torch.int32)[None, :]
+        return pos.clamp_(min=-1)
     q_pos = torch.as_tensor(q_pos, device=iq4.device)
     if tuple(q_pos.shape) != (b, nq):
         raise KernelArgumentError(f"index scorer: q_pos must be [{b}, {nq}], got {list(q_pos.shape)}")
@@ -383,11 +385,10 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
         int(context_lens.max()) if mode != 2 and bsz else block_table.shape[1] * cache.page_size)
     nb = triton.cdiv(max(gl_ctx, 1), cfg.block_size)
     if (mode == 1 or nb <= MAX_SELECT_BLOCKS) and _use_gluon(iq4, cache, cfg, q_pos, mode, options):
-        parts = index_gluon.decode_block_parts(iq4, cache, block_table, context_lens, cfg, nb,
-                                               options.get("chunk_blocks"), fill=mode == 1)
+        parts, pos = index_gluon.decode_block_parts(iq4, cache, block_table, context_lens, cfg, nb,
+                                                    options.get("chunk_blocks"), fill=mode == 1)
         if mode == 1:
             return parts.amax(-1)  # NaN-propagating, like the kernels' block maxima
-        pos = _positions(q_pos, iq4, context_lens)
         return select_from_block_scores(parts, pos, cfg.block_size, cfg.topk, higher_id=cfg.tie_rule != "lower-id",
                                         variant=options.get("select"))
     if (_fp4_pair_default(iq4.device) and cache.fmt.spec.payload_bits == 4 and mode == 2

@@ -672,3 +672,46 @@ def test_scaled_words(device):
 def test_scaled_words_gpu(device, native):
     check_e2m1_words(device, 1 << 22)
     check_scaled_words(device, 1 << 15, block_r=64, native=native)
+
+
+@triton.jit
+def _pairs_kernel(w_ptr, out_ptr, lo3, sign8, N: tl.constexpr, RUNTIME: tl.constexpr):
+    """e2m1_pairs (masks as run-time values or the defaults) and e2m1_pair K = 0..3 of int32 words [N] -> int32
+    out [8, N]: rows 0..3 e2m1_pairs, rows 4..7 e2m1_pair."""
+    o = tl.arange(0, N)
+    w = tl.load(w_ptr + o)
+    if RUNTIME:
+        p0, p1, p2, p3 = kc.e2m1_pairs(w, lo3, sign8)
+    else:
+        p0, p1, p2, p3 = kc.e2m1_pairs(w)
+    tl.store(out_ptr + o, p0)
+    tl.store(out_ptr + N + o, p1)
+    tl.store(out_ptr + 2 * N + o, p2)
+    tl.store(out_ptr + 3 * N + o, p3)
+    for k in tl.static_range(4):
+        tl.store(out_ptr + (4 + k) * N + o, kc.e2m1_pair(w, k))
+
+
+def check_e2m1_pairs(device: str, rows: int) -> None:
+    """e2m1_pairs equals e2m1_pair (K = 0..3) bit for bit on every nibble in every position and random words, with
+    constant and with run-time masks; and it is the E2M1 decode (fp16 halves, value * 2**-14)."""
+    w = fp4_words(rows, 16).reshape(-1).to(device)
+    n = w.numel()
+    for runtime in (False, True):
+        out = torch.empty(8, n, dtype=torch.int32, device=device)
+        _pairs_kernel[(1,)](w, out, 0x07070707, -0x7F7F7F80, N=n, RUNTIME=runtime)
+        assert torch.equal(out[:4].cpu(), out[4:].cpu()), f"e2m1_pairs (runtime masks: {runtime}) != e2m1_pair"
+    halves = out[:4].cpu().contiguous().view(torch.float16).reshape(4, n, 2).float() * 2.0**14  # [K, word, half]
+    codes = unpack_nibbles(w.cpu().view(torch.uint8).reshape(n, 4)).reshape(n, 8)  # nibble k of each word
+    want = e2m1_decode(codes)
+    for k in range(4):
+        assert torch.equal(halves[k, :, 0], want[:, k]) and torch.equal(halves[k, :, 1], want[:, k + 4]), k
+
+
+def test_e2m1_pairs(device):
+    check_e2m1_pairs(device, 4)
+
+
+@pytest.mark.gpu
+def test_e2m1_pairs_gpu(device):
+    check_e2m1_pairs(device, 4096)
