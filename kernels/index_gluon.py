@@ -15,9 +15,9 @@ loads the 16 bytes of each of its token rows that its mma.sync A-operand registe
 - the joins / permute / reshape from words to the [128, 128] tile only rename registers: `gl.convert_layout(...,
   assert_trivial=True)` proves at compile time that no data moves;
 - block scales: nvfp4 blocks 2 t, 2 t + 1 of a row (one fp16 factor per word, hardware E4M3 -> fp16, one HMUL2 per
-  register); mxfp4: block t (the thread's 32 elements are exactly one MX block), the factor 2**(e - emax + 14)
-  relative to the token's largest exponent (two shuffles), 2**(emax - 14) on the fp32 token score: the numbers of
-  `kc.e8m0_word_factors`;
+  register); mxfp4 post-scaled like the portable kernel's default (POST_SCALE): the query is block-diagonal (dot
+  column 4 b + h holds head h's elements of MX block b, 16 columns), so the undecorated E2M1 tile gives every
+  (token, block, head) partial score, each multiplied by its fp32 block factor 2**e and the 4 blocks summed;
 - the next tile's loads are issued before this tile's decode (register double buffer); each warp's 32 tokens of a
   block reduce to a partial maximum per head inside the warp (no shared memory, no barrier) and the select pass
   maxes the 4 parts (`topk.select_from_block_scores`, as for the portable kernel's warp partials).
@@ -26,12 +26,12 @@ Semantics are the portable kernel's (SPEC section 3, LEAN block scores): tokens 
 local blocks get 1e30 / 1e29. Exactness: the same exact fp16 products as index_score (E2M1 x E4M3 and E2M1 x 2**k
 in fp16, the query times 2**a), fp32 accumulation in another order.
 
-Measured (H200, batch 64 x 150K, score + top-k, 2026-11-29 13:13 UTC, copy 4140 GB/s; `kvtool bench index --sweep`
-has the rows): nvfp4 240 us at 32 blocks per program against the portable kernel's 256 us in the same run (the
-prototype alone, block maxima only: 212 us at ~13:06 UTC, copy 4245 GB/s, against the portable 272 us). Offline
-sm_90: 94 registers, ~470 SASS per thread and 128-token tile on the common path (portable: ~511 + the shared-memory
-round trip), 16 HMMA, no shared memory in the loop. Still issue-bound: ~2.5 instructions per key element are the
-E2M1 decode and the scale multiply (4 integer ops per fp16 pair, one HMUL2 per pair).
+Measured (H200, batch 64 x 150K, score + top-k; bench/RESULTS.md has every run): nvfp4 240 us at 13:13 UTC
+against the portable kernel's 256 us; with `kc.e2m1_pairs` (11 integer ops per word instead of 16), the positions
+written by the kernel and no -inf fill, 224.0 us against 254.0 (13:32 UTC); mxfp4 (post-scaled) 264.8 against 289.7.
+Offline sm_90 loop per thread and 128-token tile, common path: nvfp4 ~400 SASS (102 registers, 5 programs per SM),
+mxfp4 ~383 (123 registers, 4 per SM); no shared memory in the loop. ncu (13:19 UTC, before e2m1_pairs): issue slots
+77 % busy, DRAM 67 %: still issue-bound, about two thirds of the loop is the E2M1 decode and the nvfp4 HMUL2s.
 
 Where it runs: CUDA devices with the hardware E4M3 conversion (capability >= 8.9) and Gluon; decode (one query per
 request), head dim 128, 128-token blocks within pages of a multiple of 128 tokens, at most 8 index heads. Elsewhere
@@ -59,7 +59,8 @@ except ImportError:  # pragma: no cover - the pinned Triton has it
 
 TOKENS = 128  # tokens per tile = one index block
 DIM = 128  # head dim
-HEADS_PAD = 8  # the dot's N: index heads padded to one mma n8 tile
+HEADS_PAD = 8  # nvfp4: the dot's N, index heads padded to one mma n8 tile
+MX_HEADS = 4  # mxfp4: heads per MX block in the block-diagonal query (N = 4 blocks x 4 heads)
 NUM_WARPS = 4  # 32 tokens per warp; also the number of partial maxima per block (WP)
 CHUNK_BLOCKS = 32  # blocks per program (H200, nvfp4 batch 64 x 150K top-k: 8 / 16 / 32 / 64 blocks 242 / 241 / 240 /
 # 249 us; one wave of programs, 118 blocks each, 257 us)
@@ -80,18 +81,21 @@ if gluon is not None:
     # nvfp4 block scales [128, 8] (block = word // 2): block bit 0 in a register, bits 1, 2 on those lanes
     S16_L = gl.DistributedLinearLayout(reg_bases=[[0, 1]] + _ROWS_REG, lane_bases=[[0, 2], [0, 4]] + _ROWS_LANE,
                                        warp_bases=_ROWS_WARP, block_bases=[], shape=[TOKENS, 8])
-    # mxfp4 block scales [128, 4] (block = word // 4): the block bits on those lanes
-    S32_L = gl.DistributedLinearLayout(reg_bases=_ROWS_REG, lane_bases=[[0, 1], [0, 2]] + _ROWS_LANE,
-                                       warp_bases=_ROWS_WARP, block_bases=[], shape=[TOKENS, 4])
+    # mxfp4 post-scaled dot: its [128, 16] accumulator (column n = 4 block + head; MMA registers -> cols 1, 8, lanes
+    # -> cols 2, 4) seen as [128 tokens, 4 blocks, 4 heads], and the [128, 4] block factors as its slice
+    L3 = gl.DistributedLinearLayout(reg_bases=[[0, 0, 1], [8, 0, 0], [0, 2, 0], [64, 0, 0]],
+                                    lane_bases=[[0, 0, 2], [0, 1, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+                                    warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[TOKENS, 4, 4])
+    F_L = gl.SliceLayout(2, L3)
     Q_L = gl.BlockedLayout([1, HEADS_PAD], [32, 1], [NUM_WARPS, 1], [1, 0])  # the query, once per program
 
     TOK = gl.constexpr(TOKENS)
     DIMC = gl.constexpr(DIM)
     HP = gl.constexpr(HEADS_PAD)
     e2m1_pairs = gluon.jit(kc.e2m1_pairs.fn)
-    pow2_f16 = gluon.jit(kc.pow2_f16.fn)
     exp2_int = gluon.jit(kc.exp2_int.fn)
     nanmax = gluon.jit(ib.nanmax.fn)
+    e8m0_decode_any = gluon.jit(kc.e8m0_decode_any.fn)
 
     @gluon.jit
     def column_element(c):
@@ -102,22 +106,43 @@ if gluon is not None:
         return 8 * w + ((c >> 3) & 3) + 4 * (c & 1)
 
     @gluon.jit
-    def decode_tile(words, f16, lo3, sign8):
-        """Packed E2M1 words int32 [128, 16] (W_L) and one fp16 factor per word [128, 16] (W_L) -> fp16 [128, 128]
-        in A_L, column c holding element column_element(c) times 2**-14 times the factor. lo3 / sign8: the run-time
-        masks of `kc.e2m1_pairs`."""
+    def decode_tile(words, f16, lo3, sign8, SCALED: gl.constexpr):
+        """Packed E2M1 words int32 [128, 16] (W_L) -> fp16 [128, 128] in A_L, column c holding element
+        column_element(c) times 2**-14, times f16's factor of its word (SCALED: fp16 [128, 16] in W_L; else f16 is
+        unused). lo3 / sign8: the run-time masks of `kc.e2m1_pairs`."""
         p0, p1, p2, p3 = e2m1_pairs(words, lo3, sign8)
         x0 = gl.join(p0.to(gl.int16), (p0 >> 16).to(gl.int16))
         x1 = gl.join(p1.to(gl.int16), (p1 >> 16).to(gl.int16))
         x2 = gl.join(p2.to(gl.int16), (p2 >> 16).to(gl.int16))
         x3 = gl.join(p3.to(gl.int16), (p3 >> 16).to(gl.int16))
         x = gl.join(gl.join(x0, x1), gl.join(x2, x3)).to(gl.float16, bitcast=True)  # [128, 16 w, h, k0, k1]
-        s = gl.join(f16, f16)
-        s = gl.join(s, s)
-        x = x * gl.join(s, s)
+        if SCALED:
+            s = gl.join(f16, f16)
+            s = gl.join(s, s)
+            x = x * gl.join(s, s)
         x = gl.reshape(x, [TOK, 2, 2, 2, 2, 2, 2, 2])  # token, w3, w2, w1, w0, h, k0, k1
         x = gl.permute(x, (0, 3, 4, 7, 6, 1, 2, 5))  # token, w1, w0, k1, k0, w3, w2, h: c's bits high to low
         return gl.convert_layout(gl.reshape(x, [TOK, DIMC]), A_L, assert_trivial=True)
+
+    @gluon.jit
+    def fold_blocks(x, E8M0: gl.constexpr, SUM: gl.constexpr):
+        """[128, NDOT] in MMA -> [128, heads]: mxfp4's post-scaled columns (4 block + head) summed (SUM) or maxed
+        over the blocks (for values equal across blocks: store offsets, column scales); nvfp4: unchanged."""
+        if E8M0:
+            x3 = gl.reshape(x, [TOK, 4, 4])
+            if SUM:
+                return gl.sum(x3, axis=1)
+            else:
+                return gl.max(x3, axis=1)
+        else:
+            return x
+
+    @gluon.jit
+    def mx_post_scale(acc, f):
+        """mxfp4: partial scores fp32 [128, 16] (MMA; column 4 block + head: the head's dot over that block's
+        elements) times the tokens' fp32 block factors f [128, 4] (F_L, E8M0 decoded, NaN for byte 255)."""
+        a3 = gl.convert_layout(gl.reshape(acc, [TOK, 4, 4]), L3, assert_trivial=True) * gl.expand_dims(f, 2)
+        return gl.convert_layout(gl.reshape(a3, [TOK, 16]), MMA, assert_trivial=True)
 
     @gluon.jit
     def nv_factors(sb):
@@ -125,17 +150,6 @@ if gluon is not None:
         (hardware E4M3 -> fp16, exact; NaN codes give NaN)."""
         f = sb.to(gl.float8e4nv, bitcast=True).to(gl.float16)
         return gl.convert_layout(gl.reshape(gl.join(f, f), [TOK, 16]), W_L, assert_trivial=True)
-
-    @gluon.jit
-    def mx_factors(sb):
-        """mxfp4 E8M0 bytes uint8 [128, 4] (S32_L) -> (fp16 [128, 16] (W_L) 2**(e - emax + 14) per word (NaN for
-        byte 255), fp32 [128] 2**(emax - 14) per token): `kc.e8m0_word_factors`' numbers, emax over the quad."""
-        b = sb.to(gl.int32)
-        bmax = gl.max(gl.where(b == 255, 0, b), axis=1)
-        f = gl.where(b == 255, float("nan"), pow2_f16(b - gl.expand_dims(bmax, 1) + 14))
-        f = gl.join(f, f)
-        f = gl.reshape(gl.join(f, f), [TOK, 16])
-        return gl.convert_layout(f, W_L, assert_trivial=True), exp2_int(bmax - 141)
 
     @gluon.jit
     def _fetch(data_ptr, bt_row, blk, n_blk, num_pages, page_bytes, w_off, s_off, PAGE: gl.constexpr,
@@ -179,34 +193,41 @@ if gluon is not None:
         valid = (ctx + TOK - 1) // TOK  # valid blocks of the row (the query at ctx - 1)
         blk0 = split * ch
         n_blk = gl.minimum(valid - blk0, ch)
-        # the query as the dot's B operand in the tile's column order, times 2**a per head (max in [2**14, 2**15))
+        # the query as the dot's B operand in the tile's column order, times 2**a per head (max in [2**14, 2**15));
+        # mxfp4: block-diagonal (column n = 4 block + head holds the head's elements of that MX block, 0 elsewhere)
+        NDOT: gl.constexpr = 16 if E8M0 else HP  # the dot's columns
+        HEADS: gl.constexpr = 4 if E8M0 else HP  # heads per block of columns
         c = gl.arange(0, DIMC, layout=gl.SliceLayout(1, Q_L))
-        n = gl.arange(0, HP, layout=gl.SliceLayout(0, Q_L))
-        q = gl.load(q_ptr + b.to(gl.int64) * stride_qb + gl.expand_dims(n, 0) * stride_qh
-                    + gl.expand_dims(column_element(c), 1), mask=gl.expand_dims(n < HI, 0), other=0.0)
+        n = gl.arange(0, NDOT, layout=gl.SliceLayout(0, Q_L))
+        el = gl.expand_dims(column_element(c), 1)
+        q = gl.load(q_ptr + b.to(gl.int64) * stride_qb + gl.expand_dims(n % HEADS, 0) * stride_qh + el,
+                    mask=gl.expand_dims(n % HEADS < HI, 0), other=0.0)
         q = q.to(gl.float32)
         e = ((gl.max(gl.abs(q), axis=0).to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
         a = gl.minimum(gl.maximum(14 - e, -126), 126)
-        qt = gl.convert_layout((q * gl.expand_dims(exp2_int(a), 0)).to(gl.float16), B_L)
+        q = q * gl.expand_dims(exp2_int(a), 0)
+        if E8M0:
+            q = gl.where(el // 32 == gl.expand_dims(n // HEADS, 0), q, 0.0)
+        qt = gl.convert_layout(q.to(gl.float16), B_L)
         colscale = gl.convert_layout(exp2_int(-a) * (gscale * 16384.0), gl.SliceLayout(0, MMA))
         # per-tile offsets inside a page
         tr = gl.arange(0, TOK, layout=gl.SliceLayout(1, W_L))
         w_off = gl.expand_dims(tr, 1) * (PB // 4) + gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, W_L)), 0)
-        if E8M0:
-            sr = gl.arange(0, TOK, layout=gl.SliceLayout(1, S32_L))
-            sc = gl.arange(0, 4, layout=gl.SliceLayout(0, S32_L))
+        if E8M0:  # the [128, 4] block factors of mx_post_scale
+            sr = gl.arange(0, TOK, layout=gl.SliceLayout(1, F_L))
+            sc = gl.arange(0, 4, layout=gl.SliceLayout(0, F_L))
         else:
             sr = gl.arange(0, TOK, layout=gl.SliceLayout(1, S16_L))
             sc = gl.arange(0, 8, layout=gl.SliceLayout(0, S16_L))
         s_off = PAGE * PB + gl.expand_dims(sr, 1) * SB + gl.expand_dims(sc, 0)
-        # the partial maxima's store offsets and column scales, put through the same reshape and reductions as the
+        # the partial maxima's store offsets and column scales, put through the same reshapes and reductions as the
         # scores, so that they land in the partial maxima's own layout (no layout conversion in the loop)
         tok = gl.arange(0, TOK, layout=gl.SliceLayout(1, MMA))
-        head = gl.arange(0, HP, layout=gl.SliceLayout(0, MMA))
-        p_off = gl.expand_dims(head, 0) * n_out + gl.expand_dims((tok // 16) % NW, 1)  # [128, 8]: head, warp
-        p_off = gl.max(gl.max(gl.reshape(p_off, [2, NW, 16, HP]), axis=2), axis=0)
-        p_scale = gl.expand_dims(colscale, 0) + gl.full([TOK, HP], 0.0, gl.float32, layout=MMA)
-        p_scale = gl.max(gl.max(gl.reshape(p_scale, [2, NW, 16, HP]), axis=2), axis=0)
+        col = gl.arange(0, NDOT, layout=gl.SliceLayout(0, MMA))
+        p_off = gl.expand_dims(col % HEADS, 0) * n_out + gl.expand_dims((tok // 16) % NW, 1)  # head, warp
+        p_off = gl.max(gl.max(gl.reshape(fold_blocks(p_off, E8M0, False), [2, NW, 16, HEADS]), axis=2), axis=0)
+        p_scale = gl.expand_dims(colscale, 0) + gl.full([TOK, NDOT], 0.0, gl.float32, layout=MMA)
+        p_scale = gl.max(gl.max(gl.reshape(fold_blocks(p_scale, E8M0, False), [2, NW, 16, HEADS]), axis=2), axis=0)
         p_mask = p_off < HI * n_out
         out_row = out_ptr + (b * HI).to(gl.int64) * n_out
         bt_row = bt_ptr + b.to(gl.int64) * stride_bt
@@ -216,18 +237,18 @@ if gluon is not None:
             blk = blk0 + j
             pg_n, words_n, sb_n = _fetch(data_ptr, bt_row, blk + 1, blk0 + n_blk, num_pages, page_bytes, w_off,
                                          s_off, PAGE, PB, SB)
-            if E8M0:
-                f16, rowfac = mx_factors(sb)
+            zero = gl.full([TOK, NDOT], 0.0, gl.float32, layout=MMA)
+            if E8M0:  # undecorated E2M1 x the block-diagonal query, then the fp32 block factors
+                acc = mx_post_scale(mma_v2(decode_tile(words, words, lo3, sign8, False), qt, zero),
+                                    e8m0_decode_any(sb))
             else:
-                f16 = nv_factors(sb)
-            acc = mma_v2(decode_tile(words, f16, lo3, sign8), qt, gl.full([TOK, HP], 0.0, gl.float32, layout=MMA))
-            if E8M0:
-                acc = acc * gl.expand_dims(gl.convert_layout(rowfac, gl.SliceLayout(1, MMA)), 1)
+                acc = mma_v2(decode_tile(words, nv_factors(sb), lo3, sign8, True), qt, zero)
             if (blk * TOK + TOK > ctx) | (pg < 0):  # a tile with tokens past the context or without a page
                 keep = (blk * TOK + tok < ctx) & (pg >= 0)
                 acc = gl.where(gl.expand_dims(keep, 1), acc, float("-inf"))
+            acc = fold_blocks(acc, E8M0, True)
             # tokens of warp w: rows 16 w + {0..15} + 64 r; its partial maximum stays inside the warp
-            part = gl.reduce(gl.reduce(gl.reshape(acc, [2, NW, 16, HP]), 2, nanmax), 0, nanmax)
+            part = gl.reduce(gl.reduce(gl.reshape(acc, [2, NW, 16, HEADS]), 2, nanmax), 0, nanmax)
             part = gl.where(part == float("-inf"), part, part * p_scale)
             if blk >= valid - LOCAL:  # forced blocks: local, else init (they override NaN too)
                 part = p_scale * 0.0 + 1e29
@@ -245,11 +266,11 @@ def device_ok(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-# Formats (by scale element) the launcher sends here by default: nvfp4 only. The mxfp4 variant (E8M0, the same
-# kernel) measured slower than the portable kernel's post-scaled dot on the H200 (batch 64 x 150K top-k, 13:13 UTC:
-# 346 us at 32 blocks per program vs 296 us; its per-token relative factors compile to byte repacks around every
-# HMUL2 and 130 registers, 3 programs per SM); it stays reachable with gluon=True and is tested.
-DEFAULT_SCALES = ("e4m3",)
+# Formats (by scale element) the launcher sends here by default: both. H200, batch 64 x 150K top-k (13:32 UTC):
+# nvfp4 224.0 us (portable 254.0), mxfp4 264.8 us (portable 289.7). The first mxfp4 form (relative fp16 block factors
+# multiplied into the decoded tile, as the portable word path) was slower than the portable kernel (346 us at 13:13
+# UTC: byte repacks around every HMUL2); the post-scaled dot replaced it.
+DEFAULT_SCALES = ("e4m3", "e8m0")
 
 
 def applies(iq4: torch.Tensor, cache, cfg, q_pos, scales=("e4m3", "e8m0")) -> bool:
@@ -258,8 +279,8 @@ def applies(iq4: torch.Tensor, cache, cfg, q_pos, scales=("e4m3", "e8m0")) -> bo
     _, nq, hi, d = iq4.shape
     return (cache.fmt.spec.payload_bits == 4 and cache.fmt.scale_element in scales and d == DIM
             and cache.head_dim == DIM and cache.payload_bytes == DIM // 2 and cfg.block_size == TOKENS
-            and cache.page_size % TOKENS == 0 and nq == 1 and q_pos is None and 1 <= hi <= HEADS_PAD
-            and cache.num_heads == 1)
+            and cache.page_size % TOKENS == 0 and nq == 1 and q_pos is None and cache.num_heads == 1
+            and 1 <= hi <= (HEADS_PAD if cache.fmt.scale_element == "e4m3" else MX_HEADS))
 
 
 def decode_block_parts(iq4: torch.Tensor, cache, block_table: torch.Tensor, context_lens: torch.Tensor, cfg,

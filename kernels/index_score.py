@@ -7,6 +7,10 @@ maxima instead, `index_blocks.part_nanmax`, and the select pass maxes them). It 
 `kvtool.paged.PagedCache` with H = 1, uint8 [num_pages, 1, page_bytes], per page `[P x payload][P x scale]`, a block
 table [B, max_pages] int32 and context lengths [B] int32.
 
+On CUDA devices (capability >= 8.9) FP4 decode block scores and top-k run the Gluon kernel of
+`kernels/index_gluon.py` instead (`_use_gluon`), which decodes E2M1 straight into the tensor-core operand registers;
+this kernel is the portable path: every other device, prefill, other shapes, and CI (the interpreter).
+
 How it aims to stay bandwidth-bound (H200, batch 64 x 150K: ~706 MB of FP4 keys, a ~166 us floor):
 - MQA: all index heads (and, in prefill, a tile of queries) share each key, so one key tile is loaded and decoded once
   and scored against every row with one tensor-core dot `K [T, D] x Q^T [D, rows]` (K from registers, wgmma).
@@ -273,9 +277,9 @@ LEAN_DEFAULT = True
 # in every pair row (324.8 -> 409-554). So FP4 block-score launches on CUDA default to FP4_PAIR_LAUNCH.
 def _use_gluon(iq4, cache, cfg, q_pos, mode: int, options: dict) -> bool:
     """The NVIDIA fast path (`kernels/index_gluon.py`) for FP4 decode block scores and top-k: option gluon=True
-    forces it (nvfp4 or mxfp4, where it applies), False keeps the portable kernel; by default it runs for nvfp4
-    (index_gluon.DEFAULT_SCALES) where it applies unless a portable-kernel variant option is given. Block-score and
-    two-pass top-k launches only."""
+    forces it (nvfp4 or mxfp4, where it applies), False keeps the portable kernel; by default it runs for the
+    formats of index_gluon.DEFAULT_SCALES where it applies unless a portable-kernel variant option is given.
+    Block-score and two-pass top-k launches only."""
     want = options.get("gluon")
     portable = [k for k in PORTABLE_OPTIONS if options.get(k) is not None]
     if want and portable:

@@ -167,9 +167,9 @@ for _f in SCORE_FORMATS:
 # the topk.py kernels no default launch uses: the in-kernel top-k's merge, the split select's packed merge
 CASES["index-decode-topk-inkernel/nvfp4"] = _index_decode("nvfp4", "decode_topk", in_kernel_topk=True)
 CASES["index-decode-topk-split256/nvfp4"] = _index_decode("nvfp4", "decode_topk", select="split256")
-# the Gluon scorer's mxfp4 variant (off by default: slower than the portable kernel) and its refusal on ROCm
-CASES["index-decode-topk-gluon/mxfp4"] = _index_decode("mxfp4", "decode_topk", gluon=True)
-XFAIL[("index-decode-topk-gluon/mxfp4", "hip:gfx950")] = "gluon=True is refused off CUDA (KernelArgumentError)"
+# the Gluon scorer forced (gluon=True) and its refusal on ROCm
+CASES["index-decode-topk-gluon/nvfp4"] = _index_decode("nvfp4", "decode_topk", gluon=True)
+XFAIL[("index-decode-topk-gluon/nvfp4", "hip:gfx950")] = "gluon=True is refused off CUDA (KernelArgumentError)"
 # attention's portable (integer) e4m3 decode, which its default launch skips on both targets (see NATIVE_FP8 below)
 PORTABLE_FP8 = ("attn-decode-splits-portable/fp8", "attn-decode-splits-portable/nvfp4")
 for _case in PORTABLE_FP8:
