@@ -6,7 +6,8 @@ Triton converts that to the dot operand layout through shared memory (STS, barri
 then waits on; ncu on the H200 (2026-11-29 13:00 UTC, nvfp4, batch 64 x 150K) put 25 % of the warp stall samples on
 WARPGROUP.ARRIVE and a third of the cycles on shared-memory (MIO) waits, at 54 % issue efficiency. Here every thread
 loads the 16 bytes of each of its token rows that its mma.sync A-operand registers need and decodes them in place:
-- the dot is `K [128 tokens, 128] x Q^T [128, 8]` (mma.sync m16n8k16, 4 warps, the 4 index heads padded to 8);
+- the dot is `K [128 tokens, 128] x Q^T [128, 8]` (mma.sync m16n8k16, 4 warps, up to 8 index heads; mxfp4:
+  `x Q'^T [128, 16]`, below);
 - in the A operand (`A_L`) thread (lane 4 g + t) holds, per token row, the columns 2 t + {0, 1} + 8 m (m < 16). The
   order of the head dim inside a dot is free (the query is loaded in the same order), so column c is given the
   element `column_element(c)`: the thread's 32 elements of a row are bytes 16 t .. 16 t + 15 of the packed row (one
@@ -34,7 +35,8 @@ mxfp4 ~383 (123 registers, 4 per SM); no shared memory in the loop. ncu (13:19 U
 77 % busy, DRAM 67 %: still issue-bound, about two thirds of the loop is the E2M1 decode and the nvfp4 HMUL2s.
 
 Where it runs: CUDA devices with the hardware E4M3 conversion (capability >= 8.9) and Gluon; decode (one query per
-request), head dim 128, 128-token blocks within pages of a multiple of 128 tokens, at most 8 index heads. Elsewhere
+request), head dim 128, 128-token blocks within pages of a multiple of 128 tokens, at most 8 (nvfp4) or 4 (mxfp4)
+index heads. Elsewhere
 (and on ROCm: gfx950 gets the portable kernel, whose code is tested in CI) `index_score` runs the portable kernel.
 The interpreter cannot run Gluon: CI compiles this kernel for sm_90 (tests/test_kernel_compile.py); the GPU tests
 compare it with the portable kernel and the reference (tests/test_kernels_index.py, marked gpu).
