@@ -274,7 +274,16 @@ LEAN_DEFAULT = True
 # per SM instead of 4), hence max_registers=128 sweep rows (nvfp4 s3 515.5, mxfp4 s3 511).
 # H200, batch 64 x 150K score+topk (2026-11-29 12:59 UTC, bench index --sweep; predicted nvfp4 ~266 us): pairs s5
 # r128 nvfp4 272.9 -> 260.8 us, mxfp4 305.7 -> 300.2; uncapped pairs s5 271.4 / 364.2, s3 300.2 / 361.1; fp8 slower
-# in every pair row (324.8 -> 409-554). So FP4 block-score launches on CUDA default to FP4_PAIR_LAUNCH.
+# in every pair row (324.8 -> 409-554). So FP4 decode top-k launches of this kernel on CUDA (those the Gluon kernel
+# does not take, e.g. gluon=False) default to FP4_PAIR_LAUNCH; prefill keeps the autotuned launch (not timed).
+def _fp4_pair_default(device: torch.device) -> bool:
+    """FP4_PAIR_LAUNCH applies on CUDA devices (measured there; its register cap is a CUDA launch option)."""
+    return device.type == "cuda" and torch.version.cuda is not None
+
+
+FP4_PAIR_LAUNCH = {"tile_pairs": True, "prefetch": False, "num_stages": 5, "num_warps": 4, "max_registers": 128}
+
+
 def _use_gluon(iq4, cache, cfg, q_pos, mode: int, options: dict) -> bool:
     """The NVIDIA fast path (`kernels/index_gluon.py`) for FP4 decode block scores and top-k: option gluon=True
     forces it (nvfp4 or mxfp4, where it applies), False keeps the portable kernel; by default it runs for the
@@ -290,16 +299,10 @@ def _use_gluon(iq4, cache, cfg, q_pos, mode: int, options: dict) -> bool:
     ok = index_gluon.device_ok(iq4.device) and index_gluon.applies(iq4, cache, cfg, q_pos, scales)
     if want and not ok:
         raise KernelArgumentError("index scorer: gluon=True needs a CUDA device with capability >= 8.9 and an FP4 "
-                                  "decode launch of head dim 128, 128-token blocks and at most 8 index heads")
+                                  "decode launch of head dim 128, 128-token blocks and at most 8 (nvfp4) or 4 "
+                                  "(mxfp4) index heads")
     return ok
 
-
-def _fp4_pair_default(device: torch.device) -> bool:
-    """FP4_PAIR_LAUNCH applies on CUDA devices (measured there; its register cap is a CUDA launch option)."""
-    return device.type == "cuda" and torch.version.cuda is not None
-
-
-FP4_PAIR_LAUNCH = {"tile_pairs": True, "prefetch": False, "num_stages": 5, "num_warps": 4, "max_registers": 128}
 
 # Smallest head dim for the FP4 word decode (`kc.fp4_quarter`): at D = 64 the H200 gave wrong selections (see the
 # module docstring); the byte decode covers smaller heads. A module constant so that a GPU diagnostic can lower it.
@@ -384,10 +387,9 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
     if bad:
         raise KernelArgumentError(f"index scorer: unknown launch options {sorted(bad)} (known: {LAUNCH_OPTIONS})")
     _check(iq4, cache, block_table, context_lens, cfg)
-    bsz = iq4.shape[0]
-    gl_ctx = max_context if max_context is not None else (
-        int(context_lens.max()) if mode != 2 and bsz else block_table.shape[1] * cache.page_size)
-    nb = triton.cdiv(max(gl_ctx, 1), cfg.block_size)
+    if max_context is None:
+        max_context = int(context_lens.max()) if mode != 2 and iq4.shape[0] else block_table.shape[1] * cache.page_size
+    nb = triton.cdiv(max(max_context, 1), cfg.block_size)
     if (mode == 1 or nb <= MAX_SELECT_BLOCKS) and _use_gluon(iq4, cache, cfg, q_pos, mode, options):
         parts, pos = index_gluon.decode_block_parts(iq4, cache, block_table, context_lens, cfg, nb,
                                                     options.get("chunk_blocks"), fill=mode == 1)
@@ -395,8 +397,8 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
             return parts.amax(-1)  # NaN-propagating, like the kernels' block maxima
         return select_from_block_scores(parts, pos, cfg.block_size, cfg.topk, higher_id=cfg.tie_rule != "lower-id",
                                         variant=options.get("select"))
-    if (_fp4_pair_default(iq4.device) and cache.fmt.spec.payload_bits == 4 and mode == 2
-            and not options.get("in_kernel_topk") and iq4.shape[-1] >= MIN_WORDS_DIM
+    if (_fp4_pair_default(iq4.device) and cache.fmt.spec.payload_bits == 4 and mode == 2 and q_pos is None
+            and iq4.shape[1] == 1 and not options.get("in_kernel_topk") and iq4.shape[-1] >= MIN_WORDS_DIM
             and not any(options.get(k) is not None for k in FP4_PAIR_LAUNCH)):
         options = {**FP4_PAIR_LAUNCH, **options}  # measured default (above); a register cap is CUDA-only
     iq4 = iq4 if iq4.stride(-1) == 1 else iq4.contiguous()
@@ -407,9 +409,6 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
     fp4_words = d >= 128 if fp4_words is None else bool(fp4_words)
     if fp4_words and fmt.spec.payload_bits == 4 and d < MIN_WORDS_DIM:
         raise KernelArgumentError(f"index scorer: the FP4 word decode needs a head dim >= {MIN_WORDS_DIM}, got {d}")
-    if max_context is None:
-        max_context = int(context_lens.max()) if mode != 2 and bsz else block_table.shape[1] * cache.page_size
-    nb = triton.cdiv(max(max_context, 1), bs)
     hip = triton.next_power_of_2(hi)
     qt = options.get("q_tile") or (1 if nq == 1 else max(1, 64 // hip))
     qt = min(triton.next_power_of_2(qt), triton.next_power_of_2(nq))
