@@ -400,6 +400,16 @@ def poisoned_cache(label, ctx, page, seed):
     return cache, table, cl, slots
 
 
+def poisoned_prefill(label, seed):
+    """A causal prefill case on a poisoned cache (contexts 70 and 33, 16-token pages and blocks, 5 queries of 4
+    heads, top-3, one forced init block): (cache, table, ctx, iq, cfg, reference ids, reference scores, bound)."""
+    cache, table, cl, _ = poisoned_cache(label, [70, 33], page=16, seed=seed)
+    iq = queries(2, 4, 128, seed=seed + 1, q=5)
+    cfg = IndexerConfig(block_size=16, topk=3, init_blocks=1, local_blocks=0)
+    ref_ids, ref_scores = paged_reference(iq, cache, table, cl, cfg)
+    return cache, table, cl, iq, cfg, ref_ids, ref_scores, tolerance(iq, cache, table, cl)
+
+
 LEAN_CASES = {  # (page, block): tiles of whole pages (16 / 64) and tiles of a quarter page (t0 % PAGE != 0)
     "tile=page16": (16, 32), "tile=page64": (64, 64), "tile<page": (64, 16)}
 
@@ -439,12 +449,7 @@ def test_decode_not_lean(label):
 @pytest.mark.parametrize("label", ["fp8", "nvfp4", "mxfp4"])
 def test_prefill_lean(label):
     """LEAN in prefill (per-row causal masks on every tile) with poisoned bytes past the context."""
-    ctx = [70, 33]
-    cache, table, cl, _ = poisoned_cache(label, ctx, page=16, seed=62)
-    iq = queries(2, 4, 128, seed=63, q=5)
-    cfg = IndexerConfig(block_size=16, topk=3, init_blocks=1, local_blocks=0)
-    ref_ids, ref_scores = paged_reference(iq, cache, table, cl, cfg)
-    tol = tolerance(iq, cache, table, cl)
+    cache, table, cl, iq, cfg, ref_ids, ref_scores, tol = poisoned_prefill(label, seed=62)
     assert_ids_match(K.prefill_topk(iq, cache, table, cl, cfg, prefetch=False, lean=True), ref_ids, ref_scores, tol)
     assert_scores_match(K.prefill_block_scores(iq, cache, table, cl, cfg, prefetch=True, lean=True), ref_scores, tol)
 
@@ -488,12 +493,7 @@ def test_decode_tile_pairs(label, case):
 def test_prefill_tile_pairs(label):
     """tile_pairs in prefill (per-row causal masks on both tiles of a pair) and without LEAN, poisoned bytes past
     the context: the reference's ids and block scores."""
-    ctx = [70, 33]
-    cache, table, cl, _ = poisoned_cache(label, ctx, page=16, seed=72)
-    iq = queries(2, 4, 128, seed=73, q=5)
-    cfg = IndexerConfig(block_size=16, topk=3, init_blocks=1, local_blocks=0)
-    ref_ids, ref_scores = paged_reference(iq, cache, table, cl, cfg)
-    tol = tolerance(iq, cache, table, cl)
+    cache, table, cl, iq, cfg, ref_ids, ref_scores, tol = poisoned_prefill(label, seed=72)
     assert_ids_match(K.prefill_topk(iq, cache, table, cl, cfg, prefetch=False, lean=True, tile_pairs=True,
                                     chunk_blocks=8), ref_ids, ref_scores, tol)
     assert_scores_match(K.prefill_block_scores(iq, cache, table, cl, cfg, prefetch=False, lean=True,
