@@ -89,6 +89,7 @@ import triton.language as tl
 from kvtool.errors import KernelArgumentError
 from kvtool.kernels import attn_tiles as tiles
 from kvtool.kernels import codecs as kc
+from kvtool.kernels import sparse_attn_gluon as attn_gluon
 from kvtool.kernels.attn_tiles import SCALE_E8M0, SCALE_ROW
 from kvtool.kernels.store import native_fp8 as store_native_fp8
 from kvtool.paged import PagedCache
@@ -497,6 +498,21 @@ def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_
     return out
 
 
+def _use_gluon(q, k_cache, v_cache, block_size: int, want: bool | None, portable: dict) -> bool:
+    """The NVIDIA fast path (`kernels/sparse_attn_gluon.py`) for nvfp4 decode: gluon=True requires it, False keeps
+    the portable kernel; by default it runs where it applies unless a portable-kernel option is given."""
+    given = sorted(k for k, v in portable.items() if v is not None)
+    if want and given:
+        raise KernelArgumentError(f"sparse_decode: gluon=True does not take the portable kernel's options {given}")
+    if want is False or given:
+        return False
+    ok = attn_gluon.device_ok(q.device) and attn_gluon.applies(q, k_cache, v_cache, block_size)
+    if want and not ok:
+        raise KernelArgumentError("sparse_decode: gluon=True needs a CUDA device with capability >= 8.9, nvfp4 K and "
+                                  "V, head dim 128, at most 16 query heads per KV head and 128-token blocks and pages")
+    return ok
+
+
 def _check_q(q: torch.Tensor, name: str = "q") -> None:
     if q.dim() != 3 or q.dtype != torch.bfloat16 or q.stride(-1) != 1:
         raise KernelArgumentError(f"{name} must be bf16 [rows, Hq, D] with a contiguous last dim, got {q.dtype} "
@@ -512,7 +528,7 @@ def sparse_decode(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, blo
                   out_dtype: torch.dtype = torch.bfloat16, precise_p: bool | None = None,
                   prefetch: int | bool | None = None, paired: bool | str | None = None,
                   maxnreg: int | None = None, lazy_l: bool | None = None,
-                  joint_max: bool | None = None) -> torch.Tensor:
+                  joint_max: bool | None = None, gluon: bool | None = None) -> torch.Tensor:
     """One decode step of sparse attention for B requests.
 
     q bf16 [B, Hq, D] (the token at position context_lens[b] - 1, already stored in the caches); k_cache / v_cache:
@@ -538,6 +554,19 @@ def sparse_decode(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, blo
     _check_int("block_table", block_table, (b, block_table.shape[-1] if block_table.dim() == 2 else -1), q.device)
     _check_int("context_lens", context_lens, (b,), q.device)
     _check_int("block_ids", block_ids, (b, k_cache.num_heads, block_ids.shape[-1]), q.device)
+    portable = {"tile_tokens": tile_tokens, "num_warps": num_warps, "num_stages": num_stages, "native_fp8": native_fp8,
+                "precise_p": precise_p, "prefetch": prefetch, "paired": paired, "maxnreg": maxnreg, "lazy_l": lazy_l,
+                "joint_max": joint_max}
+    if _use_gluon(q, k_cache, v_cache, block_size, gluon, portable):
+        if out_dtype not in (torch.bfloat16, torch.float32):
+            raise KernelArgumentError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
+        if num_splits is not None and int(num_splits) < 1:
+            raise KernelArgumentError(f"num_splits must be >= 1, got {num_splits}")
+        scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+        return attn_gluon.sparse_decode(q, k_cache, v_cache, block_table, context_lens, block_ids,
+                                        scale * LOG2E * _scalar_of(k_cache, "k_cache") * E2M1_UNIT,
+                                        _scalar_of(v_cache, "v_cache") * E2M1_UNIT, num_splits, out_dtype,
+                                        _combine_kernel)
     return _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_splits, True, context_lens,
                    context_lens, context_lens, tile_tokens, num_warps, num_stages, native_fp8, out_dtype,
                    precise_p, prefetch, paired, maxnreg, lazy_l, joint_max)

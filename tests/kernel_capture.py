@@ -211,7 +211,9 @@ def capture(thunk: Callable[[], Any], target: Target) -> list[Launch]:
         p.setattr(isc, "torch", fake)
         p.setattr(isc, "_num_sms", lambda device: real_sms(cuda0))
         p.setattr(isc, "_fp4_pair_default", lambda device: not target.rocm)
-        p.setattr(mods["index_gluon"], "device_ok", lambda device: not target.rocm)  # the NVIDIA fast path
+        p.setattr(mods["index_gluon"], "device_ok", lambda device: not target.rocm)  # the NVIDIA fast paths
+        p.setattr(mods["sparse_attn_gluon"], "device_ok", lambda device: not target.rocm)
+        p.setattr(mods["sparse_attn_gluon"], "_num_sms", lambda device: target.sms)
         real_plan = sa.launch_plan
         p.setattr(sa, "torch", fake)
         p.setattr(sa, "launch_plan", lambda *a, **k: real_plan(*a, **{"sms": target.sms, **k}))

@@ -170,6 +170,9 @@ CASES["index-decode-topk-split256/nvfp4"] = _index_decode("nvfp4", "decode_topk"
 # the Gluon scorer forced (gluon=True) and its refusal on ROCm
 CASES["index-decode-topk-gluon/nvfp4"] = _index_decode("nvfp4", "decode_topk", gluon=True)
 XFAIL[("index-decode-topk-gluon/nvfp4", "hip:gfx950")] = "gluon=True is refused off CUDA (KernelArgumentError)"
+# the Gluon attention forced (gluon=True) and its refusal on ROCm
+CASES["attn-decode-gluon/nvfp4"] = _attn_decode("nvfp4", 64, gluon=True)
+XFAIL[("attn-decode-gluon/nvfp4", "hip:gfx950")] = "gluon=True is refused off CUDA (KernelArgumentError)"
 # attention's portable (integer) e4m3 decode, which its default launch skips on both targets (see NATIVE_FP8 below)
 PORTABLE_FP8 = ("attn-decode-splits-portable/fp8", "attn-decode-splits-portable/nvfp4")
 for _case in PORTABLE_FP8:
@@ -178,16 +181,19 @@ for _case in PORTABLE_FP8:
 # what each group must launch (by kernel object name; a tuple: one of these), checked on every target. The index
 # scorer: autotuned, or its fixed launch (FP4 top-k on CUDA: index_score.FP4_PAIR_LAUNCH)
 SCORER = ("index_score._tuned_kernel", "index_score._index_score_kernel", "index_gluon.decode_block_parts_kernel")
+# sparse-attention decode: the portable kernel, or (nvfp4 on CUDA) the Gluon fast path (kernels/sparse_attn_gluon.py)
+ATTN_DECODE = ("sparse_attn._sparse_attn_kernel", "sparse_attn_gluon.decode_kernel")
 EXPECT = {
     "store": {"store._store_kernel"}, "quantize": {"store._store_kernel"},
     "gather-bf16": {"dequant._dequant_kernel"}, "dequantize-fp32": {"dequant._dequant_kernel"},
     "index-decode-topk": {SCORER, "topk._select_kernel"},
     "index-decode-blocks": {SCORER},
     "index-prefill-topk": {SCORER, "topk._select_kernel"},
-    "attn-decode-splits": {"sparse_attn._sparse_attn_kernel", "sparse_attn._combine_kernel"},
+    "attn-decode-splits": {ATTN_DECODE, "sparse_attn._combine_kernel"},
     "attn-decode-splits-portable": {"sparse_attn._sparse_attn_kernel", "sparse_attn._combine_kernel"},
-    "attn-decode-nosplit": {"sparse_attn._sparse_attn_kernel"},
-    "attn-decode-small": {"sparse_attn._sparse_attn_kernel", "sparse_attn._combine_kernel"},
+    "attn-decode-nosplit": {ATTN_DECODE},
+    "attn-decode-small": {ATTN_DECODE, "sparse_attn._combine_kernel"},
+    "attn-decode-gluon": {"sparse_attn_gluon.decode_kernel", "sparse_attn._combine_kernel"},
     "attn-prefill": {"sparse_attn._sparse_attn_kernel"},
     "index-decode-topk-inkernel": {"index_score._tuned_kernel", "topk._merge_kernel"},
     "index-decode-topk-split256": {SCORER, "topk._select_kernel", "topk._merge_packed_kernel"},

@@ -238,6 +238,18 @@ def test_argument_errors():
         sparse_decode(q, kc, vc, table, ctx, ids, 32, paired="v")  # True, False or "k"
 
 
+def test_gluon_path_is_refused_where_it_cannot_run():
+    """gluon=True (the NVIDIA fast path, kernels/sparse_attn_gluon.py) is an error off CUDA >= 8.9, for other
+    formats or shapes and beside a portable-kernel option; gluon=False is the portable kernel (the default off CUDA)."""
+    q, kc, vc, table, ctx, ids = make_decode("nvfp4", [20, 30])
+    with pytest.raises(KernelArgumentError, match="gluon=True"):
+        sparse_decode(q, kc, vc, table, ctx, ids, 32, gluon=True)
+    with pytest.raises(KernelArgumentError, match="portable"):
+        sparse_decode(q, kc, vc, table, ctx, ids, 32, gluon=True, num_warps=2)
+    ref = paged_sparse_decode_ref(q, kc, vc, table, ctx, ids, 32)
+    check_close(sparse_decode(q, kc, vc, table, ctx, ids, 32, gluon=False, out_dtype=torch.float32), ref)
+
+
 # --------------------------------------------------------------------------------------------- GPU, real sizes
 M3 = {"hq": 16, "hkv": 1, "d": 128, "page": 128, "bs": 128, "topk": 16}
 GPU_FORMATS = ["bf16", "fp8", "fp8-tensor", "fp8-token", "nvfp4", "nvfp4-rcp-auto", "mxfp4"]
@@ -302,6 +314,51 @@ def test_gpu_cuda_graph_replay():
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
     assert math.isfinite(float(out.float().abs().max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [(16, 1), (16, 2), (8, 2), (5, 1)], ids=["g16", "g8x2", "g4x2", "g5"])
+@pytest.mark.parametrize("fmt", ["nvfp4-rcp", "nvfp4-rcp-auto", "nvfp4-div"])
+def test_gpu_decode_gluon(fmt, heads):
+    """The Gluon nvfp4 decode (forced) against the reference and the portable kernel: contexts around the 64-token
+    tile and 128-token page edges up to 150K (the pool's 0xFF bytes after each context are NaN scales: never read),
+    -1 holes in the selections, GQA groups of 16, 8, 4 and 5 (padded) query heads, every split count (1 writes the
+    output itself, more go through the combine kernel; 100 > tiles), bf16 output = the rounded fp32 output."""
+    hq, hkv = heads
+    lens = [1, 63, 64, 65, 127, 128, 129, 4097, 150000]
+    q, kc, vc, table, ctx, ids = make_decode(fmt, lens, hq, hkv, 128, 128, 128, 16, seed=21)
+    ref = paged_sparse_decode_ref(q, kc, vc, table, ctx, ids, 128)
+    port = sparse_decode(q, kc, vc, table, ctx, ids, 128, gluon=False, out_dtype=torch.float32)
+    for splits in (None, 1, 3, 32, 100):
+        out = sparse_decode(q, kc, vc, table, ctx, ids, 128, num_splits=splits, gluon=True, out_dtype=torch.float32)
+        check_close(out, ref, 2e-3)
+        check_close(out, port, 2e-3)
+    one = sparse_decode(q, kc, vc, table, ctx, ids, 128, num_splits=1, gluon=True, out_dtype=torch.float32)
+    assert torch.equal(sparse_decode(q, kc, vc, table, ctx, ids, 128, num_splits=1, gluon=True), one.to(torch.bfloat16))
+    assert torch.equal(sparse_decode(q, kc, vc, table, ctx, ids, 128, num_splits=1), one.to(torch.bfloat16))  # default
+
+
+@pytest.mark.gpu
+def test_gpu_decode_gluon_dead_tiles():
+    """Rows with nothing selected give zeros; a selected block wholly after the query, a -1 page in the block table
+    and a block whose second half lies after the query are skipped exactly as the portable kernel skips them."""
+    q, kc, vc, table, ctx, ids = make_decode("nvfp4", [300, 5000, 70, 9000], 16, 1, 128, 128, 128, 16, seed=22)
+    ids[0] = -1
+    ids[1, 0, :3] = torch.tensor([39, 45, -1], dtype=torch.int32)  # 39: tokens 4992..5119 (query at 4999); 45: after
+    table[3, int(ids[3, 0][ids[3, 0] >= 0][0])] = -1
+    port = sparse_decode(q, kc, vc, table, ctx, ids, 128, gluon=False, out_dtype=torch.float32)
+    assert torch.equal(port[0], torch.zeros_like(port[0]))
+    for splits in (None, 1, 4):
+        out = sparse_decode(q, kc, vc, table, ctx, ids, 128, num_splits=splits, gluon=True, out_dtype=torch.float32)
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
+        check_close(out, port, 2e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_refuses_other_formats():
+    q, kc, vc, table, ctx, ids = make_decode("mxfp4", [300, 900], 16, 1, 128, 128, 128, 4, seed=23)
+    with pytest.raises(KernelArgumentError, match="gluon=True"):
+        sparse_decode(q, kc, vc, table, ctx, ids, 128, gluon=True)
 
 
 @pytest.mark.gpu

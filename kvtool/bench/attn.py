@@ -1,7 +1,9 @@
 """`kvtool bench attn`: one decode step of M3 sparse attention at the TP4 shape (16 query heads, 1 KV head, head dim
 128, 128-token blocks and pages, top-16 blocks per request) for batch 1, 16, 64, 256, per cache format.
 
-Rows per (batch, format): the Triton kernel (`kvtool.kernels.sparse_attn.sparse_decode`), torch eager (gather the
+Rows per (batch, format): the Triton kernel (`kvtool.kernels.sparse_attn.sparse_decode`'s default launch: for nvfp4
+on CUDA >= 8.9 the Gluon fast path of `kernels/sparse_attn_gluon.py`, with the portable kernel's row beside it as
+"portable"), torch eager (gather the
 selected slots, dequantize, attention in fp32: the unfused path), and once per batch PyTorch SDPA over the gathered,
 already dequantized bf16 tokens (attention alone, the floor of an unfused engine). Bytes (SPEC section 6): the
 visible selected K/V tokens read once (payload + scales), q read once, the output written once, plus the selection;
@@ -178,6 +180,7 @@ def run_attn_bench(batches=DEFAULT_BATCHES, formats=DEFAULT_FORMATS, context: in
                    progress: Callable[[str], None] | None = None) -> BenchReport:
     """Build the case table and run it (see the module docstring). On the CPU the kernel rows need
     TRITON_INTERPRET=1 (the interpreter; times are meaningless there, the run checks the plumbing)."""
+    from kvtool.kernels import sparse_attn_gluon as attn_gluon
     from kvtool.kernels.sparse_attn import launch_plan
 
     gen = torch.Generator().manual_seed(seed)
@@ -197,9 +200,21 @@ def run_attn_bench(batches=DEFAULT_BATCHES, formats=DEFAULT_FORMATS, context: in
                 t, splits, _, warps = launch_plan(batch, GEOMETRY["num_kv_heads"], GEOMETRY["topk"],
                                                   GEOMETRY["block_size"], GEOMETRY["page_size"], torch.device(device),
                                                   quantized=step.fmt.element is not None)
-                cases.append(BenchCase(f"triton {label}", step.kernel(), step.bytes, group,
-                                       f"{how} x {layers} layers; tile {t}, splits {splits}, warps {warps}",
-                                       cuda_graph=device.startswith("cuda")))
+                portable = f"{how} x {layers} layers; tile {t}, splits {splits}, warps {warps}"
+                fast = attn_gluon.device_ok(torch.device(device)) and attn_gluon.applies(
+                    step.q, step.k[0], step.v[0], GEOMETRY["block_size"])
+                if fast:  # the default launch takes the NVIDIA fast path; the portable kernel's row beside it
+                    gsplits = attn_gluon.default_splits(batch, GEOMETRY["num_kv_heads"],
+                                                        GEOMETRY["topk"] * GEOMETRY["block_size"] // attn_gluon.TILE,
+                                                        torch.device(device))
+                    cases.append(BenchCase(f"triton {label}", step.kernel(), step.bytes, group,
+                                           f"{how} x {layers} layers; Gluon fast path, splits {gsplits}",
+                                           cuda_graph=device.startswith("cuda")))
+                    cases.append(BenchCase(f"triton {label} portable", step.kernel(gluon=False), step.bytes, group,
+                                           portable, cuda_graph=device.startswith("cuda")))
+                else:
+                    cases.append(BenchCase(f"triton {label}", step.kernel(), step.bytes, group, portable,
+                                           cuda_graph=device.startswith("cuda")))
                 for vname, options in SWEEP if sweep else ():
                     if "native_fp8" in options and step.fmt.scale_element == "e8m0":  # no E4M3 to convert
                         continue

@@ -1,0 +1,365 @@
+"""NVIDIA fast path of sparse-attention decode for nvfp4 K/V, written in Gluon (Triton's explicit-layout dialect), so
+that the decoded K and V tiles are born in the tensor-core operand registers: no shared memory in the loop.
+
+Why a second kernel: the portable kernel (`kernels/sparse_attn.py`) decodes E2M1 into blocked layouts that Triton
+moves into the dot operand layouts through shared memory; its per-tile time did not depend on the bytes it loads
+(0 of 16 selected blocks took as long as 16, H200 2026-11-29) and ncu found it bound by shared-memory round trips
+(see that module's docstring). Here, per 64-token tile of one page (4 warps, 16 tokens per warp):
+- S = Q K^T: Q [16 query heads, 128] is the mma.sync A operand (scaled per head by 2**a into fp16's range), K^T
+  [128 dim slots, 64 tokens] the B operand, decoded in place from the 16 bytes of each token row that a thread's
+  B registers need (dim slot c holds element `k_column_element(c)`; Q is loaded in the same order);
+- each warp keeps its own online-softmax state for its 16 tokens (max per head, lazy per-column sums), so the
+  softmax needs no cross-warp exchange inside the loop;
+- O_w = P_w V_w is a batched mma (batch = warp): V [16 tokens, 128] is the B operand, its fp16 token pairs built
+  from two token rows' words (`decode_v`) by `kc.e2m1_pairs`; the output columns come out in `v_column_element`
+  order and are stored in element order;
+- nvfp4 block scales: hardware E4M3 -> fp16, one HMUL2 per register pair (code x scale is exact in fp16);
+- software pipeline over tiles: block ids 4 tiles ahead, pages 3, K words 2, V words 1, and the S tile of j + 1 is
+  computed in iteration j beside tile j's softmax and P V;
+- after the loop the warps' states merge through shared memory once; one split writes the bf16 (or fp32) output
+  itself, several write the portable kernel's fp32 partials (acc, m, l) for its combine kernel.
+Semantics are the portable kernel's (SPEC section 3): tokens after the query, -1 selection slots, selected blocks
+wholly after the query and -1 pages are never read (score -inf, V scales read as 0), a row with no visible token
+gives zeros, whole-tensor factors (the nvfp4 outer scale, E2M1's 2**-14 unit) fold into the softmax scale and the
+final normalization. P is rounded once to fp16 (as the portable kernel's default for fp16 dots).
+
+Measured (H200, M3 TP4 shape, one layer per CUDA graph replay, us; bench/RESULTS.md has every run): batch 256 the
+portable kernel 69.3, this kernel 51.1 with the combine pass (48.5 without, hence the direct store for one split);
+batch 64: 25.3 against 19.3 (2 splits). Ablations at batch 256 (no ids = nothing loaded): 45.9 us without
+memory traffic, 34.8 without memory and without any E2M1 decode: the mma / softmax / rescale structure itself is
+most of the time, not the loads or the decode. Tried and not faster (same runs): Q kept in shared memory (168
+registers), register-split fp16 pairs instead of int16 joins (-10 % SASS), one shared softmax max across the warps
+with the accumulator rescaled only when a max grows by > 2**8 (3 barriers per tile: slower).
+
+Where it runs: CUDA devices with Gluon and the hardware E4M3 conversion (capability >= 8.9); decode; nvfp4 K and V;
+head dim 128; at most 16 query heads per KV head; 128-token selection blocks and pages. Elsewhere (gfx950
+included) `sparse_decode` runs the portable kernel, whose code CI tests in the interpreter; CI compiles this one
+for sm_90 (tests/test_kernel_compile.py) and the GPU tests compare it with the portable kernel and the reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from kvtool.kernels import codecs as kc
+
+try:  # Gluon ships with Triton >= 3.5; without it the portable kernel runs everywhere
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+except ImportError:  # pragma: no cover - the pinned Triton has it
+    gluon = None
+
+TILE = 64  # tokens per tile (half a 128-token page)
+BLOCK = 128  # selection block = page (tokens)
+DIM = 128  # head dim
+MAX_GROUP = 16  # query heads per KV head (the mma's M)
+NUM_WARPS = 4  # 16 tokens of a tile per warp
+PAYLOAD = DIM // 2  # nvfp4 payload bytes per token
+SCALES = DIM // 16  # nvfp4 scale bytes per token
+
+if gluon is not None:
+    NW = gl.constexpr(NUM_WARPS)
+    T = gl.constexpr(TILE)
+    MS = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NUM_WARPS], instr_shape=[16, 8])
+    AS = gl.DotOperandLayout(operand_index=0, parent=MS, k_width=2)
+    BS = gl.DotOperandLayout(operand_index=1, parent=MS, k_width=2)
+    MO = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1, 1], instr_shape=[1, 16, 8])
+    AO = gl.DotOperandLayout(operand_index=0, parent=MO, k_width=2)
+    BO = gl.DotOperandLayout(operand_index=1, parent=MO, k_width=2)
+    # K words [64 tokens, 16 words]: BS's tokens (registers: token bit 5; lanes g: bits 0-2; warps: bits 3, 4), word
+    # bits 0, 1 in registers, 2, 3 on the lanes t (BS's k bits 1, 2); scale bytes [64, 8] alike (block = word // 2)
+    WK = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [32, 0]],
+                                    lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+                                    warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[TILE, 16])
+    SK = gl.DistributedLinearLayout(reg_bases=[[0, 1], [32, 0]], lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+                                    warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[TILE, 8])
+    # V words [64 tokens, 16 words]: BO's tokens kk (registers: token bits 0, 5; lanes t: bits 1, 2; warps: bits 3,
+    # 4), words 2 g, 2 g + 1 (register: word bit 0; lanes g: word bits 1-3); scale bytes [64, 8] alike
+    WV = gl.DistributedLinearLayout(reg_bases=[[1, 0], [32, 0], [0, 1]],
+                                    lane_bases=[[2, 0], [4, 0], [0, 2], [0, 4], [0, 8]],
+                                    warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[TILE, 16])
+    SV = gl.DistributedLinearLayout(reg_bases=[[1, 0], [32, 0]], lane_bases=[[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]],
+                                    warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[TILE, 8])
+    Q_L = gl.BlockedLayout([1, 4], [4, 8], [NUM_WARPS, 1], [1, 0])
+    O_L = gl.BlockedLayout([1, 4], [2, 16], [NUM_WARPS, 1], [1, 0])
+    ML_L = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+    e2m1_pairs = gluon.jit(kc.e2m1_pairs.fn)
+    exp2_int = gluon.jit(kc.exp2_int.fn)
+
+    @gluon.jit
+    def pair_join(p):
+        """int32 [...] holding two fp16 -> fp16 [..., 2] (low, high): a register split, no instruction (the int16
+        truncation and join it replaces cost a PRMT per half on sm_90)."""
+        lo, hi = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [p], dtype=(gl.float16, gl.float16),
+                                           is_pure=True, pack=1)
+        return gl.join(lo, hi)
+
+    @gluon.jit
+    def k_column_element(c):
+        """K^T row c (a dim slot of the S dot) -> head-dim element (as the index scorer's column_element)."""
+        w = ((c >> 5) & 3) + 4 * ((c >> 1) & 3)
+        return 8 * w + ((c >> 3) & 3) + 4 * (c & 1)
+
+    @gluon.jit
+    def v_column_element(n):
+        """Output column n of the P V dot -> head-dim element: n bits 0-2 (lanes g) = word bits 1-3; n bits 3-6
+        (registers) = k0, k1, xy, word bit 0 (see decode_v); element = 8 word + 4 xy + k."""
+        g = n & 7
+        k = (n >> 3) & 3
+        xy = (n >> 5) & 1
+        w0 = (n >> 6) & 1
+        return 8 * (2 * g + w0) + 4 * xy + k
+
+    @gluon.jit
+    def decode_k(words, sb, lo3, sign8):
+        """K words int32 [64, 16] (WK), E4M3 scale bytes [64, 8] (SK) -> K^T fp16 [128, 64] in BS (dim slot c =
+        k_column_element(c)), values * 2**-14 * scale."""
+        f = sb.to(gl.float8e4nv, bitcast=True).to(gl.float16)
+        f = gl.convert_layout(gl.reshape(gl.join(f, f), [T, 16]), WK, assert_trivial=True)
+        p0, p1, p2, p3 = e2m1_pairs(words, lo3, sign8)
+        x = gl.join(gl.join(pair_join(p0), pair_join(p1)), gl.join(pair_join(p2), pair_join(p3)))  # [64, 16 w, h, k0, k1]
+        s = gl.join(f, f)
+        s = gl.join(s, s)
+        x = x * gl.join(s, s)
+        x = gl.reshape(x, [T, 2, 2, 2, 2, 2, 2, 2])  # token, w3, w2, w1, w0, h, k0, k1
+        x = gl.permute(x, (3, 4, 7, 6, 1, 2, 5, 0))  # c bits high to low: w1, w0, k1, k0, w3, w2, h; then token
+        return gl.convert_layout(gl.reshape(x, [128, T]), BS, assert_trivial=True)
+
+    @gluon.jit
+    def decode_v(words, sb, lo3, sign8):
+        """V words int32 [64, 16] (WV), E4M3 scale bytes [64, 8] (SV) -> fp16 [4 warps, 16 kk, 128 n] in BO: token
+        (kk & 7) + 8 w + 32 (kk >> 3), dim v_column_element(n), values * 2**-14 * scale."""
+        # token pairs (token bit 0 in registers): wa = even token, wb = odd token; x / y = nibbles 0-3 / 4-7 of both
+        w3 = gl.permute(gl.reshape(words, [T // 2, 2, 16]), (0, 2, 1))  # [32 tp, 16 wd, 2 tb0]
+        wa, wb = gl.split(w3)
+        x = (wa & 0xFFFF) | (wb << 16)
+        y = ((wa >> 16) & 0xFFFF) | (wb & -65536)
+        px0, px1, px2, px3 = e2m1_pairs(x, lo3, sign8)
+        py0, py1, py2, py3 = e2m1_pairs(y, lo3, sign8)
+        xa = gl.join(gl.join(pair_join(px0), pair_join(px1)), gl.join(pair_join(px2), pair_join(px3)))
+        xb = gl.join(gl.join(pair_join(py0), pair_join(py1)), gl.join(pair_join(py2), pair_join(py3)))
+        v = gl.join(xa, xb)  # [32 tp, 16 wd, tb0, k0, k1, xy]
+        # scales: a token's block = word // 2
+        f = sb.to(gl.float8e4nv, bitcast=True).to(gl.float16)  # [64, 8] (SV)
+        f = gl.permute(gl.reshape(f, [T // 2, 2, 8]), (0, 2, 1))  # [32, 8 blk, 2 tb0]
+        f = gl.join(f, f)  # [32, 8, tb0, wd0]
+        f = gl.permute(f, (0, 1, 3, 2))  # [32, 8, wd0, tb0]
+        f = gl.reshape(f, [T // 2, 16, 2])  # [32, 16 wd, tb0]
+        f = gl.join(f, f)
+        f = gl.join(f, f)
+        v = v * gl.convert_layout(gl.join(f, f), v.type.layout, assert_trivial=True)
+        # [tp (token bits 1-5), wd (w0, g0, g1, g2 from low), tb0, k0, k1, xy] -> [w, kk, n]; dims after the
+        # reshape: 0 tb5, 1 tb4, 2 tb3, 3 tb2, 4 tb1, 5 g2, 6 g1, 7 g0, 8 wd0, 9 tb0, 10 k0, 11 k1, 12 xy; target
+        # [w1 w0 | kk3 kk2 kk1 kk0 | n6 .. n0] = [tb4 tb3 | tb5 tb2 tb1 tb0 | wd0 xy k1 k0 g2 g1 g0]
+        v = gl.reshape(v, [2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2])
+        v = gl.permute(v, (1, 2, 0, 3, 4, 9, 8, 12, 11, 10, 5, 6, 7))
+        return gl.convert_layout(gl.reshape(v, [NW, 16, 128]), BO, assert_trivial=True)
+
+    @gluon.jit
+    def _block(j, ids_row, j_end):
+        """Tile j's selected block id (-1 at or past j_end)."""
+        return gl.load(ids_row + j // 2, mask=j < j_end, other=-1)
+
+    @gluon.jit
+    def _page(bid, table_row, pos):
+        """A block's page; -1 for a -1 id or a block wholly after the query (never looked up)."""
+        return gl.load(table_row + gl.maximum(bid, 0), mask=(bid >= 0) & (bid * 128 <= pos), other=-1)
+
+    @gluon.jit
+    def _fetch_k(j, bid, pg, kq, k_ptr, head_k, stride_kp, wk_off, sk_off, pos):
+        """Tile j's K words and scale bytes, live, first token (no load for a dead tile)."""
+        tok0 = bid * 128 + (j % 2) * T
+        live = (bid >= 0) & (pg >= 0) & (tok0 <= pos)
+        base = gl.maximum(pg, 0).to(gl.int64) * stride_kp + head_k
+        kw = gl.load(kq + (base + (j % 2) * T * 64) // 4 + wk_off, mask=live, other=0)
+        ks = gl.load(k_ptr + base + (j % 2) * T * 8 + sk_off, mask=live, other=0)
+        return kw, ks, live, tok0
+
+    @gluon.jit
+    def _fetch_v(j, bid, pg, vq, v_ptr, head_v, stride_vp, wv_off, sv_off, sv_tok, pos):
+        """Tile j's V words and scale bytes; the scales of tokens after the query read as 0, so stale bytes there
+        (a NaN scale) cannot reach the output through p = 0."""
+        tok0 = bid * 128 + (j % 2) * T
+        live = (bid >= 0) & (pg >= 0) & (tok0 <= pos)
+        base = gl.maximum(pg, 0).to(gl.int64) * stride_vp + head_v
+        vw = gl.load(vq + (base + (j % 2) * T * 64) // 4 + wv_off, mask=live, other=0)
+        vs = gl.load(v_ptr + base + (j % 2) * T * 8 + sv_off, mask=live & (tok0 + sv_tok <= pos), other=0)
+        return vw, vs
+
+    @gluon.jit
+    def _scores(qa, kw, ks, live, tok0, tok_s, pos, down, lo3, sign8):
+        """Masked, scaled S tile [16 heads, 64 tokens] in log2 units."""
+        s = mma_v2(qa, decode_k(kw, ks, lo3, sign8), gl.full([16, T], 0.0, gl.float32, layout=MS))
+        valid = live & (tok0 + tok_s <= pos)
+        return gl.where(gl.expand_dims(valid, 0), s * gl.expand_dims(down, 1), float("-inf"))
+
+    @gluon.jit
+    def decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, ml_ptr, table_ptr, ctx_ptr, ids_ptr, qk_scale, v_scalar,
+                      stride_qr, stride_qh, stride_kp, stride_kh, stride_vp, stride_vh, stride_tb, stride_ir,
+                      stride_ih, n_tiles, tiles_per_split, lo3, sign8, G: gl.constexpr, SPLIT: gl.constexpr):
+        """Grid (requests, KV heads, splits). Scale bytes sit after the page's 128 x 64 payload bytes."""
+        row = gl.program_id(0)
+        h = gl.program_id(1)
+        split = gl.program_id(2)
+        n_splits = gl.num_programs(2)
+        pos = gl.load(ctx_ptr + row) - 1
+        # Q as the S dot's A operand [16 heads, 128 dim slots] (heads >= G are zero), times 2**a per head
+        hq = gl.arange(0, 16, layout=gl.SliceLayout(1, Q_L))
+        cq = gl.arange(0, 128, layout=gl.SliceLayout(0, Q_L))
+        q = gl.load(q_ptr + row.to(gl.int64) * stride_qr + gl.expand_dims(h * G + hq, 1) * stride_qh
+                    + gl.expand_dims(k_column_element(cq), 0), mask=gl.expand_dims(hq < G, 1), other=0.0)
+        q = q.to(gl.float32)
+        e = ((gl.max(gl.abs(q), axis=1).to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        a = gl.minimum(gl.maximum(14 - e, -126), 126)
+        qa = gl.convert_layout((q * gl.expand_dims(exp2_int(a), 1)).to(gl.float16), AS)
+        down = gl.convert_layout(exp2_int(-a) * qk_scale, gl.SliceLayout(1, MS))  # per head: the score scale
+        # per-thread offsets of the tile loads
+        tk = gl.arange(0, T, layout=gl.SliceLayout(1, WK))
+        wk_off = gl.expand_dims(tk, 1) * 16 + gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, WK)), 0)
+        tks = gl.arange(0, T, layout=gl.SliceLayout(1, SK))
+        sk_off = 128 * 64 + gl.expand_dims(tks, 1) * 8 + gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, SK)), 0)
+        tv = gl.arange(0, T, layout=gl.SliceLayout(1, WV))
+        wv_off = gl.expand_dims(tv, 1) * 16 + gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, WV)), 0)
+        tvs = gl.arange(0, T, layout=gl.SliceLayout(1, SV))
+        sv_tok = gl.expand_dims(tvs, 1)
+        sv_off = 128 * 64 + sv_tok * 8 + gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, SV)), 0)
+        tok_s = gl.arange(0, T, layout=gl.SliceLayout(0, MS))  # the S tile's token columns
+        # per-warp online softmax state, in the layouts of the per-warp reductions of [16, 2, NW, 8] views of S
+        ninf = gl.full([16, T], float("-inf"), gl.float32, layout=MS)
+        m_i = gl.max(gl.max(gl.reshape(ninf, [16, 2, NW, 8]), axis=3), axis=1)  # [16 heads, NW warps]
+        l4 = gl.reshape(gl.full([16, T], 0.0, gl.float32, layout=MS), [16, 2, NW, 8])  # lazy per-column sums
+        acc = gl.full([NW, 16, 128], 0.0, gl.float32, layout=MO)
+        kq = k_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+        vq = v_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+        head_k = h.to(gl.int64) * stride_kh
+        head_v = h.to(gl.int64) * stride_vh
+        ids_row = ids_ptr + row.to(gl.int64) * stride_ir + h * stride_ih
+        table_row = table_ptr + row.to(gl.int64) * stride_tb
+        t0 = split * tiles_per_split
+        j_end = gl.minimum(t0 + tiles_per_split, n_tiles)
+        # software pipeline: block ids 4 tiles ahead, pages 3, K words 2, V words 1; S of tile j + 1 in iteration j
+        b0 = _block(t0, ids_row, j_end)
+        b1 = _block(t0 + 1, ids_row, j_end)
+        b2 = _block(t0 + 2, ids_row, j_end)
+        b3 = _block(t0 + 3, ids_row, j_end)
+        pg0 = _page(b0, table_row, pos)
+        pg1 = _page(b1, table_row, pos)
+        pg2 = _page(b2, table_row, pos)
+        kw, ks, live, tok0 = _fetch_k(t0, b0, pg0, kq, k_ptr, head_k, stride_kp, wk_off, sk_off, pos)
+        kw1, ks1, live1, tok01 = _fetch_k(t0 + 1, b1, pg1, kq, k_ptr, head_k, stride_kp, wk_off, sk_off, pos)
+        vw, vs = _fetch_v(t0, b0, pg0, vq, v_ptr, head_v, stride_vp, wv_off, sv_off, sv_tok, pos)
+        s = _scores(qa, kw, ks, live, tok0, tok_s, pos, down, lo3, sign8)
+        for j in range(t0, j_end):
+            b4 = _block(j + 4, ids_row, j_end)
+            pg3 = _page(b3, table_row, pos)
+            kw2, ks2, live2, tok02 = _fetch_k(j + 2, b2, pg2, kq, k_ptr, head_k, stride_kp, wk_off, sk_off, pos)
+            vw1, vs1 = _fetch_v(j + 1, b1, pg1, vq, v_ptr, head_v, stride_vp, wv_off, sv_off, sv_tok, pos)
+            s_next = _scores(qa, kw1, ks1, live1, tok01, tok_s, pos, down, lo3, sign8)
+            s4 = gl.reshape(s, [16, 2, NW, 8])  # head, token bit 5, warp (token bits 3, 4), token bits 0-2
+            m_new = gl.maximum(m_i, gl.max(gl.max(s4, axis=3), axis=1))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_safe)  # [16, NW]
+            p4 = gl.exp2(s4 - gl.expand_dims(gl.expand_dims(m_safe, 1), 3))
+            l4 = l4 * gl.expand_dims(gl.expand_dims(alpha, 1), 3) + p4
+            m_i = m_new
+            p3 = gl.reshape(gl.permute(p4, (2, 0, 1, 3)), [NW, 16, 16]).to(gl.float16)  # [warp, head, kk]
+            a3 = gl.expand_dims(gl.convert_layout(gl.permute(alpha, (1, 0)), gl.SliceLayout(2, MO)), 2)
+            acc = mma_v2(gl.convert_layout(p3, AO, assert_trivial=True), decode_v(vw, vs, lo3, sign8), acc * a3)
+            s = s_next
+            vw, vs = vw1, vs1
+            kw1, ks1, live1, tok01 = kw2, ks2, live2, tok02
+            b1 = b2
+            b2 = b3
+            b3 = b4
+            pg1 = pg2
+            pg2 = pg3
+        # merge the warps' states (once, through shared memory)
+        l_w = gl.sum(gl.sum(l4, axis=3), axis=1)  # [16, NW]
+        m_tot = gl.max(m_i, axis=1)  # [16]
+        m_tsafe = gl.where(m_tot == float("-inf"), 0.0, m_tot)
+        wgt = gl.exp2(m_i - gl.expand_dims(m_tsafe, 1))  # [16, NW]
+        l_tot = gl.sum(l_w * wgt, axis=1)
+        w3 = gl.expand_dims(gl.convert_layout(gl.permute(wgt, (1, 0)), gl.SliceLayout(2, MO)), 2)
+        o = gl.convert_layout(gl.sum(acc * w3, axis=0), O_L)  # [16, 128], column n = v_column_element(n)
+        ho = gl.arange(0, 16, layout=gl.SliceLayout(1, O_L))
+        cols = gl.expand_dims(v_column_element(gl.arange(0, 128, layout=gl.SliceLayout(0, O_L))), 0)
+        heads = row.to(gl.int64) * (G * gl.num_programs(1)) + h * G + ho  # flat (row, query head)
+        hmask = ho < G
+        if SPLIT:
+            gl.store(part_ptr + gl.expand_dims(heads * n_splits + split, 1) * 128 + cols, o,
+                     mask=gl.expand_dims(hmask, 1))
+            hm = gl.arange(0, 16, layout=ML_L)
+            slot_m = (row.to(gl.int64) * (G * gl.num_programs(1)) + h * G + hm) * n_splits + split
+            gl.store(ml_ptr + slot_m * 2, gl.convert_layout(m_tot, ML_L), mask=hm < G)
+            gl.store(ml_ptr + slot_m * 2 + 1, gl.convert_layout(l_tot, ML_L), mask=hm < G)
+        else:
+            l_o = gl.expand_dims(gl.convert_layout(l_tot, gl.SliceLayout(1, O_L)), 1)
+            empty = l_o == 0.0  # nothing visible: zeros (a NaN sum stays NaN)
+            res = gl.where(empty, 0.0, o / gl.where(empty, 1.0, l_o)) * v_scalar
+            gl.store(out_ptr + gl.expand_dims(heads, 1) * 128 + cols, res.to(out_ptr.dtype.element_ty),
+                     mask=gl.expand_dims(hmask, 1))
+
+
+def device_ok(device: torch.device) -> bool:
+    """This path runs on CUDA devices with Gluon and the hardware E4M3 conversion (capability >= 8.9)."""
+    if gluon is None or device.type != "cuda" or torch.version.cuda is None:
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def applies(q: torch.Tensor, k_cache, v_cache, block_size: int) -> bool:
+    """Shape and format conditions of this kernel (the device condition is `device_ok`)."""
+    rows, hq, d = q.shape
+    hkv = k_cache.num_heads
+    return (k_cache.fmt.family == "nvfp4" and v_cache.fmt.family == "nvfp4" and d == DIM and block_size == BLOCK
+            and k_cache.page_size == BLOCK and v_cache.page_size == BLOCK and hq % hkv == 0
+            and hq // hkv <= MAX_GROUP and k_cache.payload_bytes == PAYLOAD and k_cache.scale_bytes == SCALES
+            and v_cache.payload_bytes == PAYLOAD and v_cache.scale_bytes == SCALES
+            and all(c.data.stride(i) % 4 == 0 for c in (k_cache, v_cache) for i in (0, 1)))
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_splits(rows: int, num_kv_heads: int, n_tiles: int, device: torch.device) -> int:
+    """One program per SM where rows x KV heads fall short of the SMs (H200, M3 shape, us per layer: batch 64 with
+    2 / 4 splits 19.3 / 22.9, batch 256 with 1 / 2 splits 51.1 / 60.6: a second resident program per SM adds
+    little, a second wave or a second partial per row costs more)."""
+    return max(1, min(n_tiles, _num_sms(device) // max(1, rows * num_kv_heads)))
+
+
+def sparse_decode(q: torch.Tensor, k_cache, v_cache, block_table: torch.Tensor, context_lens: torch.Tensor,
+                  block_ids: torch.Tensor, qk_scale: float, v_scalar: float, num_splits: int | None,
+                  out_dtype: torch.dtype, combine) -> torch.Tensor:
+    """The launch: inputs as checked by `sparse_attn.sparse_decode`; `applies` and `device_ok` hold. qk_scale: the
+    softmax scale x log2(e) x K's folded factors (outer scale, E2M1 unit); v_scalar: V's. combine: the portable
+    kernel's split combine kernel."""
+    rows, hq, d = q.shape
+    hkv, topk = k_cache.num_heads, block_ids.shape[-1]
+    n_tiles = topk * (BLOCK // TILE)
+    out = torch.empty(rows, hq, d, dtype=out_dtype, device=q.device)
+    if rows == 0:
+        return out
+    splits = int(num_splits) if num_splits else default_splits(rows, hkv, n_tiles, q.device)
+    per = max(1, math.ceil(n_tiles / splits))
+    splits = max(1, math.ceil(n_tiles / per))  # no empty trailing splits
+    if splits > 1:
+        part = torch.empty(rows * hq * splits, d, dtype=torch.float32, device=q.device)
+        ml = torch.empty(rows * hq * splits, 2, dtype=torch.float32, device=q.device)
+    else:
+        part = ml = out  # unused
+    decode_kernel[(rows, hkv, splits)](
+        q, k_cache.data, v_cache.data, out, part, ml, block_table, context_lens, block_ids, float(qk_scale),
+        float(v_scalar), q.stride(0), q.stride(1), k_cache.data.stride(0), k_cache.data.stride(1),
+        v_cache.data.stride(0), v_cache.data.stride(1), block_table.stride(0), block_ids.stride(0),
+        block_ids.stride(1), n_tiles, per, 0x07070707, -0x7F7F7F80, G=hq // hkv, SPLIT=splits > 1,
+        num_warps=NUM_WARPS)
+    if splits > 1:
+        combine[(rows * hq,)](part, ml, out, float(v_scalar), splits, BLOCK_S=triton.next_power_of_2(splits), D=d,
+                              num_warps=4)
+    return out
