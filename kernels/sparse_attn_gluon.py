@@ -326,11 +326,16 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+MIN_PROGRAMS = 64  # rows x KV heads below which the default launch keeps the portable kernel (H200, M3 shape, us per
+# layer, 2026-11-29 14:47 UTC: batch 16 this kernel 13.1 (8 splits) / 15.7 (16) against the portable 11.3; batch 64
+# 24.3 against 26.0)
+
+
 def default_splits(rows: int, num_kv_heads: int, n_tiles: int, device: torch.device) -> int:
-    """One program per SM where rows x KV heads fall short of the SMs (H200, M3 shape, us per layer: batch 64 with
-    2 / 4 splits 19.3 / 22.9, batch 256 with 1 / 2 splits 51.1 / 60.6: a second resident program per SM adds
-    little, a second wave or a second partial per row costs more)."""
-    return max(1, min(n_tiles, _num_sms(device) // max(1, rows * num_kv_heads)))
+    """About two programs per SM (H200, M3 shape, us per layer, 2026-11-29 14:47 UTC, layers back to back past L2:
+    batch 256 with 1 / 2 splits 48.1 / 61.1; batch 128 with 1 / 2: 36.4 / 33.5; batch 64 with 2 / 3 / 4 / 6 / 8:
+    24.3 / 27.0 / 24.6 / 32.4 / 33.5)."""
+    return max(1, min(n_tiles, 2 * _num_sms(device) // max(1, rows * num_kv_heads)))
 
 
 def sparse_decode(q: torch.Tensor, k_cache, v_cache, block_table: torch.Tensor, context_lens: torch.Tensor,

@@ -181,7 +181,7 @@ def run_attn_bench(batches=DEFAULT_BATCHES, formats=DEFAULT_FORMATS, context: in
     """Build the case table and run it (see the module docstring). On the CPU the kernel rows need
     TRITON_INTERPRET=1 (the interpreter; times are meaningless there, the run checks the plumbing)."""
     from kvtool.kernels import sparse_attn_gluon as attn_gluon
-    from kvtool.kernels.sparse_attn import launch_plan
+    from kvtool.kernels.sparse_attn import launch_plan, uses_gluon
 
     gen = torch.Generator().manual_seed(seed)
     how = "graph" if device.startswith("cuda") else "eager"
@@ -201,8 +201,7 @@ def run_attn_bench(batches=DEFAULT_BATCHES, formats=DEFAULT_FORMATS, context: in
                                                   GEOMETRY["block_size"], GEOMETRY["page_size"], torch.device(device),
                                                   quantized=step.fmt.element is not None)
                 portable = f"{how} x {layers} layers; tile {t}, splits {splits}, warps {warps}"
-                fast = attn_gluon.device_ok(torch.device(device)) and attn_gluon.applies(
-                    step.q, step.k[0], step.v[0], GEOMETRY["block_size"])
+                fast = uses_gluon(step.q, step.k[0], step.v[0], GEOMETRY["block_size"])
                 if fast:  # the default launch takes the NVIDIA fast path; the portable kernel's row beside it
                     gsplits = attn_gluon.default_splits(batch, GEOMETRY["num_kv_heads"],
                                                         GEOMETRY["topk"] * GEOMETRY["block_size"] // attn_gluon.TILE,
