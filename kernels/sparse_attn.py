@@ -504,7 +504,7 @@ def uses_gluon(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, block_
 
 
 def _use_gluon(q, k_cache, v_cache, block_size: int, want: bool | None, portable: dict) -> bool:
-    """The NVIDIA fast path (`kernels/sparse_attn_gluon.py`) for nvfp4 decode: gluon=True requires it, False keeps
+    """The NVIDIA fast path (`kernels/sparse_attn_gluon.py`) for FP4 decode: gluon=True requires it, False keeps
     the portable kernel; by default it runs where it applies unless a portable-kernel option is given."""
     given = sorted(k for k, v in portable.items() if v is not None)
     if want and given:
@@ -512,11 +512,12 @@ def _use_gluon(q, k_cache, v_cache, block_size: int, want: bool | None, portable
     if want is False or given:
         return False
     ok = attn_gluon.device_ok(q.device) and attn_gluon.applies(q, k_cache, v_cache, block_size)
-    if want is None and q.shape[0] * k_cache.num_heads < attn_gluon.MIN_PROGRAMS:
+    if want is None and ok and q.shape[0] * k_cache.num_heads < attn_gluon.MIN_PROGRAMS[k_cache.fmt.family]:
         return False  # small batches: the portable kernel's splits were faster (attn_gluon.MIN_PROGRAMS)
     if want and not ok:
-        raise KernelArgumentError("sparse_decode: gluon=True needs a CUDA device with capability >= 8.9, nvfp4 K and "
-                                  "V, head dim 128, at most 16 query heads per KV head and 128-token blocks and pages")
+        raise KernelArgumentError("sparse_decode: gluon=True needs a CUDA device with capability >= 8.9, nvfp4 or "
+                                  "mxfp4 K and V, head dim 128, at most 16 query heads per KV head and 128-token "
+                                  "blocks and pages")
     return ok
 
 

@@ -1,5 +1,6 @@
-"""NVIDIA fast path of sparse-attention decode for nvfp4 K/V, written in Gluon (Triton's explicit-layout dialect), so
-that the decoded K and V tiles are born in the tensor-core operand registers: no shared memory in the loop.
+"""NVIDIA fast path of sparse-attention decode for FP4 K/V (nvfp4, mxfp4), written in Gluon (Triton's explicit-layout
+dialect), so that the decoded K and V tiles are born in the tensor-core operand registers: no shared memory in the
+loop.
 
 Why a second kernel: the portable kernel (`kernels/sparse_attn.py`) decodes E2M1 into blocked layouts that Triton
 moves into the dot operand layouts through shared memory; its per-tile time did not depend on the bytes it loads
@@ -13,7 +14,10 @@ moves into the dot operand layouts through shared memory; its per-tile time did 
 - O_w = P_w V_w is a batched mma (batch = warp): V [16 tokens, 128] is the B operand, its fp16 token pairs built
   from two token rows' words (`decode_v`) by `kc.e2m1_pairs`; the output columns come out in `v_column_element`
   order and are stored in element order;
-- nvfp4 block scales: hardware E4M3 -> fp16, one HMUL2 per register pair (code x scale is exact in fp16);
+- block scales as fp16 factors, one HMUL2 per register pair (`block_factors`): nvfp4 the E4M3 bytes (hardware
+  conversion; code x scale is exact in fp16); mxfp4 the portable kernel's normalization, 2**(e - e_tok) with e_tok
+  the token's largest E8M0 exponent, and 2**e_tok applied in fp32 to the score column (K) or through P (V: P' =
+  2**(s + e_v - mv) with mv the running max of s + e_v, the portable kernel's JOINT form);
 - software pipeline over tiles: block ids 4 tiles ahead, pages 3, K words 2, V words 1, and the S tile of j + 1 is
   computed in iteration j beside tile j's softmax and P V;
 - after the loop the warps' states merge through shared memory once; one split writes the bf16 (or fp32) output
@@ -23,16 +27,18 @@ wholly after the query and -1 pages are never read (score -inf, V scales read as
 gives zeros, whole-tensor factors (the nvfp4 outer scale, E2M1's 2**-14 unit) fold into the softmax scale and the
 final normalization. P is rounded once to fp16 (as the portable kernel's default for fp16 dots).
 
-Measured (H200, M3 TP4 shape, one layer per CUDA graph replay, us; bench/RESULTS.md has every run): batch 256 the
-portable kernel 69.3, this kernel 51.1 with the combine pass (48.5 without, hence the direct store for one split);
-batch 64: 25.3 against 19.3 (2 splits). Ablations at batch 256 (no ids = nothing loaded): 45.9 us without
-memory traffic, 34.8 without memory and without any E2M1 decode: the mma / softmax / rescale structure itself is
-most of the time, not the loads or the decode. Tried and not faster (same runs): Q kept in shared memory (168
-registers), register-split fp16 pairs instead of int16 joins (-10 % SASS), one shared softmax max across the warps
-with the accumulator rescaled only when a max grows by > 2**8 (3 barriers per tile: slower).
+Measured (H200, M3 TP4 shape, us per layer, layers back to back past L2 in one CUDA graph; bench/RESULTS.md has
+every run): nvfp4 batch 256 46.2 against the portable kernel's 69.1 (39.1 % of copy), batch 64 25.2 against 25.9;
+mxfp4 batch 256 61.8 against 75.1, batch 128 39.8 against 47.0, batch 64 28.7 against 27.0 (so the default takes
+this kernel from `MIN_PROGRAMS` requests x KV heads). What the time is (batch 256, one layer, 14:39 UTC ablations):
+with nothing loaded (no selected ids) 45.9 us, and without any E2M1 decode too 34.8: the mma / softmax / rescale
+structure and its latency are most of the time, not the loads or the decode. Tried and not faster (same day): Q
+kept in shared memory (168 registers), register-split fp16 pairs instead of int16 joins (-10 % SASS), one shared
+softmax max across the warps with the accumulator rescaled only when a max grows by > 2**8 (3 barriers per tile:
+slower), loads one more tile ahead (+3 % at batch 256, -2 % at 128), the S dot as two independent mma chains.
 
-Where it runs: CUDA devices with Gluon and the hardware E4M3 conversion (capability >= 8.9); decode; nvfp4 K and V;
-head dim 128; at most 16 query heads per KV head; 128-token selection blocks and pages. Elsewhere (gfx950
+Where it runs: CUDA devices with Gluon and the hardware E4M3 conversion (capability >= 8.9); decode; nvfp4 or mxfp4
+K and V; head dim 128; at most 16 query heads per KV head; 128-token selection blocks and pages. Elsewhere (gfx950
 included) `sparse_decode` runs the portable kernel, whose code CI tests in the interpreter; CI compiles this one
 for sm_90 (tests/test_kernel_compile.py) and the GPU tests compare it with the portable kernel and the reference.
 """
@@ -59,7 +65,7 @@ DIM = 128  # head dim
 MAX_GROUP = 16  # query heads per KV head (the mma's M)
 NUM_WARPS = 4  # 16 tokens of a tile per warp
 PAYLOAD = DIM // 2  # nvfp4 payload bytes per token
-SCALES = DIM // 16  # nvfp4 scale bytes per token
+SCALE_BYTES = {"nvfp4": DIM // 16, "mxfp4": DIM // 32}  # scale bytes per token (E4M3 per 16, E8M0 per 32 elements)
 
 if gluon is not None:
     NW = gl.constexpr(NUM_WARPS)
@@ -89,6 +95,7 @@ if gluon is not None:
     ML_L = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
     e2m1_pairs = gluon.jit(kc.e2m1_pairs.fn)
     exp2_int = gluon.jit(kc.exp2_int.fn)
+    pow2_f16 = gluon.jit(kc.pow2_f16.fn)
 
     @gluon.jit
     def pair_join(p):
@@ -115,10 +122,9 @@ if gluon is not None:
         return 8 * (2 * g + w0) + 4 * xy + k
 
     @gluon.jit
-    def decode_k(words, sb, lo3, sign8):
-        """K words int32 [64, 16] (WK), E4M3 scale bytes [64, 8] (SK) -> K^T fp16 [128, 64] in BS (dim slot c =
-        k_column_element(c)), values * 2**-14 * scale."""
-        f = sb.to(gl.float8e4nv, bitcast=True).to(gl.float16)
+    def decode_k(words, f, lo3, sign8):
+        """K words int32 [64, 16] (WK), fp16 factors [64, 8] (SK: one per 16 elements) -> K^T fp16 [128, 64] in BS
+        (dim slot c = k_column_element(c)), values * 2**-14 * factor."""
         f = gl.convert_layout(gl.reshape(gl.join(f, f), [T, 16]), WK, assert_trivial=True)
         p0, p1, p2, p3 = e2m1_pairs(words, lo3, sign8)
         x = gl.join(gl.join(pair_join(p0), pair_join(p1)), gl.join(pair_join(p2), pair_join(p3)))  # [64, 16 w, h, k0, k1]
@@ -130,9 +136,9 @@ if gluon is not None:
         return gl.convert_layout(gl.reshape(x, [128, T]), BS, assert_trivial=True)
 
     @gluon.jit
-    def decode_v(words, sb, lo3, sign8):
-        """V words int32 [64, 16] (WV), E4M3 scale bytes [64, 8] (SV) -> fp16 [4 warps, 16 kk, 128 n] in BO: token
-        (kk & 7) + 8 w + 32 (kk >> 3), dim v_column_element(n), values * 2**-14 * scale."""
+    def decode_v(words, f, lo3, sign8):
+        """V words int32 [64, 16] (WV), fp16 factors [64, 8] (SV: one per 16 elements) -> fp16 [4 warps, 16 kk, 128 n]
+        in BO: token (kk & 7) + 8 w + 32 (kk >> 3), dim v_column_element(n), values * 2**-14 * factor."""
         # token pairs (token bit 0 in registers): wa = even token, wb = odd token; x / y = nibbles 0-3 / 4-7 of both
         w3 = gl.permute(gl.reshape(words, [T // 2, 2, 16]), (0, 2, 1))  # [32 tp, 16 wd, 2 tb0]
         wa, wb = gl.split(w3)
@@ -143,8 +149,7 @@ if gluon is not None:
         xa = gl.join(gl.join(pair_join(px0), pair_join(px1)), gl.join(pair_join(px2), pair_join(px3)))
         xb = gl.join(gl.join(pair_join(py0), pair_join(py1)), gl.join(pair_join(py2), pair_join(py3)))
         v = gl.join(xa, xb)  # [32 tp, 16 wd, tb0, k0, k1, xy]
-        # scales: a token's block = word // 2
-        f = sb.to(gl.float8e4nv, bitcast=True).to(gl.float16)  # [64, 8] (SV)
+        # factors: a token's 16-element block = word // 2
         f = gl.permute(gl.reshape(f, [T // 2, 2, 8]), (0, 2, 1))  # [32, 8 blk, 2 tb0]
         f = gl.join(f, f)  # [32, 8, tb0, wd0]
         f = gl.permute(f, (0, 1, 3, 2))  # [32, 8, wd0, tb0]
@@ -160,6 +165,24 @@ if gluon is not None:
         return gl.convert_layout(gl.reshape(v, [NW, 16, 128]), BO, assert_trivial=True)
 
     @gluon.jit
+    def byte_max(w):
+        """int32 words -> the largest of their four bytes (unsigned)."""
+        return gl.maximum(gl.maximum(w & 0xFF, (w >> 8) & 0xFF), gl.maximum((w >> 16) & 0xFF, (w >> 24) & 0xFF))
+
+    @gluon.jit
+    def block_factors(sb, sw, E8M0: gl.constexpr):
+        """fp16 factors [64, 8] (one per 16 elements, sb's layout) of a tile's block scales: nvfp4 the E4M3 bytes sb
+        (hardware conversion, exact); mxfp4 2**(e - e_tok) from each token's E8M0 word sw [64] (sb's row slice),
+        e_tok its largest block exponent (the portable kernel's normalization, `attn_tiles.decode`: exact while a
+        token's blocks lie within 2**9 of its largest)."""
+        if E8M0:
+            b8 = gl.arange(0, 8, layout=gl.SliceLayout(0, sb.type.layout))
+            e_own = (gl.expand_dims(sw, 1) >> gl.expand_dims(8 * (b8 // 2), 0)) & 0xFF
+            return pow2_f16(e_own - gl.expand_dims(byte_max(sw), 1))
+        else:
+            return sb.to(gl.float8e4nv, bitcast=True).to(gl.float16)
+
+    @gluon.jit
     def _block(j, ids_row, j_end):
         """Tile j's selected block id (-1 at or past j_end)."""
         return gl.load(ids_row + j // 2, mask=j < j_end, other=-1)
@@ -170,38 +193,62 @@ if gluon is not None:
         return gl.load(table_row + gl.maximum(bid, 0), mask=(bid >= 0) & (bid * 128 <= pos), other=-1)
 
     @gluon.jit
-    def _fetch_k(j, bid, pg, kq, k_ptr, head_k, stride_kp, wk_off, sk_off, pos):
-        """Tile j's K words and scale bytes, live, first token (no load for a dead tile)."""
+    def _fetch_k(j, bid, pg, kq, k_ptr, head_k, stride_kp, wk_off, sk_off, sw_tok, sc_tok, pos, E8M0: gl.constexpr):
+        """Tile j's K words, block factors (fp16 [64, 8] in SK), per-token score factors (mxfp4: 2**e_tok per S
+        column; nvfp4: 1), live, first token (no load for a dead tile)."""
         tok0 = bid * 128 + (j % 2) * T
         live = (bid >= 0) & (pg >= 0) & (tok0 <= pos)
         base = gl.maximum(pg, 0).to(gl.int64) * stride_kp + head_k
         kw = gl.load(kq + (base + (j % 2) * T * 64) // 4 + wk_off, mask=live, other=0)
-        ks = gl.load(k_ptr + base + (j % 2) * T * 8 + sk_off, mask=live, other=0)
-        return kw, ks, live, tok0
+        if E8M0:
+            sw_base = (base + 128 * 64 + (j % 2) * T * 4) // 4
+            sw = gl.load(kq + sw_base + sw_tok, mask=live, other=0)
+            ks = block_factors(sk_off, sw, True)
+            rs = exp2_int(byte_max(gl.load(kq + sw_base + sc_tok, mask=live, other=0)) - 127)
+        else:
+            ks = block_factors(gl.load(k_ptr + base + (j % 2) * T * 8 + sk_off, mask=live, other=0), sw_tok, False)
+            rs = gl.full([T], 1.0, gl.float32, layout=sc_tok.type.layout)
+        return kw, ks, rs, live, tok0
 
     @gluon.jit
-    def _fetch_v(j, bid, pg, vq, v_ptr, head_v, stride_vp, wv_off, sv_off, sv_tok, pos):
-        """Tile j's V words and scale bytes; the scales of tokens after the query read as 0, so stale bytes there
-        (a NaN scale) cannot reach the output through p = 0."""
+    def _fetch_v(j, bid, pg, vq, v_ptr, head_v, stride_vp, wv_off, sv_off, sv_tok, sw_tok, sc_tok, pos,
+                 E8M0: gl.constexpr):
+        """Tile j's V words, block factors (fp16 [64, 8] in SV) and (mxfp4) per-token exponents e_tok per S column
+        (fp32; nvfp4: 0). The scales of tokens after the query read as 0, so stale bytes there (a NaN scale) cannot
+        reach the output through p = 0."""
         tok0 = bid * 128 + (j % 2) * T
         live = (bid >= 0) & (pg >= 0) & (tok0 <= pos)
         base = gl.maximum(pg, 0).to(gl.int64) * stride_vp + head_v
         vw = gl.load(vq + (base + (j % 2) * T * 64) // 4 + wv_off, mask=live, other=0)
-        vs = gl.load(v_ptr + base + (j % 2) * T * 8 + sv_off, mask=live & (tok0 + sv_tok <= pos), other=0)
-        return vw, vs
+        if E8M0:
+            sw_base = (base + 128 * 64 + (j % 2) * T * 4) // 4
+            sw = gl.load(vq + sw_base + sw_tok, mask=live & (tok0 + sw_tok <= pos), other=0)
+            vs = block_factors(sv_off, sw, True)
+            ev = (byte_max(gl.load(vq + sw_base + sc_tok, mask=live & (tok0 + sc_tok <= pos), other=0)) - 127)
+            ev = ev.to(gl.float32)
+        else:
+            sb = gl.load(v_ptr + base + (j % 2) * T * 8 + sv_off, mask=live & (tok0 + sv_tok <= pos), other=0)
+            vs = block_factors(sb, sw_tok, False)
+            ev = gl.full([T], 0.0, gl.float32, layout=sc_tok.type.layout)
+        return vw, vs, ev
 
     @gluon.jit
-    def _scores(qa, kw, ks, live, tok0, tok_s, pos, down, lo3, sign8):
+    def _scores(qa, kw, ks, rs, live, tok0, tok_s, pos, down, lo3, sign8, E8M0: gl.constexpr):
         """Masked, scaled S tile [16 heads, 64 tokens] in log2 units."""
         s = mma_v2(qa, decode_k(kw, ks, lo3, sign8), gl.full([16, T], 0.0, gl.float32, layout=MS))
+        if E8M0:
+            s = s * gl.expand_dims(rs, 0)
         valid = live & (tok0 + tok_s <= pos)
         return gl.where(gl.expand_dims(valid, 0), s * gl.expand_dims(down, 1), float("-inf"))
+
 
     @gluon.jit
     def decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, ml_ptr, table_ptr, ctx_ptr, ids_ptr, qk_scale, v_scalar,
                       stride_qr, stride_qh, stride_kp, stride_kh, stride_vp, stride_vh, stride_tb, stride_ir,
-                      stride_ih, n_tiles, tiles_per_split, lo3, sign8, G: gl.constexpr, SPLIT: gl.constexpr):
-        """Grid (requests, KV heads, splits). Scale bytes sit after the page's 128 x 64 payload bytes."""
+                      stride_ih, n_tiles, tiles_per_split, lo3, sign8, G: gl.constexpr, SPLIT: gl.constexpr,
+                      E8M0: gl.constexpr):
+        """Grid (requests, KV heads, splits). Scale bytes sit after the page's 128 x 64 payload bytes: nvfp4 8 E4M3
+        bytes per token, mxfp4 (E8M0) 4 E8M0 bytes per token, read as one word."""
         row = gl.program_id(0)
         h = gl.program_id(1)
         split = gl.program_id(2)
@@ -231,6 +278,7 @@ if gluon is not None:
         # per-warp online softmax state, in the layouts of the per-warp reductions of [16, 2, NW, 8] views of S
         ninf = gl.full([16, T], float("-inf"), gl.float32, layout=MS)
         m_i = gl.max(gl.max(gl.reshape(ninf, [16, 2, NW, 8]), axis=3), axis=1)  # [16 heads, NW warps]
+        mv_i = m_i  # mxfp4: running max of s + e_v (the V tokens' exponents go into P through it, as JOINT does)
         l4 = gl.reshape(gl.full([16, T], 0.0, gl.float32, layout=MS), [16, 2, NW, 8])  # lazy per-column sums
         acc = gl.full([NW, 16, 128], 0.0, gl.float32, layout=MO)
         kq = k_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
@@ -249,16 +297,20 @@ if gluon is not None:
         pg0 = _page(b0, table_row, pos)
         pg1 = _page(b1, table_row, pos)
         pg2 = _page(b2, table_row, pos)
-        kw, ks, live, tok0 = _fetch_k(t0, b0, pg0, kq, k_ptr, head_k, stride_kp, wk_off, sk_off, pos)
-        kw1, ks1, live1, tok01 = _fetch_k(t0 + 1, b1, pg1, kq, k_ptr, head_k, stride_kp, wk_off, sk_off, pos)
-        vw, vs = _fetch_v(t0, b0, pg0, vq, v_ptr, head_v, stride_vp, wv_off, sv_off, sv_tok, pos)
-        s = _scores(qa, kw, ks, live, tok0, tok_s, pos, down, lo3, sign8)
+        kw, ks, rs, live, tok0 = _fetch_k(t0, b0, pg0, kq, k_ptr, head_k, stride_kp, wk_off, sk_off, tks, tok_s, pos,
+                                          E8M0)
+        kw1, ks1, rs1, live1, tok01 = _fetch_k(t0 + 1, b1, pg1, kq, k_ptr, head_k, stride_kp, wk_off, sk_off, tks,
+                                               tok_s, pos, E8M0)
+        vw, vs, ev = _fetch_v(t0, b0, pg0, vq, v_ptr, head_v, stride_vp, wv_off, sv_off, sv_tok, tvs, tok_s, pos, E8M0)
+        s = _scores(qa, kw, ks, rs, live, tok0, tok_s, pos, down, lo3, sign8, E8M0)
         for j in range(t0, j_end):
             b4 = _block(j + 4, ids_row, j_end)
             pg3 = _page(b3, table_row, pos)
-            kw2, ks2, live2, tok02 = _fetch_k(j + 2, b2, pg2, kq, k_ptr, head_k, stride_kp, wk_off, sk_off, pos)
-            vw1, vs1 = _fetch_v(j + 1, b1, pg1, vq, v_ptr, head_v, stride_vp, wv_off, sv_off, sv_tok, pos)
-            s_next = _scores(qa, kw1, ks1, live1, tok01, tok_s, pos, down, lo3, sign8)
+            kw2, ks2, rs2, live2, tok02 = _fetch_k(j + 2, b2, pg2, kq, k_ptr, head_k, stride_kp, wk_off, sk_off, tks,
+                                                   tok_s, pos, E8M0)
+            vw1, vs1, ev1 = _fetch_v(j + 1, b1, pg1, vq, v_ptr, head_v, stride_vp, wv_off, sv_off, sv_tok, tvs, tok_s,
+                                     pos, E8M0)
+            s_next = _scores(qa, kw1, ks1, rs1, live1, tok01, tok_s, pos, down, lo3, sign8, E8M0)
             s4 = gl.reshape(s, [16, 2, NW, 8])  # head, token bit 5, warp (token bits 3, 4), token bits 0-2
             m_new = gl.maximum(m_i, gl.max(gl.max(s4, axis=3), axis=1))
             m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -266,17 +318,29 @@ if gluon is not None:
             p4 = gl.exp2(s4 - gl.expand_dims(gl.expand_dims(m_safe, 1), 3))
             l4 = l4 * gl.expand_dims(gl.expand_dims(alpha, 1), 3) + p4
             m_i = m_new
+            if E8M0:
+                # P' = 2**(s + e_v - mv) <= 1: V decoded over each token's largest block, times P', is exact
+                sv4 = gl.reshape(s + gl.expand_dims(ev, 0), [16, 2, NW, 8])
+                mv_new = gl.maximum(mv_i, gl.max(gl.max(sv4, axis=3), axis=1))
+                mv_safe = gl.where(mv_new == float("-inf"), 0.0, mv_new)
+                alpha = gl.exp2(mv_i - mv_safe)
+                p4 = gl.exp2(sv4 - gl.expand_dims(gl.expand_dims(mv_safe, 1), 3))
+                mv_i = mv_new
             p3 = gl.reshape(gl.permute(p4, (2, 0, 1, 3)), [NW, 16, 16]).to(gl.float16)  # [warp, head, kk]
             a3 = gl.expand_dims(gl.convert_layout(gl.permute(alpha, (1, 0)), gl.SliceLayout(2, MO)), 2)
             acc = mma_v2(gl.convert_layout(p3, AO, assert_trivial=True), decode_v(vw, vs, lo3, sign8), acc * a3)
             s = s_next
-            vw, vs = vw1, vs1
-            kw1, ks1, live1, tok01 = kw2, ks2, live2, tok02
+            vw, vs, ev = vw1, vs1, ev1
+            kw1, ks1, rs1, live1, tok01 = kw2, ks2, rs2, live2, tok02
             b1 = b2
             b2 = b3
             b3 = b4
             pg1 = pg2
             pg2 = pg3
+        if E8M0:  # acc from mv_i's reference to m_i's (2**(mv - m) <= 2**127: e_v <= 127)
+            mv_safe = gl.where(mv_i == float("-inf"), 0.0, mv_i)
+            to_m = gl.exp2(mv_safe - gl.where(m_i == float("-inf"), 0.0, m_i))
+            acc = acc * gl.expand_dims(gl.convert_layout(gl.permute(to_m, (1, 0)), gl.SliceLayout(2, MO)), 2)
         # merge the warps' states (once, through shared memory)
         l_w = gl.sum(gl.sum(l4, axis=3), axis=1)  # [16, NW]
         m_tot = gl.max(m_i, axis=1)  # [16]
@@ -312,13 +376,15 @@ def device_ok(device: torch.device) -> bool:
 
 
 def applies(q: torch.Tensor, k_cache, v_cache, block_size: int) -> bool:
-    """Shape and format conditions of this kernel (the device condition is `device_ok`)."""
+    """Shape and format conditions of this kernel (the device condition is `device_ok`): nvfp4 or mxfp4 K and V
+    (one format), head dim 128, <= 16 query heads per KV head, 128-token blocks and pages."""
     rows, hq, d = q.shape
     hkv = k_cache.num_heads
-    return (k_cache.fmt.family == "nvfp4" and v_cache.fmt.family == "nvfp4" and d == DIM and block_size == BLOCK
+    fam = k_cache.fmt.family
+    return (fam in SCALE_BYTES and v_cache.fmt.family == fam and d == DIM and block_size == BLOCK
             and k_cache.page_size == BLOCK and v_cache.page_size == BLOCK and hq % hkv == 0
-            and hq // hkv <= MAX_GROUP and k_cache.payload_bytes == PAYLOAD and k_cache.scale_bytes == SCALES
-            and v_cache.payload_bytes == PAYLOAD and v_cache.scale_bytes == SCALES
+            and hq // hkv <= MAX_GROUP and all(c.payload_bytes == PAYLOAD and c.scale_bytes == SCALE_BYTES[fam]
+                                               for c in (k_cache, v_cache))
             and all(c.data.stride(i) % 4 == 0 for c in (k_cache, v_cache) for i in (0, 1)))
 
 
@@ -326,9 +392,11 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-MIN_PROGRAMS = 64  # rows x KV heads below which the default launch keeps the portable kernel (H200, M3 shape, us per
-# layer, 2026-11-29 14:47 UTC: batch 16 this kernel 13.1 (8 splits) / 15.7 (16) against the portable 11.3; batch 64
-# 24.3 against 26.0)
+# rows x KV heads from which the default launch takes this kernel, per format (H200, M3 shape, us per layer, layers
+# back to back past L2, 2026-11-29): nvfp4 batch 16 13.1 (8 splits) / 15.7 (16) against the portable 11.3, batch 64
+# 24.3 against 26.0 (14:47 UTC); mxfp4 batch 64 28.7 against 27.0, 96 40.3 / 41.3, 128 39.8 / 47.0, 256 61.8 / 75.1
+# (14:55 UTC)
+MIN_PROGRAMS = {"nvfp4": 64, "mxfp4": 128}
 
 
 def default_splits(rows: int, num_kv_heads: int, n_tiles: int, device: torch.device) -> int:
@@ -363,6 +431,7 @@ def sparse_decode(q: torch.Tensor, k_cache, v_cache, block_table: torch.Tensor, 
         float(v_scalar), q.stride(0), q.stride(1), k_cache.data.stride(0), k_cache.data.stride(1),
         v_cache.data.stride(0), v_cache.data.stride(1), block_table.stride(0), block_ids.stride(0),
         block_ids.stride(1), n_tiles, per, 0x07070707, -0x7F7F7F80, G=hq // hkv, SPLIT=splits > 1,
+        E8M0=k_cache.fmt.scale_element == "e8m0",
         num_warps=NUM_WARPS)
     if splits > 1:
         combine[(rows * hq,)](part, ml, out, float(v_scalar), splits, BLOCK_S=triton.next_power_of_2(splits), D=d,

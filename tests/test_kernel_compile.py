@@ -171,8 +171,9 @@ CASES["index-decode-topk-split256/nvfp4"] = _index_decode("nvfp4", "decode_topk"
 CASES["index-decode-topk-gluon/nvfp4"] = _index_decode("nvfp4", "decode_topk", gluon=True)
 XFAIL[("index-decode-topk-gluon/nvfp4", "hip:gfx950")] = "gluon=True is refused off CUDA (KernelArgumentError)"
 # the Gluon attention forced (gluon=True) and its refusal on ROCm
-CASES["attn-decode-gluon/nvfp4"] = _attn_decode("nvfp4", 64, gluon=True)
-XFAIL[("attn-decode-gluon/nvfp4", "hip:gfx950")] = "gluon=True is refused off CUDA (KernelArgumentError)"
+for _f in ("nvfp4", "mxfp4"):
+    CASES[f"attn-decode-gluon/{_f}"] = _attn_decode(_f, 64, gluon=True)
+    XFAIL[(f"attn-decode-gluon/{_f}", "hip:gfx950")] = "gluon=True is refused off CUDA (KernelArgumentError)"
 # attention's portable (integer) e4m3 decode, which its default launch skips on both targets (see NATIVE_FP8 below)
 PORTABLE_FP8 = ("attn-decode-splits-portable/fp8", "attn-decode-splits-portable/nvfp4")
 for _case in PORTABLE_FP8:

@@ -318,9 +318,9 @@ def test_gpu_cuda_graph_replay():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [(16, 1), (16, 2), (8, 2), (5, 1)], ids=["g16", "g8x2", "g4x2", "g5"])
-@pytest.mark.parametrize("fmt", ["nvfp4-rcp", "nvfp4-rcp-auto", "nvfp4-div"])
+@pytest.mark.parametrize("fmt", ["nvfp4-rcp", "nvfp4-rcp-auto", "nvfp4-div", "mxfp4-rceil", "mxfp4-floor"])
 def test_gpu_decode_gluon(fmt, heads):
-    """The Gluon nvfp4 decode (forced) against the reference and the portable kernel: contexts around the 64-token
+    """The Gluon FP4 decode (forced) against the reference and the portable kernel: contexts around the 64-token
     tile and 128-token page edges up to 150K (the pool's 0xFF bytes after each context are NaN scales: never read),
     -1 holes in the selections, GQA groups of 16, 8, 4 and 5 (padded) query heads, every split count (1 writes the
     output itself, more go through the combine kernel; 100 > tiles), bf16 output = the rounded fp32 output."""
@@ -360,9 +360,33 @@ def test_gpu_decode_gluon_dead_tiles():
 
 @pytest.mark.gpu
 def test_gpu_gluon_refuses_other_formats():
-    q, kc, vc, table, ctx, ids = make_decode("mxfp4", [300, 900], 16, 1, 128, 128, 128, 4, seed=23)
+    q, kc, vc, table, ctx, ids = make_decode("fp8-token", [300, 900], 16, 1, 128, 128, 128, 4, seed=23)
     with pytest.raises(KernelArgumentError, match="gluon=True"):
         sparse_decode(q, kc, vc, table, ctx, ids, 128, gluon=True)
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_mxfp4_scales_far_apart():
+    """The Gluon mxfp4 path with E8M0 V scales across the exponent range (as test_mxfp4_v_scales_far_apart): every V
+    token near 2**-100, near 2**100, per-token magnitudes 2**[-30, 30]; K blocks of one token 2**[-6, 6] apart."""
+    g = torch.Generator().manual_seed(11)
+    lens, d = [300, 300, 300], 128
+    ks = [synthetic_kv(n, 1, d, g).float() * torch.exp2(torch.randint(-6, 7, (1, 1, d), generator=g).float())
+          for n in lens]
+    vs = [synthetic_kv(n, 1, d, g, outliers=False).float() for n in lens]
+    vs[0] = vs[0] * 2.0**-100
+    vs[1] = vs[1] * 2.0**100
+    vs[2] = vs[2] * torch.exp2(torch.randint(-30, 31, (300, 1, 1), generator=g).float())
+    kc, vc, table = build_paged(get_format("mxfp4"), [k.to(torch.bfloat16) for k in ks],
+                                [v.to(torch.bfloat16) for v in vs], 128, DEVICE, g)
+    q = torch.randn(3, 16, d, generator=g).to(torch.bfloat16).to(DEVICE)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    ids = random_block_selection(ctx.long() - 1, 128, 4, 1, g, holes=False).transpose(0, 1).contiguous()
+    ref = paged_sparse_decode_ref(q, kc, vc, table, ctx, ids, 128)
+    for splits in (1, 2):
+        out = sparse_decode(q, kc, vc, table, ctx, ids, 128, num_splits=splits, gluon=True, out_dtype=torch.float32)
+        for b in range(3):
+            check_close(out[b], ref[b])
 
 
 @pytest.mark.gpu
