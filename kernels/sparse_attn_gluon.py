@@ -194,50 +194,59 @@ if gluon is not None:
 
     @gluon.jit
     def _fetch_k(j, bid, pg, kq, k_ptr, head_k, stride_kp, wk_off, sk_off, sw_tok, sc_tok, pos, E8M0: gl.constexpr):
-        """Tile j's K words, block factors (fp16 [64, 8] in SK), per-token score factors (mxfp4: 2**e_tok per S
-        column; nvfp4: 1), live, first token (no load for a dead tile)."""
+        """Tile j's K loads as loaded (words; nvfp4 scale bytes [64, 8] in SK, or mxfp4 scale words [64] in SK's
+        rows and [64] in S's columns), live, first token; no load for a dead tile. Nothing here uses the loaded
+        values: the conversions run in the iteration that consumes them (`_scores`), so no load is waited for in
+        the iteration that issues it."""
         tok0 = bid * 128 + (j % 2) * T
         live = (bid >= 0) & (pg >= 0) & (tok0 <= pos)
         base = gl.maximum(pg, 0).to(gl.int64) * stride_kp + head_k
         kw = gl.load(kq + (base + (j % 2) * T * 64) // 4 + wk_off, mask=live, other=0)
         if E8M0:
             sw_base = (base + 128 * 64 + (j % 2) * T * 4) // 4
-            sw = gl.load(kq + sw_base + sw_tok, mask=live, other=0)
-            ks = block_factors(sk_off, sw, True)
-            rs = exp2_int(byte_max(gl.load(kq + sw_base + sc_tok, mask=live, other=0)) - 127)
+            ks = gl.load(kq + sw_base + sw_tok, mask=live, other=0)
+            kc_ = gl.load(kq + sw_base + sc_tok, mask=live, other=0)
         else:
-            ks = block_factors(gl.load(k_ptr + base + (j % 2) * T * 8 + sk_off, mask=live, other=0), sw_tok, False)
-            rs = gl.full([T], 1.0, gl.float32, layout=sc_tok.type.layout)
-        return kw, ks, rs, live, tok0
+            ks = gl.load(k_ptr + base + (j % 2) * T * 8 + sk_off, mask=live, other=0)
+            kc_ = sc_tok  # unused
+        return kw, ks, kc_, live, tok0
 
     @gluon.jit
     def _fetch_v(j, bid, pg, vq, v_ptr, head_v, stride_vp, wv_off, sv_off, sv_tok, sw_tok, sc_tok, pos,
                  E8M0: gl.constexpr):
-        """Tile j's V words, block factors (fp16 [64, 8] in SV) and (mxfp4) per-token exponents e_tok per S column
-        (fp32; nvfp4: 0). The scales of tokens after the query read as 0, so stale bytes there (a NaN scale) cannot
-        reach the output through p = 0."""
+        """Tile j's V loads as loaded (as `_fetch_k`; converted by `_v_factors` when consumed). The scales of tokens
+        after the query read as 0, so stale bytes there (a NaN scale) cannot reach the output through p = 0."""
         tok0 = bid * 128 + (j % 2) * T
         live = (bid >= 0) & (pg >= 0) & (tok0 <= pos)
         base = gl.maximum(pg, 0).to(gl.int64) * stride_vp + head_v
         vw = gl.load(vq + (base + (j % 2) * T * 64) // 4 + wv_off, mask=live, other=0)
         if E8M0:
             sw_base = (base + 128 * 64 + (j % 2) * T * 4) // 4
-            sw = gl.load(vq + sw_base + sw_tok, mask=live & (tok0 + sw_tok <= pos), other=0)
-            vs = block_factors(sv_off, sw, True)
-            ev = (byte_max(gl.load(vq + sw_base + sc_tok, mask=live & (tok0 + sc_tok <= pos), other=0)) - 127)
-            ev = ev.to(gl.float32)
+            vs = gl.load(vq + sw_base + sw_tok, mask=live & (tok0 + sw_tok <= pos), other=0)
+            vc_ = gl.load(vq + sw_base + sc_tok, mask=live & (tok0 + sc_tok <= pos), other=0)
         else:
-            sb = gl.load(v_ptr + base + (j % 2) * T * 8 + sv_off, mask=live & (tok0 + sv_tok <= pos), other=0)
-            vs = block_factors(sb, sw_tok, False)
-            ev = gl.full([T], 0.0, gl.float32, layout=sc_tok.type.layout)
-        return vw, vs, ev
+            vs = gl.load(v_ptr + base + (j % 2) * T * 8 + sv_off, mask=live & (tok0 + sv_tok <= pos), other=0)
+            vc_ = sc_tok  # unused
+        return vw, vs, vc_
 
     @gluon.jit
-    def _scores(qa, kw, ks, rs, live, tok0, tok_s, pos, down, lo3, sign8, E8M0: gl.constexpr):
-        """Masked, scaled S tile [16 heads, 64 tokens] in log2 units."""
-        s = mma_v2(qa, decode_k(kw, ks, lo3, sign8), gl.full([16, T], 0.0, gl.float32, layout=MS))
+    def _v_factors(vs, vc_, sv_off, E8M0: gl.constexpr):
+        """V's block factors (fp16 [64, 8] in SV) and, for mxfp4, its tokens' exponents e_tok per S column."""
         if E8M0:
-            s = s * gl.expand_dims(rs, 0)
+            return block_factors(sv_off, vs, True), (byte_max(vc_) - 127).to(gl.float32)
+        else:
+            return block_factors(vs, vs, False), vc_.to(gl.float32)
+
+    @gluon.jit
+    def _scores(qa, kw, ks, kc_, live, tok0, tok_s, pos, down, sk_off, lo3, sign8, E8M0: gl.constexpr):
+        """Masked, scaled S tile [16 heads, 64 tokens] in log2 units (mxfp4: times 2**e_tok per token column)."""
+        if E8M0:
+            f = block_factors(sk_off, ks, True)
+        else:
+            f = block_factors(ks, ks, False)
+        s = mma_v2(qa, decode_k(kw, f, lo3, sign8), gl.full([16, T], 0.0, gl.float32, layout=MS))
+        if E8M0:
+            s = s * gl.expand_dims(exp2_int(byte_max(kc_) - 127), 0)
         valid = live & (tok0 + tok_s <= pos)
         return gl.where(gl.expand_dims(valid, 0), s * gl.expand_dims(down, 1), float("-inf"))
 
@@ -297,20 +306,22 @@ if gluon is not None:
         pg0 = _page(b0, table_row, pos)
         pg1 = _page(b1, table_row, pos)
         pg2 = _page(b2, table_row, pos)
-        kw, ks, rs, live, tok0 = _fetch_k(t0, b0, pg0, kq, k_ptr, head_k, stride_kp, wk_off, sk_off, tks, tok_s, pos,
-                                          E8M0)
-        kw1, ks1, rs1, live1, tok01 = _fetch_k(t0 + 1, b1, pg1, kq, k_ptr, head_k, stride_kp, wk_off, sk_off, tks,
+        kw, ks, kc0, live, tok0 = _fetch_k(t0, b0, pg0, kq, k_ptr, head_k, stride_kp, wk_off, sk_off, tks, tok_s,
+                                           pos, E8M0)
+        kw1, ks1, kc1, live1, tok01 = _fetch_k(t0 + 1, b1, pg1, kq, k_ptr, head_k, stride_kp, wk_off, sk_off, tks,
                                                tok_s, pos, E8M0)
-        vw, vs, ev = _fetch_v(t0, b0, pg0, vq, v_ptr, head_v, stride_vp, wv_off, sv_off, sv_tok, tvs, tok_s, pos, E8M0)
-        s = _scores(qa, kw, ks, rs, live, tok0, tok_s, pos, down, lo3, sign8, E8M0)
+        vw, vs, vc0 = _fetch_v(t0, b0, pg0, vq, v_ptr, head_v, stride_vp, wv_off, sv_off, sv_tok, tvs, tok_s, pos,
+                               E8M0)
+        s = _scores(qa, kw, ks, kc0, live, tok0, tok_s, pos, down, sk_off, lo3, sign8, E8M0)
         for j in range(t0, j_end):
             b4 = _block(j + 4, ids_row, j_end)
             pg3 = _page(b3, table_row, pos)
-            kw2, ks2, rs2, live2, tok02 = _fetch_k(j + 2, b2, pg2, kq, k_ptr, head_k, stride_kp, wk_off, sk_off, tks,
+            kw2, ks2, kc2, live2, tok02 = _fetch_k(j + 2, b2, pg2, kq, k_ptr, head_k, stride_kp, wk_off, sk_off, tks,
                                                    tok_s, pos, E8M0)
-            vw1, vs1, ev1 = _fetch_v(j + 1, b1, pg1, vq, v_ptr, head_v, stride_vp, wv_off, sv_off, sv_tok, tvs, tok_s,
+            vw1, vs1, vc1 = _fetch_v(j + 1, b1, pg1, vq, v_ptr, head_v, stride_vp, wv_off, sv_off, sv_tok, tvs, tok_s,
                                      pos, E8M0)
-            s_next = _scores(qa, kw1, ks1, rs1, live1, tok01, tok_s, pos, down, lo3, sign8, E8M0)
+            s_next = _scores(qa, kw1, ks1, kc1, live1, tok01, tok_s, pos, down, sk_off, lo3, sign8, E8M0)
+            vf, ev = _v_factors(vs, vc0, sv_off, E8M0)
             s4 = gl.reshape(s, [16, 2, NW, 8])  # head, token bit 5, warp (token bits 3, 4), token bits 0-2
             m_new = gl.maximum(m_i, gl.max(gl.max(s4, axis=3), axis=1))
             m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -328,10 +339,10 @@ if gluon is not None:
                 mv_i = mv_new
             p3 = gl.reshape(gl.permute(p4, (2, 0, 1, 3)), [NW, 16, 16]).to(gl.float16)  # [warp, head, kk]
             a3 = gl.expand_dims(gl.convert_layout(gl.permute(alpha, (1, 0)), gl.SliceLayout(2, MO)), 2)
-            acc = mma_v2(gl.convert_layout(p3, AO, assert_trivial=True), decode_v(vw, vs, lo3, sign8), acc * a3)
+            acc = mma_v2(gl.convert_layout(p3, AO, assert_trivial=True), decode_v(vw, vf, lo3, sign8), acc * a3)
             s = s_next
-            vw, vs, ev = vw1, vs1, ev1
-            kw1, ks1, rs1, live1, tok01 = kw2, ks2, rs2, live2, tok02
+            vw, vs, vc0 = vw1, vs1, vc1
+            kw1, ks1, kc1, live1, tok01 = kw2, ks2, kc2, live2, tok02
             b1 = b2
             b2 = b3
             b3 = b4
