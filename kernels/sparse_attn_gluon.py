@@ -28,14 +28,18 @@ gives zeros, whole-tensor factors (the nvfp4 outer scale, E2M1's 2**-14 unit) fo
 final normalization. P is rounded once to fp16 (as the portable kernel's default for fp16 dots).
 
 Measured (H200, M3 TP4 shape, us per layer, layers back to back past L2 in one CUDA graph; bench/RESULTS.md has
-every run): nvfp4 batch 256 46.2 against the portable kernel's 69.1 (39.1 % of copy), batch 64 25.2 against 25.9;
-mxfp4 batch 256 61.8 against 75.1, batch 128 39.8 against 47.0, batch 64 28.7 against 27.0 (so the default takes
-this kernel from `MIN_PROGRAMS` requests x KV heads). What the time is (batch 256, one layer, 14:39 UTC ablations):
+every run; final call 2026-11-29 15:16 UTC): nvfp4 batch 256 46.9 against the portable kernel's 68.7 (38.6 % of
+copy), 128 31.6 against 43.0, 64 24.4 against 25.6; mxfp4 batch 256 59.1 against 75.1 (28.9 %), 128 37.9 against
+47.3, and at batch 64 28.7 against 27.0 (14:55 UTC: so the default takes this kernel from `MIN_PROGRAMS` requests x
+KV heads). What the time is (batch 256, one layer, 14:39 UTC ablations):
 with nothing loaded (no selected ids) 45.9 us, and without any E2M1 decode too 34.8: the mma / softmax / rescale
-structure and its latency are most of the time, not the loads or the decode. Tried and not faster (same day): Q
-kept in shared memory (168 registers), register-split fp16 pairs instead of int16 joins (-10 % SASS), one shared
-softmax max across the warps with the accumulator rescaled only when a max grows by > 2**8 (3 barriers per tile:
-slower), loads one more tile ahead (+3 % at batch 256, -2 % at 128), the S dot as two independent mma chains.
+structure and its latency are most of the time, not the loads or the decode; without the whole softmax bookkeeping
+(rescales, exp2, row max) the integrated kernel took 41.4 instead of 46.9 (15:05 UTC). ncu (15:07 UTC): 47.5 %
+issue slots busy at 7.3 warps per SM, 3.5 cycles per issued instruction, DRAM 34 %. The register-split fp16 pairs
+(`pair_join`: 10 % fewer SASS, 20 fewer registers) are kept although the time did not change. Tried and not faster
+(same day): Q kept in shared memory (168 registers), one shared softmax max across the warps with the accumulator
+rescaled only when a max grows by > 2**8 (3 barriers per tile: slower), loads one more tile ahead (+3 % at batch
+256, -2 % at 128), the S dot as two independent mma chains.
 
 Where it runs: CUDA devices with Gluon and the hardware E4M3 conversion (capability >= 8.9); decode; nvfp4 or mxfp4
 K and V; head dim 128; at most 16 query heads per KV head; 128-token selection blocks and pages. Elsewhere (gfx950
