@@ -505,7 +505,8 @@ def uses_gluon(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, block_
 
 def _use_gluon(q, k_cache, v_cache, block_size: int, want: bool | None, portable: dict) -> bool:
     """The NVIDIA fast path (`kernels/sparse_attn_gluon.py`) for FP4 decode: gluon=True requires it, False keeps
-    the portable kernel; by default it runs where it applies unless a portable-kernel option is given."""
+    the portable kernel; by default it runs where it applies, from `attn_gluon.MIN_PROGRAMS` requests x KV heads,
+    unless a portable-kernel option is given."""
     given = sorted(k for k, v in portable.items() if v is not None)
     if want and given:
         raise KernelArgumentError(f"sparse_decode: gluon=True does not take the portable kernel's options {given}")

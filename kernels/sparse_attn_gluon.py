@@ -131,7 +131,8 @@ if gluon is not None:
         (dim slot c = k_column_element(c)), values * 2**-14 * factor."""
         f = gl.convert_layout(gl.reshape(gl.join(f, f), [T, 16]), WK, assert_trivial=True)
         p0, p1, p2, p3 = e2m1_pairs(words, lo3, sign8)
-        x = gl.join(gl.join(pair_join(p0), pair_join(p1)), gl.join(pair_join(p2), pair_join(p3)))  # [64, 16 w, h, k0, k1]
+        # [64 tokens, 16 w, h, k0, k1]
+        x = gl.join(gl.join(pair_join(p0), pair_join(p1)), gl.join(pair_join(p2), pair_join(p3)))
         s = gl.join(f, f)
         s = gl.join(s, s)
         x = x * gl.join(s, s)
@@ -281,7 +282,8 @@ if gluon is not None:
         tk = gl.arange(0, T, layout=gl.SliceLayout(1, WK))
         wk_off = gl.expand_dims(tk, 1) * 16 + gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, WK)), 0)
         tks = gl.arange(0, T, layout=gl.SliceLayout(1, SK))
-        sk_off = 128 * 64 + gl.expand_dims(tks, 1) * 8 + gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, SK)), 0)
+        sk_off = 128 * 64 + gl.expand_dims(tks, 1) * 8 + gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, SK)),
+                                                                         0)
         tv = gl.arange(0, T, layout=gl.SliceLayout(1, WV))
         wv_off = gl.expand_dims(tv, 1) * 16 + gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, WV)), 0)
         tvs = gl.arange(0, T, layout=gl.SliceLayout(1, SV))

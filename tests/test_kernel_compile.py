@@ -182,7 +182,7 @@ for _case in PORTABLE_FP8:
 # what each group must launch (by kernel object name; a tuple: one of these), checked on every target. The index
 # scorer: autotuned, or its fixed launch (FP4 top-k on CUDA: index_score.FP4_PAIR_LAUNCH)
 SCORER = ("index_score._tuned_kernel", "index_score._index_score_kernel", "index_gluon.decode_block_parts_kernel")
-# sparse-attention decode: the portable kernel, or (nvfp4 on CUDA) the Gluon fast path (kernels/sparse_attn_gluon.py)
+# sparse-attention decode: the portable kernel, or (FP4 on CUDA) the Gluon fast path (kernels/sparse_attn_gluon.py)
 ATTN_DECODE = ("sparse_attn._sparse_attn_kernel", "sparse_attn_gluon.decode_kernel")
 EXPECT = {
     "store": {"store._store_kernel"}, "quantize": {"store._store_kernel"},
