@@ -250,6 +250,44 @@ def test_gluon_path_is_refused_where_it_cannot_run():
     check_close(sparse_decode(q, kc, vc, table, ctx, ids, 32, gluon=False, out_dtype=torch.float32), ref)
 
 
+def test_gluon_dispatch_rules(monkeypatch):
+    """Where the default launch takes the Gluon fast path, with the device condition patched to hold (the shape and
+    format rules and the batch thresholds are host code, checked here on CPU; the kernel itself is compiled for
+    sm_90 by test_kernel_compile and run by the GPU tests below)."""
+    from kvtool.kernels import sparse_attn as SA
+    from kvtool.kernels import sparse_attn_gluon as G
+
+    monkeypatch.setattr(G, "device_ok", lambda device: True)
+    monkeypatch.setattr(G, "_num_sms", lambda device: 132)
+
+    def caches(fmt, d=128, page=128, hkv=1):
+        f = get_format(fmt)
+        return [PagedCache.allocate(f, 2, page, hkv, d, device=DEVICE) for _ in range(2)]
+
+    def uses(fmt, rows, hq=16, d=128, page=128, hkv=1, block=128):
+        k, v = caches(fmt, d, page, hkv)
+        return SA.uses_gluon(torch.zeros(rows, hq, d, dtype=torch.bfloat16), k, v, block)
+
+    assert uses("nvfp4", 64) and not uses("nvfp4", 63) and uses("nvfp4-rcp-auto", 256)
+    assert uses("mxfp4", 128) and not uses("mxfp4", 127) and uses("mxfp4-floor", 200)
+    assert uses("nvfp4", 32, hq=32, hkv=2)  # 32 requests x 2 KV heads = 64 programs, 16 query heads each
+    for fmt in ("bf16", "fp8-unit", "fp8-token"):
+        assert not uses(fmt, 256)
+    assert not uses("nvfp4", 256, d=64) and not uses("nvfp4", 256, hq=32)  # head dim, > 16 query heads per KV head
+    assert not uses("nvfp4", 256, page=64, block=128) and not uses("nvfp4", 256, page=128, block=256)
+    k, v = caches("nvfp4")
+    q = torch.zeros(256, 16, 128, dtype=torch.bfloat16)
+    assert not SA._use_gluon(q, k, v, 128, None, {"num_warps": 2})  # a portable option keeps the portable kernel
+    assert SA._use_gluon(q[:8], k, v, 128, True, {})  # forced below the threshold
+    with pytest.raises(KernelArgumentError, match="portable"):
+        SA._use_gluon(q, k, v, 128, True, {"paired": True})
+    k8, v8 = caches("fp8-unit")
+    with pytest.raises(KernelArgumentError, match="nvfp4 or mxfp4"):
+        SA._use_gluon(q, k8, v8, 128, True, {})
+    # about two programs per SM, never more splits than tiles (32 at M3's top-16 x 128 in 64-token tiles)
+    assert [G.default_splits(r, 1, 32, torch.device("cpu")) for r in (256, 128, 64, 16, 1)] == [1, 2, 4, 16, 32]
+
+
 # --------------------------------------------------------------------------------------------- GPU, real sizes
 M3 = {"hq": 16, "hkv": 1, "d": 128, "page": 128, "bs": 128, "topk": 16}
 GPU_FORMATS = ["bf16", "fp8", "fp8-tensor", "fp8-token", "nvfp4", "nvfp4-rcp-auto", "mxfp4"]
