@@ -16,7 +16,7 @@ from kvtool.attention import (
     random_block_selection,
     sparse_attention_ref,
 )
-from kvtool.errors import InputError
+from kvtool.errors import InputError, KernelArgumentError
 from kvtool.formats import get_format
 from kvtool.workflows.verify_attn import build_paged, synthetic_kv
 
@@ -233,6 +233,41 @@ def test_verify_attn_synthetic_torch_path_and_cli_json():
     assert bad.exit_code == 2 and "--context-lens" in bad.output
 
 
+def test_verify_attn_synthetic_runs_the_decode_kernel(monkeypatch, tmp_path):
+    """The synthetic step goes through the decode kernel (the interpreter's portable kernel on CPU); `kernel` picks
+    the launch and each row says which ran. The Gluon fast path is stubbed in (device check patched, the kernel
+    replaced by the reference: it cannot run here) to check that "auto" takes it where the default launch does."""
+    from kvtool.kernels import sparse_attn_gluon as G
+
+    rep = va.verify_attn_synthetic(["nvfp4", "mxfp4"], batch=2, context_lens="300", backend="triton", device=DEVICE)
+    assert rep.passed and [r.kernel for r in rep.layers] == ["decode portable"] * 2
+    assert va.verify_attn_synthetic(["nvfp4"], batch=2, context_lens="5", backend="torch").layers[0].kernel == "torch"
+    if not G.device_ok(torch.device(DEVICE)):  # off CUDA >= 8.9 the fast path is an error, not a silent fallback
+        with pytest.raises(KernelArgumentError, match="gluon=True"):
+            va.verify_attn_synthetic(["nvfp4"], batch=2, context_lens="300", backend="triton", kernel="gluon",
+                                     device=DEVICE)
+    with pytest.raises(InputError, match="kernel must be"):
+        va.verify_attn_synthetic(["nvfp4"], kernel="fast")
+    path = tmp_path / "cap.safetensors"
+    _tiny_capture(path)
+    with pytest.raises(InputError, match="prefill"):
+        va.verify_attn_file(path, ["nvfp4"], kernel="gluon")
+    calls = []
+
+    def fake_gluon(q, k_cache, v_cache, table, ctx, ids, qk_scale, v_scalar, splits, out_dtype, combine):
+        calls.append(k_cache.fmt.label)
+        return paged_sparse_decode_ref(q, k_cache, v_cache, table, ctx, ids, 128).to(out_dtype)
+
+    monkeypatch.setattr(G, "device_ok", lambda device: True)
+    monkeypatch.setattr(G, "sparse_decode", fake_gluon)
+    rep = va.verify_attn_synthetic(["nvfp4", "mxfp4"], batch=64, context_lens="200", backend="triton", device=DEVICE)
+    assert [r.kernel for r in rep.layers] == ["decode gluon", "decode portable"]  # mxfp4 from 128 requests
+    assert calls == ["nvfp4-rcp"] and rep.passed
+    rep = va.verify_attn_synthetic(["mxfp4"], batch=2, context_lens="200", backend="triton", kernel="gluon",
+                                   device=DEVICE)
+    assert [r.kernel for r in rep.layers] == ["decode gluon"] and calls[-1] == "mxfp4-rceil"
+
+
 def test_verify_attn_cli_arguments(monkeypatch, tmp_path):
     seen = {}
 
@@ -245,7 +280,9 @@ def test_verify_attn_cli_arguments(monkeypatch, tmp_path):
                                    "--context-lens", "5", "--seed", "7", "--tolerance", "0.01"])
     assert res.exit_code == 1, res.output  # the report did not pass
     assert seen["names"] == ["nvfp4", "mxfp4-floor"] and seen["batch"] == 3 and seen["context_lens"] == "5"
-    assert seen["seed"] == 7 and seen["tolerance"] == 0.01 and seen["device"] == "cpu"
+    assert seen["seed"] == 7 and seen["tolerance"] == 0.01 and seen["device"] == "cpu" and seen["kernel"] == "auto"
+    res = CliRunner().invoke(app, ["verify-attn", "--synthetic", "--kernel", "portable"])
+    assert seen["kernel"] == "portable"
     both = CliRunner().invoke(app, ["verify-attn", str(tmp_path / "x.safetensors"), "--synthetic"])
     assert both.exit_code == 2 and "not both" in both.output
 

@@ -19,6 +19,7 @@ from kvtool.workflows import verify_attn as va
 EPILOG = """Examples:\n
   kvtool verify-attn --synthetic --device cuda --formats nvfp4,mxfp4,fp8-token,bf16\n
   kvtool verify-attn --synthetic --batch 8 --context-lens 1,127,128,129,4097,32768,65536,150000 --device cuda\n
+  kvtool verify-attn --synthetic --batch 128 --device cuda --formats nvfp4,mxfp4 --kernel gluon   (the fast path)\n
   kvtool verify-attn m3.safetensors --formats nvfp4,nvfp4-rcp-auto,mxfp4-floor --layers 3-5 --device cuda\n
   TRITON_INTERPRET=1 kvtool verify-attn --synthetic --batch 2 --context-lens 300 --formats nvfp4   (kernel on CPU)"""
 
@@ -46,6 +47,9 @@ def verify_attn_cmd(
                                                                  "reference.")] = va.DEFAULT_TOLERANCE,
     backend: Annotated[str, typer.Option("--backend", help="auto | triton | torch (auto: Triton on cuda, and on "
                                                            "cpu under TRITON_INTERPRET=1).")] = "auto",
+    kernel: Annotated[str, typer.Option("--kernel", help="Synthetic (decode kernel): auto | portable | gluon (auto: "
+                                                         "the NVIDIA Gluon fast path where the default launch takes "
+                                                         "it; gluon: require it).")] = "auto",
     device: DeviceOpt = "cpu",
     as_json: JsonOpt = False,
 ) -> None:
@@ -61,13 +65,13 @@ def verify_attn_cmd(
     progress = (lambda msg: stderr.print(f"[dim]{msg}[/dim]"))
     if synthetic:
         report = va.verify_attn_synthetic(names, batch=batch, context_lens=context_lens, seed=seed, device=dev,
-                                          backend=backend, tolerance=tolerance, progress=progress)
+                                          backend=backend, tolerance=tolerance, kernel=kernel, progress=progress)
     else:
         from kvtool.workflows.capture import parse_layers
 
         report = va.verify_attn_file(file, names, layers=parse_layers(layers), max_queries=max_queries,
                                      page_size=page_size, seed=seed, device=dev, backend=backend,
-                                     tolerance=tolerance, progress=progress)
+                                     tolerance=tolerance, kernel=kernel, progress=progress)
     emit(report, as_json, _render)
     if not report.passed:
         raise typer.Exit(1)
@@ -93,6 +97,9 @@ def _render(r: va.VerifyAttnReport) -> None:
     stdout.print(table)
     if "context_lens" in r.geometry:
         stdout.print(f"context lengths: {r.geometry['context_lens']}")
+    ran = {row.format: row.kernel for row in r.layers if row.kernel}
+    if ran:
+        stdout.print("kernel: " + ", ".join(f"{fmt} {k}" for fmt, k in ran.items()))
     stdout.print(f"selection: {r.selection}. a = kernel (fp32 out) vs the reference on the dequantized cache (goal "
                  f"max_rel <= {r.tolerance:g}); a bf16 = a's max_rel with the bf16 output rounding; b = vs the "
                  f"reference on the bf16 original; q = queries")

@@ -17,6 +17,12 @@ Inputs:
   step for `batch` requests with ragged contexts, random K/V with outlier channels, random selections that always
   hold the query's own (partial) block, pages shuffled in the pool, and the pool's unused bytes filled with 0xFF
   (NaN in bf16 / fp8 / E4M3 scales) so that any read outside the selection shows up.
+
+Which kernel: capture files run the prefill kernel (`sparse_prefill`: many query positions per request); the
+synthetic step runs the decode kernel engines run for a decode step (`sparse_decode`), whose default launch takes the
+NVIDIA Gluon fast path for nvfp4 / mxfp4 where it applies (`kernels/sparse_attn_gluon.py`: CUDA >= 8.9, M3's head
+shape, from 64 / 128 requests). `kernel` picks: "auto" (that default), "portable" (the portable Triton kernel), or
+"gluon" (the fast path, an error where it cannot run). Each row's `kernel` says which one ran.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ class AttnRow:
     bf16_out_max_rel: float  # the same, with the kernel's bf16 output rounding
     vs_original: ValueMetrics  # kernel vs the reference on the bf16 original K/V
     passed: bool  # vs_dequant.max_rel within the tolerance (and no NaN)
+    kernel: str = ""  # which kernel ran: "decode gluon", "decode portable", "prefill", "torch" ("" for overall rows)
 
 
 @dataclass
@@ -142,32 +149,50 @@ class _Scores:
 
 
 def _row(layer: str, label: str, queries: int, deq: ValueMetrics, deq16: ValueMetrics, orig: ValueMetrics,
-         tol: float) -> AttnRow:
+         tol: float, kernel: str = "") -> AttnRow:
     ok = math.isfinite(deq.max_rel) and deq.max_rel <= tol
-    return AttnRow(layer, label, queries, deq, deq16.max_rel, orig, ok)
+    return AttnRow(layer, label, queries, deq, deq16.max_rel, orig, ok, kernel)
+
+
+KERNELS = ("auto", "portable", "gluon")
+_GLUON_OPTION = {"auto": None, "portable": False, "gluon": True}  # sparse_decode's `gluon` option per choice
+
+
+def _check_kernel(kernel: str) -> None:
+    if kernel not in KERNELS:
+        raise InputError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
 
 
 def _run_case(layer: str, fmts: list[Format], q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor],
               q_req: torch.Tensor, q_pos: torch.Tensor, ids: torch.Tensor, ref_orig: torch.Tensor, block_size: int,
               page_size: int, device, backend: str, gen: torch.Generator, report: VerifyAttnReport,
-              scores: _Scores) -> None:
+              scores: _Scores, decode: bool = False, kernel: str = "auto") -> None:
     """One layer (or synthetic step): q [N, Hq, D] bf16, per-request K/V, rows' request / position, ids
-    [N, Hkv, topk]; ref_orig [N, Hq, D] fp32 (the reference on the original K/V)."""
-    from kvtool.kernels.sparse_attn import sparse_prefill
+    [N, Hkv, topk]; ref_orig [N, Hq, D] fp32 (the reference on the original K/V). decode: the rows are one decode
+    step (row b is request b at its last position): run the decode kernel, with `kernel`'s choice of launch."""
+    from kvtool.kernels.sparse_attn import sparse_decode, sparse_prefill, uses_gluon
 
     for fmt in fmts:
         k_cache, v_cache, table = build_paged(fmt, ks, vs, page_size, device, gen)
         ref_deq = paged_sparse_prefill_ref(q, k_cache, v_cache, table, q_req, q_pos, ids, block_size)
-        if backend == "triton":
+        if backend == "triton" and decode:
+            gluon = _GLUON_OPTION[kernel]
+            ran = gluon if gluon is not None else uses_gluon(q, k_cache, v_cache, block_size)
+            out = sparse_decode(q, k_cache, v_cache, table, (q_pos + 1).to(torch.int32), ids.to(torch.int32),
+                                block_size, out_dtype=torch.float32, gluon=gluon).float()
+            used = "decode gluon" if ran else "decode portable"
+        elif backend == "triton":
             out = sparse_prefill(q, k_cache, v_cache, table, q_req.to(torch.int32), q_pos.to(torch.int32),
                                  ids.to(torch.int32), block_size, out_dtype=torch.float32).float()
+            used = "prefill"
         else:
             out = ref_deq
+            used = "torch"
         m_deq = ValueAccumulator().update(out, ref_deq).result()
         m16 = ValueAccumulator().update(out.to(torch.bfloat16).float(), ref_deq).result()
         m_orig = ValueAccumulator().update(out, ref_orig).result()
         scores.add(fmt.label, out, ref_deq, ref_orig)
-        row = _row(layer, fmt.label, q.shape[0], m_deq, m16, m_orig, report.tolerance)
+        row = _row(layer, fmt.label, q.shape[0], m_deq, m16, m_orig, report.tolerance, used)
         report.layers.append(row)
         report.passed &= row.passed
 
@@ -185,10 +210,12 @@ def _finish(report: VerifyAttnReport, scores: _Scores) -> VerifyAttnReport:
 
 def verify_attn_synthetic(formats: list[str], *, batch: int = 4, context_lens: str | None = None, seed: int = 0,
                           device: str = "cpu", backend: str = "auto", tolerance: float = DEFAULT_TOLERANCE,
-                          geometry: dict | None = None,
+                          geometry: dict | None = None, kernel: str = "auto",
                           progress: Callable[[str], None] | None = None) -> VerifyAttnReport:
-    """One decode step at M3's TP4 shape (or `geometry`, keys as M3_TP4) for `batch` requests; see the module
-    docstring. Returns the report (per-format rows under layer 'synthetic' and 'all')."""
+    """One decode step at M3's TP4 shape (or `geometry`, keys as M3_TP4) for `batch` requests, through the decode
+    kernel (`kernel`: auto | portable | gluon, see the module docstring); see the module docstring. Returns the
+    report (per-format rows under layer 'synthetic' and 'all')."""
+    _check_kernel(kernel)
     geo = {**M3_TP4, **(geometry or {})}
     dev = torch.device(device)
     backend, label = resolve_check_backend(backend, dev)
@@ -212,7 +239,7 @@ def verify_attn_synthetic(formats: list[str], *, batch: int = 4, context_lens: s
         progress(f"synthetic step: batch {batch}, contexts {lens}")
     scores = _Scores()
     _run_case("synthetic", fmts, q.to(dev), ks, vs, torch.arange(batch, device=dev), pos.to(dev), ids.to(dev),
-              ref_orig.to(dev), bs, geo["page_size"], dev, backend, gen, report, scores)
+              ref_orig.to(dev), bs, geo["page_size"], dev, backend, gen, report, scores, decode=True, kernel=kernel)
     return _finish(report, scores)
 
 
@@ -224,9 +251,14 @@ def _query_rows(n: int, max_queries: int) -> torch.Tensor:
 
 def verify_attn_file(path: Path, formats: list[str], *, layers: list[int] | None = None, max_queries: int = 256,
                      page_size: int | None = None, seed: int = 0, device: str = "cpu", backend: str = "auto",
-                     tolerance: float = DEFAULT_TOLERANCE,
+                     tolerance: float = DEFAULT_TOLERANCE, kernel: str = "auto",
                      progress: Callable[[str], None] | None = None) -> VerifyAttnReport:
-    """Every captured layer (or `layers`) of a capture file; see the module docstring."""
+    """Every captured layer (or `layers`) of a capture file, through the prefill kernel (`kernel` "gluon", the
+    decode-only fast path, is refused); see the module docstring."""
+    _check_kernel(kernel)
+    if kernel == "gluon":
+        raise InputError("kernel 'gluon' is the decode kernel's fast path: capture files run the prefill kernel "
+                         "(use --synthetic for a decode step)")
     from kvtool.indexer import IndexerConfig, select_blocks
     from kvtool.workflows.capture import read_capture
 
