@@ -460,8 +460,7 @@ def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_
     unit = E2M1_UNIT if fmt.element is not None and fmt.element.name == "e2m1" else 1.0  # e2m1_words_f16's 2**-14
     qk_scale = scale * LOG2E * _scalar_of(k_cache, "k_cache") * unit
     v_scalar = _scalar_of(v_cache, "v_cache") * unit
-    if out_dtype not in (torch.bfloat16, torch.float32):
-        raise KernelArgumentError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
+    _check_out_dtype(out_dtype)
     out = torch.empty(rows, hq, d, dtype=out_dtype, device=q.device)
     if rows == 0:
         return out
@@ -522,6 +521,11 @@ def _use_gluon(q, k_cache, v_cache, block_size: int, want: bool | None, portable
     return ok
 
 
+def _check_out_dtype(out_dtype: torch.dtype) -> None:
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise KernelArgumentError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
+
+
 def _check_q(q: torch.Tensor, name: str = "q") -> None:
     if q.dim() != 3 or q.dtype != torch.bfloat16 or q.stride(-1) != 1:
         raise KernelArgumentError(f"{name} must be bf16 [rows, Hq, D] with a contiguous last dim, got {q.dtype} "
@@ -567,8 +571,7 @@ def sparse_decode(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, blo
                 "precise_p": precise_p, "prefetch": prefetch, "paired": paired, "maxnreg": maxnreg, "lazy_l": lazy_l,
                 "joint_max": joint_max}
     if _use_gluon(q, k_cache, v_cache, block_size, gluon, portable):
-        if out_dtype not in (torch.bfloat16, torch.float32):
-            raise KernelArgumentError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
+        _check_out_dtype(out_dtype)
         if num_splits is not None and int(num_splits) < 1:
             raise KernelArgumentError(f"num_splits must be >= 1, got {num_splits}")
         scale = 1.0 / math.sqrt(d) if scale is None else float(scale)

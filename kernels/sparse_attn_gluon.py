@@ -177,9 +177,9 @@ if gluon is not None:
     @gluon.jit
     def block_factors(sb, sw, E8M0: gl.constexpr):
         """fp16 factors [64, 8] (one per 16 elements, sb's layout) of a tile's block scales: nvfp4 the E4M3 bytes sb
-        (hardware conversion, exact); mxfp4 2**(e - e_tok) from each token's E8M0 word sw [64] (sb's row slice),
-        e_tok its largest block exponent (the portable kernel's normalization, `attn_tiles.decode`: exact while a
-        token's blocks lie within 2**9 of its largest)."""
+        (hardware conversion, exact); mxfp4 2**(e - e_tok) from each token's E8M0 word sw [64] (sb's row slice; sb
+        then only names the layout: callers pass the scale offsets), e_tok its largest block exponent (the portable
+        kernel's normalization, `attn_tiles.decode`: exact while a token's blocks lie within 2**9 of its largest)."""
         if E8M0:
             b8 = gl.arange(0, 8, layout=gl.SliceLayout(0, sb.type.layout))
             e_own = (gl.expand_dims(sw, 1) >> gl.expand_dims(8 * (b8 // 2), 0)) & 0xFF
@@ -198,45 +198,38 @@ if gluon is not None:
         return gl.load(table_row + gl.maximum(bid, 0), mask=(bid >= 0) & (bid * 128 <= pos), other=-1)
 
     @gluon.jit
-    def _fetch_k(j, bid, pg, kq, k_ptr, head_k, stride_kp, wk_off, sk_off, sw_tok, sc_tok, pos, E8M0: gl.constexpr):
-        """Tile j's K loads as loaded (words; nvfp4 scale bytes [64, 8] in SK, or mxfp4 scale words [64] in SK's
-        rows and [64] in S's columns), live, first token; no load for a dead tile. Nothing here uses the loaded
-        values: the conversions run in the iteration that consumes them (`_scores`), so no load is waited for in
-        the iteration that issues it."""
+    def _fetch(j, bid, pg, words_ptr, bytes_ptr, head, stride_p, w_off, s_off, s_tok, sw_tok, sc_tok, pos,
+               E8M0: gl.constexpr, TOKEN_MASK: gl.constexpr):
+        """Tile j's K or V loads as loaded: words; nvfp4 scale bytes [64, 8] (s_off's layout), or mxfp4 scale words
+        [64] in s_off's rows (sw_tok) and in S's columns (sc_tok); live; first token. No load for a dead tile.
+        TOKEN_MASK (V): the scales of tokens after the query read as 0, so stale bytes there (a NaN scale) cannot
+        reach the output through p = 0 (K needs no such mask: those scores are -inf whatever they read). Nothing
+        here uses the loaded values: they are converted in the iteration that consumes them (`_scores`,
+        `_v_factors`), so no load is waited for in the iteration that issues it."""
         tok0 = bid * 128 + (j % 2) * T
         live = (bid >= 0) & (pg >= 0) & (tok0 <= pos)
-        base = gl.maximum(pg, 0).to(gl.int64) * stride_kp + head_k
-        kw = gl.load(kq + (base + (j % 2) * T * 64) // 4 + wk_off, mask=live, other=0)
+        base = gl.maximum(pg, 0).to(gl.int64) * stride_p + head
+        words = gl.load(words_ptr + (base + (j % 2) * T * 64) // 4 + w_off, mask=live, other=0)
         if E8M0:
             sw_base = (base + 128 * 64 + (j % 2) * T * 4) // 4
-            ks = gl.load(kq + sw_base + sw_tok, mask=live, other=0)
-            kc_ = gl.load(kq + sw_base + sc_tok, mask=live, other=0)
+            if TOKEN_MASK:
+                sc = gl.load(words_ptr + sw_base + sw_tok, mask=live & (tok0 + sw_tok <= pos), other=0)
+                col = gl.load(words_ptr + sw_base + sc_tok, mask=live & (tok0 + sc_tok <= pos), other=0)
+            else:
+                sc = gl.load(words_ptr + sw_base + sw_tok, mask=live, other=0)
+                col = gl.load(words_ptr + sw_base + sc_tok, mask=live, other=0)
         else:
-            ks = gl.load(k_ptr + base + (j % 2) * T * 8 + sk_off, mask=live, other=0)
-            kc_ = sc_tok  # unused
-        return kw, ks, kc_, live, tok0
-
-    @gluon.jit
-    def _fetch_v(j, bid, pg, vq, v_ptr, head_v, stride_vp, wv_off, sv_off, sv_tok, sw_tok, sc_tok, pos,
-                 E8M0: gl.constexpr):
-        """Tile j's V loads as loaded (as `_fetch_k`; converted by `_v_factors` when consumed). The scales of tokens
-        after the query read as 0, so stale bytes there (a NaN scale) cannot reach the output through p = 0."""
-        tok0 = bid * 128 + (j % 2) * T
-        live = (bid >= 0) & (pg >= 0) & (tok0 <= pos)
-        base = gl.maximum(pg, 0).to(gl.int64) * stride_vp + head_v
-        vw = gl.load(vq + (base + (j % 2) * T * 64) // 4 + wv_off, mask=live, other=0)
-        if E8M0:
-            sw_base = (base + 128 * 64 + (j % 2) * T * 4) // 4
-            vs = gl.load(vq + sw_base + sw_tok, mask=live & (tok0 + sw_tok <= pos), other=0)
-            vc_ = gl.load(vq + sw_base + sc_tok, mask=live & (tok0 + sc_tok <= pos), other=0)
-        else:
-            vs = gl.load(v_ptr + base + (j % 2) * T * 8 + sv_off, mask=live & (tok0 + sv_tok <= pos), other=0)
-            vc_ = sc_tok  # unused
-        return vw, vs, vc_
+            if TOKEN_MASK:
+                sc = gl.load(bytes_ptr + base + (j % 2) * T * 8 + s_off, mask=live & (tok0 + s_tok <= pos), other=0)
+            else:
+                sc = gl.load(bytes_ptr + base + (j % 2) * T * 8 + s_off, mask=live, other=0)
+            col = sc_tok  # unused
+        return words, sc, col, live, tok0
 
     @gluon.jit
     def _v_factors(vs, vc_, sv_off, E8M0: gl.constexpr):
-        """V's block factors (fp16 [64, 8] in SV) and, for mxfp4, its tokens' exponents e_tok per S column."""
+        """V's block factors (fp16 [64, 8] in SV) and, for mxfp4, its tokens' exponents e_tok per S column (nvfp4:
+        an unused float of vc_, which `_fetch` fills with the column indices, so that both branches return alike)."""
         if E8M0:
             return block_factors(sv_off, vs, True), (byte_max(vc_) - 127).to(gl.float32)
         else:
@@ -254,7 +247,6 @@ if gluon is not None:
             s = s * gl.expand_dims(exp2_int(byte_max(kc_) - 127), 0)
         valid = live & (tok0 + tok_s <= pos)
         return gl.where(gl.expand_dims(valid, 0), s * gl.expand_dims(down, 1), float("-inf"))
-
 
     @gluon.jit
     def decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, ml_ptr, table_ptr, ctx_ptr, ids_ptr, qk_scale, v_scalar,
@@ -312,20 +304,20 @@ if gluon is not None:
         pg0 = _page(b0, table_row, pos)
         pg1 = _page(b1, table_row, pos)
         pg2 = _page(b2, table_row, pos)
-        kw, ks, kc0, live, tok0 = _fetch_k(t0, b0, pg0, kq, k_ptr, head_k, stride_kp, wk_off, sk_off, tks, tok_s,
-                                           pos, E8M0)
-        kw1, ks1, kc1, live1, tok01 = _fetch_k(t0 + 1, b1, pg1, kq, k_ptr, head_k, stride_kp, wk_off, sk_off, tks,
-                                               tok_s, pos, E8M0)
-        vw, vs, vc0 = _fetch_v(t0, b0, pg0, vq, v_ptr, head_v, stride_vp, wv_off, sv_off, sv_tok, tvs, tok_s, pos,
-                               E8M0)
+        kw, ks, kc0, live, tok0 = _fetch(t0, b0, pg0, kq, k_ptr, head_k, stride_kp, wk_off, sk_off, tks, tks, tok_s,
+                                         pos, E8M0, False)
+        kw1, ks1, kc1, live1, tok01 = _fetch(t0 + 1, b1, pg1, kq, k_ptr, head_k, stride_kp, wk_off, sk_off, tks, tks,
+                                             tok_s, pos, E8M0, False)
+        vw, vs, vc0, _, _ = _fetch(t0, b0, pg0, vq, v_ptr, head_v, stride_vp, wv_off, sv_off, sv_tok, tvs, tok_s, pos,
+                                   E8M0, True)
         s = _scores(qa, kw, ks, kc0, live, tok0, tok_s, pos, down, sk_off, lo3, sign8, E8M0)
         for j in range(t0, j_end):
             b4 = _block(j + 4, ids_row, j_end)
             pg3 = _page(b3, table_row, pos)
-            kw2, ks2, kc2, live2, tok02 = _fetch_k(j + 2, b2, pg2, kq, k_ptr, head_k, stride_kp, wk_off, sk_off, tks,
-                                                   tok_s, pos, E8M0)
-            vw1, vs1, vc1 = _fetch_v(j + 1, b1, pg1, vq, v_ptr, head_v, stride_vp, wv_off, sv_off, sv_tok, tvs, tok_s,
-                                     pos, E8M0)
+            kw2, ks2, kc2, live2, tok02 = _fetch(j + 2, b2, pg2, kq, k_ptr, head_k, stride_kp, wk_off, sk_off, tks,
+                                                 tks, tok_s, pos, E8M0, False)
+            vw1, vs1, vc1, _, _ = _fetch(j + 1, b1, pg1, vq, v_ptr, head_v, stride_vp, wv_off, sv_off, sv_tok, tvs,
+                                         tok_s, pos, E8M0, True)
             s_next = _scores(qa, kw1, ks1, kc1, live1, tok01, tok_s, pos, down, sk_off, lo3, sign8, E8M0)
             vf, ev = _v_factors(vs, vc0, sv_off, E8M0)
             s4 = gl.reshape(s, [16, 2, NW, 8])  # head, token bit 5, warp (token bits 3, 4), token bits 0-2

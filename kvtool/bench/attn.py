@@ -200,19 +200,19 @@ def run_attn_bench(batches=DEFAULT_BATCHES, formats=DEFAULT_FORMATS, context: in
                                                   GEOMETRY["block_size"], GEOMETRY["page_size"], torch.device(device),
                                                   quantized=step.fmt.element is not None)
                 portable = f"{how} x {layers} layers; tile {t}, splits {splits}, warps {warps}"
+                # where the default launch takes the NVIDIA fast path, the portable kernel's row goes beside it
                 fast = uses_gluon(step.q, step.k[0], step.v[0], GEOMETRY["block_size"])
-                if fast:  # the default launch takes the NVIDIA fast path; the portable kernel's row beside it
+                note = portable
+                if fast:
                     gsplits = attn_gluon.default_splits(batch, GEOMETRY["num_kv_heads"],
                                                         GEOMETRY["topk"] * GEOMETRY["block_size"] // attn_gluon.TILE,
                                                         torch.device(device))
-                    cases.append(BenchCase(f"triton {label}", step.kernel(), step.bytes, group,
-                                           f"{how} x {layers} layers; Gluon fast path, splits {gsplits}",
-                                           cuda_graph=device.startswith("cuda")))
+                    note = f"{how} x {layers} layers; Gluon fast path, splits {gsplits}"
+                cases.append(BenchCase(f"triton {label}", step.kernel(), step.bytes, group, note,
+                                       cuda_graph=device.startswith("cuda")))
+                if fast:
                     cases.append(BenchCase(f"triton {label} portable", step.kernel(gluon=False), step.bytes, group,
                                            portable, cuda_graph=device.startswith("cuda")))
-                else:
-                    cases.append(BenchCase(f"triton {label}", step.kernel(), step.bytes, group, portable,
-                                           cuda_graph=device.startswith("cuda")))
                 for vname, options in SWEEP if sweep else ():
                     if "native_fp8" in options and step.fmt.scale_element == "e8m0":  # no E4M3 to convert
                         continue
