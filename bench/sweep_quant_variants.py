@@ -29,9 +29,13 @@ print(f"copy {copy:.0f} GB/s", flush=True)
 # (variant, config) per scale element: the current defaults (first row of each list) against the encode toggles the
 # store keeps (kernels/store.py FAST_CODECS / MUL_PACK); a config "x0.5" / "x2" scales the default rows per program.
 # Lane-split block loads (11:29 UTC) and persistent programs (13:17 / 13:21 UTC) measured no gain and were removed.
+# GLUON=False: the portable kernel where the Hopper TMA path (kernels/store_gluon.py) is the default; GLUON_*: its
+# tile rows, stages in flight and programs per SM.
+GL = [dict(GLUON=False), dict(GLUON_WARPS=8), dict(GLUON_WARPS=8, GLUON_STAGES=3), dict(GLUON_STAGES=3),
+      dict(GLUON_ROWS=32, GLUON_PROGRAMS=8), dict(GLUON_ROWS=32, GLUON_PROGRAMS=8, GLUON_STAGES=3)]
 STORE = {
-    "e8m0": [(dict(), None), (dict(MUL_PACK=True), None), (dict(FAST=True), None)],
-    "e4m3": [(dict(), None), (dict(MUL_PACK=False), None), (dict(MUL_PACK=False, FAST=False), None)],
+    "e8m0": [(dict(), None)] + [(v, None) for v in GL],
+    "e4m3": [(dict(), None)] + [(v, None) for v in GL],
 }
 if parts not in ("store", "all"):
     STORE = {}

@@ -678,6 +678,25 @@ def nvfp4_scale_block(x, g_dec, g_enc, RECIPE: tl.constexpr, NATIVE: tl.constexp
 
 
 @triton.jit
+def fp4_quantize_blocks(xb, g_dec, g_enc, E8M0: tl.constexpr, RULE: tl.constexpr, RECIPE: tl.constexpr,
+                        NATIVE: tl.constexpr, FAST: tl.constexpr, low=7):
+    """fp32 [R, NB, B] -> (codes int32 [R, NB, B], scale bytes uint8 [R, NB]) by one FP4 block codec: mxfp4 (E8M0:
+    B = 32, RULE) or nvfp4 (B = 16, RECIPE, outer scale g_dec / g_enc); FAST picks the *_quantize_block_fast form
+    (same bytes, see the store kernels' FAST_CODECS)."""
+    if E8M0:
+        if FAST:
+            codes, sbytes = mxfp4_quantize_block_fast(xb, RULE, low)
+        else:
+            codes, sbytes = mxfp4_quantize_block(xb, RULE, low)
+    else:
+        if FAST:
+            codes, sbytes = nvfp4_quantize_block_fast(xb, g_dec, g_enc, RECIPE, NATIVE, low)
+        else:
+            codes, sbytes = nvfp4_quantize_block(xb, g_dec, g_enc, RECIPE, NATIVE, low)
+    return codes, sbytes
+
+
+@triton.jit
 def fp4_scaled_words(xb, g_dec, g_enc, E8M0: tl.constexpr, RULE: tl.constexpr, RECIPE: tl.constexpr,
                      NATIVE: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
     """xb: fp32 [ROWS, COLS / B, B] -> (payload words int32 [ROWS, COLS / 8], scale bytes uint8 [ROWS, COLS / B]):

@@ -61,6 +61,7 @@ from kvtool.formats import Format
 from kvtool.formats.codecs import fp8_row_scale, nvfp4_outer_scale
 from kvtool.formats.registry import require_finite
 from kvtool.kernels import codecs as kc
+from kvtool.kernels import store_gluon
 
 # Scale kinds as kernel constexprs, keyed by Format.scale_element (the format is data; the kernel reads this number).
 SCALE_KINDS = {"none": 0, "fp32-tensor": 1, "fp32-row": 2, "e4m3": 3, "e8m0": 4}
@@ -154,23 +155,6 @@ def load_blocks(x_ptr, x_off, live, D: tl.constexpr, BLOCK: tl.constexpr, NBP: t
     return xb
 
 
-@triton.jit
-def quantize_blocks4(xb, g_dec, g_enc, SCALE: tl.constexpr, RULE: tl.constexpr, RECIPE: tl.constexpr,
-                     NATIVE_FP8: tl.constexpr, FAST: tl.constexpr, low7):
-    """fp32 [R, NB, BLOCK] -> (codes int32 [R, NB, BLOCK], scale bytes uint8 [R, NB]) by the format's block codec."""
-    if SCALE == SCALE_E8M0:
-        if FAST:
-            codes, sbytes = kc.mxfp4_quantize_block_fast(xb, RULE, low7)
-        else:
-            codes, sbytes = kc.mxfp4_quantize_block(xb, RULE, low7)
-    else:
-        if FAST:
-            codes, sbytes = kc.nvfp4_quantize_block_fast(xb, g_dec, g_enc, RECIPE, NATIVE_FP8, low7)
-        else:
-            codes, sbytes = kc.nvfp4_quantize_block(xb, g_dec, g_enc, RECIPE, NATIVE_FP8, low7)
-    return codes, sbytes
-
-
 # ----------------------------------------------------------------------------------------------------------- kernel
 @triton.jit(do_not_specialize=["low7"])
 def _store_kernel(
@@ -228,7 +212,8 @@ def _store_kernel(
             wrow = (payload_ptr + pay).to(tl.pointer_type(tl.int32))
             tl.store(wrow[:, None] + wcols[None, :], words, mask=row_mask(live, wcols, PB // 4, DP // 8))
         elif WORDS:
-            codes, sbytes = quantize_blocks4(xb, g_dec, g_enc, SCALE, RULE, RECIPE, NATIVE_FP8, FAST, low7)
+            codes, sbytes = kc.fp4_quantize_blocks(xb, g_dec, g_enc, SCALE == SCALE_E8M0, RULE, RECIPE, NATIVE_FP8,
+                                                   FAST, low7)
             # 8 codes -> one int32 word per lane, 4-byte stores of whole payload rows (PB and every row offset are
             # multiples of 4: checked by the launcher)
             words = kc.pack_nibble_words(tl.reshape(codes, [BLOCK_R, DP]), BLOCK_R, DP)
@@ -236,7 +221,8 @@ def _store_kernel(
             wrow = (payload_ptr + pay).to(tl.pointer_type(tl.int32))
             tl.store(wrow[:, None] + wcols[None, :], words, mask=row_mask(live, wcols, PB // 4, DP // 8))
         else:
-            codes, sbytes = quantize_blocks4(xb, g_dec, g_enc, SCALE, RULE, RECIPE, NATIVE_FP8, FAST, low7)
+            codes, sbytes = kc.fp4_quantize_blocks(xb, g_dec, g_enc, SCALE == SCALE_E8M0, RULE, RECIPE, NATIVE_FP8,
+                                                   FAST, low7)
             packed = kc.pack_nibbles(tl.reshape(codes, [BLOCK_R, DP]), BLOCK_R, DP)
             pcols = tl.arange(0, DP // 2)
             tl.store(payload_ptr + pay[:, None] + pcols[None, :], packed, mask=row_mask(live, pcols, PB, DP // 2))
@@ -399,6 +385,12 @@ def launch_store(x3: torch.Tensor, slots: torch.Tensor | None, payload: torch.Te
     opts.update(DEFAULT_VARIANT)
     opts.update(variant or {})
     opts["MUL_PACK"] = bool(opts.get("MUL_PACK", MUL_PACK.get(fmt.scale_element, False))) and opts["WORDS"]
+    # the Hopper fast path (kernels/store_gluon.py) where it applies; variant GLUON=False or a config forces this one
+    tuning = {k: opts.pop(k) for k in list(opts) if k.startswith("GLUON")}
+    if config is None and tuning.pop("GLUON", True) and store_gluon.applies(x3, fmt, opts["WORDS"]):
+        store_gluon.launch(x3, slots, payload, scales, fmt, opts, page_size=page_size, page_stride=page_stride,
+                           head_stride=head_stride, g_dec=g_dec, g_enc=g_enc, **tuning)
+        return
     block_r, num_warps = launch_config(dp, bits, config, fmt.block or 32)
     grid = (triton.cdiv(T, block_r), H)
     _store_kernel[grid](

@@ -50,6 +50,18 @@ def _store(name):
     return make
 
 
+def _store_f32(name):
+    """fp32 input: the portable store on every target (bf16 rows of 128 take the Gluon store on CUDA)."""
+    def make():
+        from kvtool.kernels import store as S
+
+        cache = _cache(get_format(name), heads=2)
+        x = torch.randn(300, 2, D)
+        slots = torch.randperm(cache.num_slots)[:300]
+        return lambda: S.store(cache, x, slots)
+    return make
+
+
 def _quantize(name):
     def make():
         from kvtool.kernels import quant as Q
@@ -153,6 +165,7 @@ def _attn_prefill(name):
 CASES = {}
 for _f in STORE_FORMATS:
     CASES[f"store/{_f}"] = _store(_f)
+    CASES[f"store-f32/{_f}"] = _store_f32(_f)
     CASES[f"quantize/{_f}"] = _quantize(_f)
     CASES[f"gather-bf16/{_f}"] = _gather(_f)
     CASES[f"dequantize-fp32/{_f}"] = _dequantize(_f)
@@ -184,8 +197,10 @@ for _case in PORTABLE_FP8:
 SCORER = ("index_score._tuned_kernel", "index_score._index_score_kernel", "index_gluon.decode_block_parts_kernel")
 # sparse-attention decode: the portable kernel, or (FP4 on CUDA) the Gluon fast path (kernels/sparse_attn_gluon.py)
 ATTN_DECODE = ("sparse_attn._sparse_attn_kernel", "sparse_attn_gluon.decode_kernel")
+# the store: the portable kernel, or (bf16 rows of 128 into FP4 on CUDA) the Gluon TMA store (kernels/store_gluon.py)
+STORE = ("store._store_kernel", "store_gluon.store_tma_kernel")
 EXPECT = {
-    "store": {"store._store_kernel"}, "quantize": {"store._store_kernel"},
+    "store": {STORE}, "quantize": {STORE}, "store-f32": {"store._store_kernel"},
     "gather-bf16": {"dequant._dequant_kernel"}, "dequantize-fp32": {"dequant._dequant_kernel"},
     "index-decode-topk": {SCORER, "topk._select_kernel"},
     "index-decode-blocks": {SCORER},

@@ -376,6 +376,75 @@ def test_store_gpu_fp4_codecs(fmt, variant, device, monkeypatch):
         check_store(fmt, x, slots, pages, page_size, seed, validate=False)
 
 
+GLUON_CASES = ((1, 1), (65, 1), (10007, 1), (3001, 3))  # (tokens, heads): 1 row, a partial tile, ragged, H > 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["default"] + list(FP4_VARIANTS))
+@pytest.mark.parametrize("fmt", FP4_FORMATS, ids=lambda f: f.label)
+def test_store_gluon_gpu(fmt, variant, device, monkeypatch):
+    """The Hopper TMA store (kernels/store_gluon.py) against the torch store and against the portable kernel, with
+    each codec form: bf16 rows of 128, token counts that are not multiples of the 64-row tile, a head slice of a
+    wider tensor (strided tokens), 20 % of tokens skipped, runs across page boundaries; the edge-case table; and
+    whole-tensor quantize (planes). A spy checks that the fast path ran."""
+    from kvtool.kernels import store as store_mod
+    from kvtool.kernels import store_gluon
+
+    if not store_gluon.device_ok(torch.device(device)):
+        pytest.skip("the Gluon store needs a CUDA GPU with compute capability >= 9.0 (TMA)")
+    ran = []
+    real = store_gluon.launch
+    monkeypatch.setattr(store_gluon, "launch", lambda *a, **k: (ran.append(1), real(*a, **k)))
+    base = FP4_VARIANTS.get(variant, {})
+    page_size = 128
+    for i, (n, heads) in enumerate(GLUON_CASES):
+        seed = SEED + 41 + i
+        x = spread_values((n, heads + 2, 128), seed, torch.bfloat16).to(device)[:, 1:1 + heads]
+        pages = n * 5 // 4 // page_size + 2
+        slots = slot_mapping(n, pages * page_size, page_size, seed).to(device)
+        monkeypatch.setattr(store_mod, "DEFAULT_VARIANT", base)
+        count = len(ran)
+        check_store(fmt, x, slots, pages, page_size, seed, validate=False)
+        assert len(ran) == count + 1, "the Gluon store did not run"
+        monkeypatch.setattr(store_mod, "DEFAULT_VARIANT", {**base, "GLUON": False})
+        _, portable = fresh_caches(fmt, pages, page_size, heads, 128, device, seed)
+        _, fast = fresh_caches(fmt, pages, page_size, heads, 128, device, seed)
+        store(portable, x, slots, validate=False)
+        monkeypatch.setattr(store_mod, "DEFAULT_VARIANT", base)
+        store(fast, x, slots, validate=False)
+        assert torch.equal(fast.data, portable.data), f"{fmt.label} {n}x{heads}: {first_diff(fast.data, portable.data)}"
+    edge = edge_case_tensor(128).to(torch.bfloat16).to(device)
+    edge = edge[: edge.shape[0] // 2 * 2].reshape(-1, 2, 128)
+    pages = edge.shape[0] // page_size + 2
+    slots = torch.randperm(pages * page_size, generator=torch.Generator().manual_seed(SEED))[:edge.shape[0]]
+    check_store(fmt, edge, slots.to(device), pages, page_size, SEED, validate=False)
+    check_planes(fmt, spread_values((4099, 128), SEED + 45, torch.bfloat16).to(device))
+    assert len(ran) == len(GLUON_CASES) * 2 + 2
+
+
+def test_store_gluon_dispatch(monkeypatch):
+    """Where the Gluon store applies (CPU: the device rule stubbed in): bf16, D = 128, 4-bit block formats, heads
+    contiguous and 16-byte aligned token rows, word-aligned payload rows; everything else runs the portable kernel."""
+    from kvtool.kernels import store_gluon
+
+    monkeypatch.setattr(store_gluon, "device_ok", lambda device: True)
+    nv, mx, fp8 = get_format("nvfp4"), get_format("mxfp4"), get_format("fp8-unit")
+    x = torch.zeros(10, 3, 128, dtype=torch.bfloat16)
+    assert store_gluon.applies(x, nv, True) and store_gluon.applies(x, mx, True)
+    assert not store_gluon.applies(x, fp8, True)  # not a 4-bit block format
+    assert not store_gluon.applies(x, nv, False)  # payload rows not word-aligned
+    assert not store_gluon.applies(x.float(), nv, True)  # fp32 input
+    assert not store_gluon.applies(x.half(), mx, True)
+    assert not store_gluon.applies(torch.zeros(10, 3, 64, dtype=torch.bfloat16), nv, True)  # D != 128
+    wide = torch.zeros(10, 6, 128, dtype=torch.bfloat16)
+    assert store_gluon.applies(wide[:, 1:4], nv, True)  # a head slice: strided tokens, contiguous heads
+    assert not store_gluon.applies(wide[:, ::2], nv, True)  # heads not contiguous
+    odd = torch.zeros(10 * 129 + 8, dtype=torch.bfloat16)[8:].view(10, 1, 129)[:, :, :128]
+    assert not store_gluon.applies(odd, nv, True)  # token rows not 16-byte aligned
+    monkeypatch.setattr(store_gluon, "device_ok", lambda device: False)
+    assert not store_gluon.applies(x, nv, True)
+
+
 def test_store_both_codecs(device, monkeypatch):
     """Interpreter sizes: the codec FAST_CODECS does not pick for each 4-bit family, and the encode MUL_PACK does
     not pick, through the public store."""

@@ -1,0 +1,212 @@
+"""NVIDIA Hopper fast path of the FP4 store (nvfp4, mxfp4 from bf16 rows of 128), written in Gluon: persistent
+programs fed by TMA, the same codec helpers as the portable store (`kernels/store.py`), the same bytes.
+
+Why a second kernel: the portable store loads each thread's whole blocks as 16-byte chunks straight into registers.
+Each program stalls on its loads with nothing else in flight (ncu on the H200: the top stall is the first use of
+the loaded input, the L1 at 93 % of its throughput), and it reached 73-81 % (nvfp4) / 80-87 % (mxfp4) of the copy
+bandwidth at 64M-1G elements. Here:
+- a program owns every `n_programs`-th tile of R rows x 128 of one head (grid: a few programs per SM, CONFIGS), and
+  keeps STAGES tiles in flight as TMA copies into shared memory (one instruction per tile, no registers, no L1
+  requests), so the next tile streams in while this one is encoded;
+- the tile is read from shared memory in the layout the codecs want: a thread owns 32 consecutive elements of a row
+  (one mx block, two nvfp4 blocks), so the block amax and the per-block scale work are thread-local, as in the
+  portable kernel;
+- the payload leaves as 16-byte stores (a thread's 4 words), the block scales as 1-2 byte stores;
+- dead rows (slot -1, past the tensor) are loaded (TMA moves whole boxes; rows past the tensor read as 0) but never
+  written.
+Bytes: `kc.fp4_quantize_blocks` + `kc.pack_nibble_words` (or `kc.fp4_scaled_words` with MUL_PACK), ported to Gluon
+by `kernels/gluon_port.py`, with the portable store's codec choice (store.FAST_CODECS). Tests compare the bytes with
+the torch codec and with the portable kernel (tests/test_kernels_store.py, marked gpu); CI compiles the kernel for
+sm_90 (tests/test_kernel_compile.py).
+
+Measured (H200, 2026-11-29 16:25 UTC, bench/sweep_quant_variants.py, % of the copy bandwidth at 64M / 256M / 1G
+elements, portable kernel in the same run in brackets): mxfp4-rceil 85.9 / 94.4 / 96.6 (77.7 / 83.3 / 85.1), nvfp4-rcp
+74.0 / 82.7 / 86.8 (73.0 / 77.3 / 79.8). mxfp4 is now near the copy; nvfp4 stays bound by instruction issue (sm_90
+SASS per element: 19 with one row per thread, two E4M3 scale round trips and two IEEE divisions per 16 elements).
+
+Where it runs: CUDA capability >= 9.0 (TMA), bf16 input [T, H, 128] with heads contiguous and 16-byte aligned rows,
+4-bit block formats with 4-byte aligned payload rows, no `config=` override. Elsewhere (and on ROCm: gfx950 runs the
+portable kernel, tested in CI under the interpreter) `store.launch_store` runs the portable kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from kvtool.formats import Format
+from kvtool.kernels import codecs as kc
+from kvtool.kernels.gluon_port import port
+
+try:  # Gluon ships with Triton >= 3.5; without it the portable kernel runs everywhere
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # pragma: no cover - the pinned Triton has it
+    gluon = None
+
+DIM = 128  # elements per row (one head)
+# (rows per tile, tiles in flight, programs per SM, warps) per block-scale element. H200, bf16 [T, 1, 128] into
+# shuffled 128-token pages, CUDA-graph replay, % of copy at 32M / 64M / 256M / 1G elements (bench/RESULTS.md, 16:25
+# UTC): mxfp4 64 x 2 x 4 x 4: 75.8 / 85.9 / 94.4 / 96.6 (32 rows x 8 programs 73.7 / 83.5 / 93.5 / 93.8; 3 stages
+# 70.9 / 81.9 / 93.3 / 96.1; 8 warps 73.6 / 83.8 / 92.5 / 95.0); nvfp4 32 x 2 x 8 x 4: 65.4 / 74.0 / 82.7 / 86.8 (64 rows
+# x 4 programs 64.6 / 71.8 / 80.3 / 83.4, with 8 warps 66.5 / 73.7 / 81.8 / 86.0). Fewer programs per SM lost 5-20
+# points (16:21 UTC); the smaller sizes pay a fixed ~6 us per launch (pipeline fill and drain, launch).
+CONFIGS = {"e8m0": (64, 2, 4, 4), "e4m3": (32, 2, 8, 4)}
+# the scaled-words encode (kc.fp4_scaled_words) measured slower here for both families (H200, 16:21 UTC, 256M:
+# mxfp4 90.9 against 96.2 %, nvfp4 77.0 against 81.8 %), so the Gluon store keeps the codes-then-pack encode
+MUL_PACK = False
+
+if gluon is not None:
+    kg = port(kc)
+
+    @gluon.jit
+    def _row_addresses(tok, head, n_tok, slot_ptr, page_stride, head_stride, num_heads,
+                       PAGED: gl.constexpr, PAGE: gl.constexpr, PB: gl.constexpr, SB: gl.constexpr):
+        """As store.row_addresses: tokens [R] of one head -> (live, payload byte offset, scale byte offset)."""
+        live = tok < n_tok
+        if PAGED:
+            slot = gl.load(slot_ptr + tok, mask=live, other=-1).to(gl.int32)
+            live = live & (slot >= 0)
+            base = (slot // PAGE).to(gl.int64) * page_stride + head * head_stride
+            off = slot % PAGE
+            pay = base + off * PB
+            sc = base + PAGE * PB + off * SB
+        else:
+            rows = tok.to(gl.int64) * num_heads + head
+            pay = rows * PB
+            sc = rows * SB
+        return live, pay, sc
+
+    @gluon.jit
+    def _issue(x_desc, smem, bar, tile, num_heads, ok, R: gl.constexpr):
+        """TMA copy of tile `tile` (token tile tile // H, head tile % H) into `smem`, completing on `bar`."""
+        mbarrier.expect(bar, R * 128 * 2, pred=ok)
+        tma.async_copy_global_to_shared(x_desc, [(tile // num_heads) * R, (tile % num_heads) * 128], bar, smem,
+                                        pred=ok)
+
+    @gluon.jit(do_not_specialize=["low7"])
+    def store_tma_kernel(
+        x_desc,  # TMA descriptor of x as [T, H * 128] bf16, box [R, 128]
+        slot_ptr,  # [T] int32 / int64 slot per token, -1 skips it (PAGED only)
+        payload_ptr,  # uint8: the cache buffer (PAGED) or the payload plane [T * H, PB]
+        scale_ptr,  # uint8: the cache buffer (PAGED) or the scale plane [T * H, SB]
+        n_tok,  # T
+        num_heads,  # H
+        n_tiles,  # cdiv(T, R) * H
+        page_stride,  # cache bytes between pages (PAGED)
+        head_stride,  # cache bytes between heads inside a page (PAGED)
+        g_dec,  # fp32 nvfp4 decode-direction outer scale
+        g_enc,  # fp32 fp32(1 / g_dec)
+        low7,  # the int 7 at run time (kc.e2m1_encode)
+        PAGED: gl.constexpr, PAGE: gl.constexpr, PB: gl.constexpr, SB: gl.constexpr,
+        E8M0: gl.constexpr,  # mxfp4 (else nvfp4)
+        BLOCK: gl.constexpr,  # elements per block scale
+        RULE: gl.constexpr, RECIPE: gl.constexpr,
+        FAST: gl.constexpr, MUL_PACK: gl.constexpr,  # the codec forms (store.FAST_CODECS / store.MUL_PACK)
+        R: gl.constexpr,  # rows per tile
+        STAGES: gl.constexpr,  # tiles in flight
+        NW: gl.constexpr,  # warps (num_warps)
+    ):
+        # a thread owns 32 consecutive elements of a row: 4 threads a row, 8 rows a warp, 8 NW rows a pass
+        X_L: gl.constexpr = gl.BlockedLayout([1, 32], [8, 4], [NW, 1], [1, 0])
+        pid = gl.program_id(0)
+        n_prog = gl.num_programs(0)
+        n_mine = (n_tiles - pid + n_prog - 1) // n_prog
+        smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, R, 128], x_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+        for i in gl.static_range(STAGES):
+            _issue(x_desc, smem.index(i), bars.index(i), pid + i * n_prog, num_heads, i < n_mine, R)
+
+        rows = gl.arange(0, R, layout=gl.SliceLayout(1, X_L))
+        for k in range(n_mine):
+            s = k % STAGES
+            mbarrier.wait(bars.index(s), (k // STAGES) & 1)
+            x = smem.index(s).load(X_L)
+            # every warp has read stage s: refill it with the tile STAGES ahead (generic reads before async writes)
+            gl.thread_barrier()
+            fence_async_shared()
+            tile = pid + k * n_prog
+            _issue(x_desc, smem.index(s), bars.index(s), tile + STAGES * n_prog, num_heads, k + STAGES < n_mine, R)
+
+            head = tile % num_heads
+            tok = (tile // num_heads) * R + rows
+            live, pay, sc = _row_addresses(tok, head, n_tok, slot_ptr, page_stride, head_stride, num_heads,
+                                           PAGED, PAGE, PB, SB)
+            xb = gl.reshape(x.to(gl.float32), [R, 128 // BLOCK, BLOCK])  # bf16 -> fp32 is exact
+            if MUL_PACK:
+                words, sbytes = kg.fp4_scaled_words(xb, g_dec, g_enc, E8M0, RULE, RECIPE, True, R, 128)
+            else:
+                codes, sbytes = kg.fp4_quantize_blocks(xb, g_dec, g_enc, E8M0, RULE, RECIPE, True, FAST, low7)
+                words = kg.pack_nibble_words(gl.reshape(codes, [R, 128]), R, 128)
+            W_L: gl.constexpr = words.type.layout
+            wcols = gl.arange(0, 16, layout=gl.SliceLayout(0, W_L))
+            w_live = gl.convert_layout(live, gl.SliceLayout(1, W_L))
+            w_pay = gl.convert_layout(pay, gl.SliceLayout(1, W_L))
+            wrow = (payload_ptr + w_pay).to(gl.pointer_type(gl.int32))
+            gl.store(gl.expand_dims(wrow, 1) + gl.expand_dims(wcols, 0), words, mask=gl.expand_dims(w_live, 1))
+            S_L: gl.constexpr = sbytes.type.layout
+            scols = gl.arange(0, 128 // BLOCK, layout=gl.SliceLayout(0, S_L))
+            s_live = gl.convert_layout(live, gl.SliceLayout(1, S_L))
+            s_off = gl.convert_layout(sc, gl.SliceLayout(1, S_L))
+            gl.store(scale_ptr + gl.expand_dims(s_off, 1) + gl.expand_dims(scols, 0), sbytes,
+                     mask=gl.expand_dims(s_live, 1))
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(i))
+
+
+@functools.lru_cache(maxsize=16)
+def device_ok(device: torch.device) -> bool:
+    """Gluon, CUDA (not ROCm), compute capability >= 9.0 (TMA and the hardware E4M3 conversion)."""
+    if gluon is None or device.type != "cuda" or torch.version.cuda is None:
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+@functools.lru_cache(maxsize=16)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def applies(x3: torch.Tensor, fmt: Format, words: bool) -> bool:
+    """Whether `launch` can take this store: bf16 [T, H, 128] rows with heads contiguous and 16-byte aligned token
+    rows, a 4-bit block format with word-aligned payload rows (`words`), on a device where `device_ok`."""
+    if fmt.spec.payload_bits != 4 or not words or x3.dtype != torch.bfloat16 or x3.shape[2] != DIM:
+        return False
+    if not device_ok(x3.device):
+        return False
+    T, H, _ = x3.shape
+    return (x3.stride(2) == 1 and (H == 1 or x3.stride(1) == DIM) and (T == 1 or (x3.stride(0) * 2) % 16 == 0)
+            and x3.data_ptr() % 16 == 0)
+
+
+def launch(x3: torch.Tensor, slots: torch.Tensor | None, payload: torch.Tensor, scales: torch.Tensor | None,
+           fmt: Format, opts: dict, *, page_size: int, page_stride: int, head_stride: int, g_dec: float,
+           g_enc: float, GLUON_ROWS: int | None = None, GLUON_STAGES: int | None = None,
+           GLUON_PROGRAMS: int | None = None, GLUON_WARPS: int | None = None, GLUON_MUL_PACK: bool | None = None
+           ) -> None:
+    """Launch `store_tma_kernel` (arguments as store.launch_store, after its checks; `opts` its FAST codec choice;
+    GLUON_* override CONFIGS and MUL_PACK, for sweeps)."""
+    rows, stages, programs, warps = CONFIGS[fmt.scale_element]
+    GLUON_ROWS, GLUON_STAGES = GLUON_ROWS or rows, GLUON_STAGES or stages
+    GLUON_PROGRAMS, GLUON_WARPS = GLUON_PROGRAMS or programs, GLUON_WARPS or warps
+    T, H, _ = x3.shape
+    x2 = torch.as_strided(x3, (T, H * DIM), (x3.stride(0) if T > 1 else H * DIM, 1))
+    layout = gl.NVMMASharedLayout.get_default_for([GLUON_ROWS, DIM], gl.bfloat16)
+    desc = TensorDescriptor(x2, [T, H * DIM], [x2.stride(0), 1], [GLUON_ROWS, DIM], layout)
+    n_tiles = triton.cdiv(T, GLUON_ROWS) * H
+    grid = (min(n_tiles, _num_sms(x3.device) * GLUON_PROGRAMS),)
+    paged = slots is not None
+    mul_pack = MUL_PACK if GLUON_MUL_PACK is None else GLUON_MUL_PACK
+    store_tma_kernel[grid](
+        desc, slots if paged else payload, payload, scales if scales is not None else payload, T, H, n_tiles,
+        page_stride, head_stride, g_dec, g_enc, 7,
+        PAGED=paged, PAGE=page_size, PB=fmt.payload_bytes(DIM), SB=fmt.scale_bytes(DIM),
+        E8M0=fmt.scale_element == "e8m0", BLOCK=fmt.block, RULE=int(fmt.scale_rule or 0),
+        RECIPE=int(fmt.recipe or 0), FAST=bool(opts["FAST"]), MUL_PACK=mul_pack, R=GLUON_ROWS,
+        STAGES=GLUON_STAGES, NW=GLUON_WARPS, num_warps=GLUON_WARPS)
