@@ -52,8 +52,8 @@ DIM = 128  # elements per row (one head)
 # (rows per tile, tiles in flight, programs per SM, warps) per block-scale element. H200, bf16 [T, 1, 128] into
 # shuffled 128-token pages, CUDA-graph replay, % of copy at 32M / 64M / 256M / 1G elements (bench/RESULTS.md, 16:25
 # UTC): mxfp4 64 x 2 x 4 x 4: 75.8 / 85.9 / 94.4 / 96.6 (32 rows x 8 programs 73.7 / 83.5 / 93.5 / 93.8; 3 stages
-# 70.9 / 81.9 / 93.3 / 96.1; 8 warps 73.6 / 83.8 / 92.5 / 95.0); nvfp4 32 x 2 x 8 x 4: 65.4 / 74.0 / 82.7 / 86.8 (64 rows
-# x 4 programs 64.6 / 71.8 / 80.3 / 83.4, with 8 warps 66.5 / 73.7 / 81.8 / 86.0). Fewer programs per SM lost 5-20
+# 70.9 / 81.9 / 93.3 / 96.1; 8 warps 73.6 / 83.8 / 92.5 / 95.0); nvfp4 32 x 2 x 8 x 4: 65.4 / 74.0 / 82.7 / 86.8 (64
+# rows x 4 programs 64.6 / 71.8 / 80.3 / 83.4, with 8 warps 66.5 / 73.7 / 81.8 / 86.0). Fewer programs per SM lost 5-20
 # points (16:21 UTC); the smaller sizes pay a fixed ~6 us per launch (pipeline fill and drain, launch).
 CONFIGS = {"e8m0": (64, 2, 4, 4), "e4m3": (32, 2, 8, 4)}
 # the scaled-words encode (kc.fp4_scaled_words) measured slower here for both families (H200, 16:21 UTC, 256M:
