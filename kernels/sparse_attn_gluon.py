@@ -249,12 +249,38 @@ if gluon is not None:
         return gl.where(gl.expand_dims(valid, 0), s * gl.expand_dims(down, 1), float("-inf"))
 
     @gluon.jit
-    def decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, ml_ptr, table_ptr, ctx_ptr, ids_ptr, qk_scale, v_scalar,
-                      stride_qr, stride_qh, stride_kp, stride_kh, stride_vp, stride_vh, stride_tb, stride_ir,
-                      stride_ih, n_tiles, tiles_per_split, lo3, sign8, G: gl.constexpr, SPLIT: gl.constexpr,
-                      E8M0: gl.constexpr):
+    def _combine(part_ptr, ml_ptr, out_ptr, heads, hmask, cols, n_splits, v_scalar):
+        """The split merge of the portable `_combine_kernel` for one (row, KV head): [16] flat query heads `heads`
+        (mask `hmask`), output columns `cols`, read past L1 (`.cg`: other programs wrote the partials)."""
+        m_max = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, O_L))
+        for sp in range(n_splits):
+            m_max = gl.maximum(m_max, gl.load(ml_ptr + (heads * n_splits + sp) * 2, mask=hmask,
+                                              other=float("-inf"), cache_modifier=".cg"))
+        m_safe = gl.where(m_max == float("-inf"), 0.0, m_max)
+        total = gl.full([16], 0.0, gl.float32, layout=gl.SliceLayout(1, O_L))
+        o = gl.full([16, 128], 0.0, gl.float32, layout=O_L)
+        for sp in range(n_splits):
+            slot = heads * n_splits + sp
+            m = gl.load(ml_ptr + slot * 2, mask=hmask, other=float("-inf"), cache_modifier=".cg")
+            w = gl.exp2(m - m_safe)  # a split that saw nothing has m = -inf: weight 0
+            total += w * gl.load(ml_ptr + slot * 2 + 1, mask=hmask, other=0.0, cache_modifier=".cg")
+            o += gl.expand_dims(w, 1) * gl.load(part_ptr + gl.expand_dims(slot, 1) * 128 + cols,
+                                                mask=gl.expand_dims(hmask, 1), other=0.0, cache_modifier=".cg")
+        t = gl.expand_dims(total, 1)
+        empty = t == 0.0
+        res = gl.where(empty, 0.0, o / gl.where(empty, 1.0, t)) * v_scalar
+        gl.store(out_ptr + gl.expand_dims(heads, 1) * 128 + cols, res.to(out_ptr.dtype.element_ty),
+                 mask=gl.expand_dims(hmask, 1))
+
+    @gluon.jit
+    def decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, ml_ptr, cnt_ptr, table_ptr, ctx_ptr, ids_ptr, qk_scale,
+                      v_scalar, stride_qr, stride_qh, stride_kp, stride_kh, stride_vp, stride_vh, stride_tb,
+                      stride_ir, stride_ih, n_tiles, tiles_per_split, lo3, sign8, G: gl.constexpr,
+                      SPLIT: gl.constexpr, E8M0: gl.constexpr, FUSED: gl.constexpr):
         """Grid (requests, KV heads, splits). Scale bytes sit after the page's 128 x 64 payload bytes: nvfp4 8 E4M3
-        bytes per token, mxfp4 (E8M0) 4 E8M0 bytes per token, read as one word."""
+        bytes per token, mxfp4 (E8M0) 4 E8M0 bytes per token, read as one word. FUSED (with SPLIT): the last split
+        of a (request, KV head) to finish merges the partials (`cnt_ptr`: one int32 arrival counter per (request,
+        KV head), zero before the launch and left zero after it)."""
         row = gl.program_id(0)
         h = gl.program_id(1)
         split = gl.program_id(2)
@@ -369,6 +395,15 @@ if gluon is not None:
             slot_m = (row.to(gl.int64) * (G * gl.num_programs(1)) + h * G + hm) * n_splits + split
             gl.store(ml_ptr + slot_m * 2, gl.convert_layout(m_tot, ML_L), mask=hm < G)
             gl.store(ml_ptr + slot_m * 2 + 1, gl.convert_layout(l_tot, ML_L), mask=hm < G)
+            if FUSED:
+                # arrive: every thread's partial stores come before thread 0's release (the barrier orders them),
+                # and the program that brings the count to n_splits merges (its acquire sees every split's stores)
+                gl.thread_barrier()
+                cnt = cnt_ptr + row * gl.num_programs(1) + h
+                arrived = gl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+                if arrived == n_splits - 1:
+                    gl.store(cnt, 0)  # the last arrival: no other program of this launch touches it again
+                    _combine(part_ptr, ml_ptr, out_ptr, heads, hmask, cols, n_splits, v_scalar)
         else:
             l_o = gl.expand_dims(gl.convert_layout(l_tot, gl.SliceLayout(1, O_L)), 1)
             empty = l_o == 0.0  # nothing visible: zeros (a NaN sum stays NaN)
@@ -415,12 +450,30 @@ def default_splits(rows: int, num_kv_heads: int, n_tiles: int, device: torch.dev
     return max(1, min(n_tiles, 2 * _num_sms(device) // max(1, rows * num_kv_heads)))
 
 
+# Split decodes merge their partials in the last program of each (request, KV head) instead of a second launch.
+FUSED_COMBINE = True
+_COUNTERS: dict = {}
+
+
+def split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """int32 arrival counters for the fused merge, zero between launches (each launch's last arrival resets its
+    own), kept per device and grown on demand. Launches on one device share them: run split decodes of one device on
+    one stream at a time (as a model's layers run), or pass fused_combine=False."""
+    key = torch.device(device)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=key)
+        _COUNTERS[key] = buf
+    return buf
+
+
 def sparse_decode(q: torch.Tensor, k_cache, v_cache, block_table: torch.Tensor, context_lens: torch.Tensor,
                   block_ids: torch.Tensor, qk_scale: float, v_scalar: float, num_splits: int | None,
-                  out_dtype: torch.dtype, combine) -> torch.Tensor:
+                  out_dtype: torch.dtype, combine, fused_combine: bool | None = None) -> torch.Tensor:
     """The launch: inputs as checked by `sparse_attn.sparse_decode`; `applies` and `device_ok` hold. qk_scale: the
     softmax scale x log2(e) x K's folded factors (outer scale, E2M1 unit); v_scalar: V's. combine: the portable
-    kernel's split combine kernel."""
+    kernel's split combine kernel, launched after a split decode unless the merge is fused (`fused_combine`, default
+    FUSED_COMBINE)."""
     rows, hq, d = q.shape
     hkv, topk = k_cache.num_heads, block_ids.shape[-1]
     n_tiles = topk * (BLOCK // TILE)
@@ -430,19 +483,21 @@ def sparse_decode(q: torch.Tensor, k_cache, v_cache, block_table: torch.Tensor, 
     splits = int(num_splits) if num_splits else default_splits(rows, hkv, n_tiles, q.device)
     per = max(1, math.ceil(n_tiles / splits))
     splits = max(1, math.ceil(n_tiles / per))  # no empty trailing splits
+    fused = splits > 1 and FUSED_COMBINE if fused_combine is None else splits > 1 and fused_combine
     if splits > 1:
         part = torch.empty(rows * hq * splits, d, dtype=torch.float32, device=q.device)
         ml = torch.empty(rows * hq * splits, 2, dtype=torch.float32, device=q.device)
     else:
         part = ml = out  # unused
+    cnt = split_counters(q.device, rows * hkv) if fused else out  # unused without the fused merge
     decode_kernel[(rows, hkv, splits)](
-        q, k_cache.data, v_cache.data, out, part, ml, block_table, context_lens, block_ids, float(qk_scale),
+        q, k_cache.data, v_cache.data, out, part, ml, cnt, block_table, context_lens, block_ids, float(qk_scale),
         float(v_scalar), q.stride(0), q.stride(1), k_cache.data.stride(0), k_cache.data.stride(1),
         v_cache.data.stride(0), v_cache.data.stride(1), block_table.stride(0), block_ids.stride(0),
         block_ids.stride(1), n_tiles, per, 0x07070707, -0x7F7F7F80, G=hq // hkv, SPLIT=splits > 1,
-        E8M0=k_cache.fmt.scale_element == "e8m0",
+        E8M0=k_cache.fmt.scale_element == "e8m0", FUSED=fused,
         num_warps=NUM_WARPS)
-    if splits > 1:
+    if splits > 1 and not fused:
         combine[(rows * hq,)](part, ml, out, float(v_scalar), splits, BLOCK_S=triton.next_power_of_2(splits), D=d,
                               num_warps=4)
     return out

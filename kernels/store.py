@@ -369,9 +369,11 @@ def outer_scales(g_dec: float) -> tuple[float, float]:
 def launch_store(x3: torch.Tensor, slots: torch.Tensor | None, payload: torch.Tensor, scales: torch.Tensor | None,
                  fmt: Format, *, page_size: int = 1, page_stride: int = 0, head_stride: int = 0,
                  tensor_scale: float = 1.0, g_dec: float = 1.0, config: tuple[int, int] | None = None,
-                 variant: dict | None = None) -> None:
+                 variant: dict | None = None, gluon: bool | None = None) -> None:
     """Launch `_store_kernel` on x3 [T, H, D] (last dim contiguous). With `slots` it writes pages of `payload` (the
-    uint8 cache buffer; `scales` is ignored), without it the planes `payload` [T * H, PB] and `scales` [T * H, SB]."""
+    uint8 cache buffer; `scales` is ignored), without it the planes `payload` [T * H, PB] and `scales` [T * H, SB].
+    `gluon`: None takes the Hopper fast path (kernels/store_gluon.py) where it applies, False never, True requires
+    it (KernelArgumentError where it cannot run); a `config` means the portable kernel."""
     T, H, D = x3.shape
     if T * H == 0:
         return
@@ -387,7 +389,12 @@ def launch_store(x3: torch.Tensor, slots: torch.Tensor | None, payload: torch.Te
     opts["MUL_PACK"] = bool(opts.get("MUL_PACK", MUL_PACK.get(fmt.scale_element, False))) and opts["WORDS"]
     # the Hopper fast path (kernels/store_gluon.py) where it applies; variant GLUON=False or a config forces this one
     tuning = {k: opts.pop(k) for k in list(opts) if k.startswith("GLUON")}
-    if config is None and tuning.pop("GLUON", True) and store_gluon.applies(x3, fmt, opts["WORDS"]):
+    use_gluon = tuning.pop("GLUON", True) if gluon is None else gluon
+    fast_ok = config is None and store_gluon.applies(x3, fmt, opts["WORDS"])
+    if gluon and not fast_ok:
+        raise KernelArgumentError("gluon=True: the Gluon store needs CUDA capability >= 9.0, bf16 rows of 128 with "
+                                  "contiguous heads, a 4-bit block format with word-aligned rows, and no config")
+    if use_gluon and fast_ok:
         store_gluon.launch(x3, slots, payload, scales, fmt, opts, page_size=page_size, page_stride=page_stride,
                            head_stride=head_stride, g_dec=g_dec, g_enc=g_enc, **tuning)
         return
@@ -409,14 +416,14 @@ def word_aligned(buf: torch.Tensor, pb: int, *strides: int) -> bool:
 
 # ----------------------------------------------------------------------------------------------------- the store
 def store(cache, x: torch.Tensor, slot_mapping: torch.Tensor, *, validate: bool = True,
-          config: tuple[int, int] | None = None) -> None:
+          config: tuple[int, int] | None = None, gluon: bool | None = None) -> None:
     """Triton twin of `PagedCache.store`: quantize x [N, H, D] (bf16 / fp16 / fp32, last dim contiguous) in the
     cache's format and write token i's payload and scales to slot `slot_mapping[i]` (int32 / int64 [N], -1 skips).
 
     Same bytes as the torch path. `validate` (default) also checks what the torch path checks on values: finite
     input (InputError, nothing written) and slot ids in range (LayoutError); both cost a pass over the data and a host
     sync, so engines that guarantee them pass False. Whole-tensor scales come from `cache.tensor_amax`, frozen from the
-    first store as in the torch path."""
+    first store as in the torch path. `gluon`: the Hopper fast path's switch (see launch_store)."""
     check_cache(cache)
     if x.dim() != 3 or tuple(x.shape[1:]) != (cache.num_heads, cache.head_dim):
         raise KernelArgumentError(f"store: x must be [N, {cache.num_heads}, {cache.head_dim}], got {list(x.shape)}")
@@ -431,7 +438,7 @@ def store(cache, x: torch.Tensor, slot_mapping: torch.Tensor, *, validate: bool 
     tensor_scale, g_dec = cache_scales(cache)
     launch_store(x, slot_mapping, cache.data, None, cache.fmt, page_size=cache.page_size,
                  page_stride=cache.data.stride(0), head_stride=cache.data.stride(1), tensor_scale=tensor_scale,
-                 g_dec=g_dec, config=config)
+                 g_dec=g_dec, config=config, gluon=gluon)
 
 
 def cache_scales(cache) -> tuple[float, float]:

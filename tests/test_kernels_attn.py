@@ -361,7 +361,7 @@ def test_gpu_decode_gluon(fmt, heads):
     """The Gluon FP4 decode (forced) against the reference and the portable kernel: contexts around the 64-token
     tile and 128-token page edges up to 150K (the pool's 0xFF bytes after each context are NaN scales: never read),
     -1 holes in the selections, GQA groups of 16, 8, 4 and 5 (padded) query heads, every split count (1 writes the
-    output itself, more go through the combine kernel; 100 > tiles), bf16 output = the rounded fp32 output."""
+    output itself, more merge in the last split's program; 100 > tiles), bf16 output = the rounded fp32 output."""
     hq, hkv = heads
     lens = [1, 63, 64, 65, 127, 128, 129, 4097, 150000]
     q, kc, vc, table, ctx, ids = make_decode(fmt, lens, hq, hkv, 128, 128, 128, 16, seed=21)
@@ -373,6 +373,47 @@ def test_gpu_decode_gluon(fmt, heads):
         check_close(out, port, 2e-3)
     one = sparse_decode(q, kc, vc, table, ctx, ids, 128, num_splits=1, gluon=True, out_dtype=torch.float32)
     assert torch.equal(sparse_decode(q, kc, vc, table, ctx, ids, 128, num_splits=1, gluon=True), one.to(torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_gpu_decode_gluon_fused_merge(fmt, monkeypatch):
+    """Split decodes merge in their last program (attn_gluon.FUSED_COMBINE): equal to the combine-kernel launch up
+    to summation order, the arrival counters back at zero after every launch (so a second launch and CUDA-graph
+    replays give the same output), rows with nothing visible still zeros, a GQA group of 5."""
+    from kvtool.kernels import sparse_attn_gluon as attn_gluon
+
+    g = torch.Generator().manual_seed(24)
+    lens = [1, 200, 4097] + [int(n) for n in torch.randint(1, 20000, (61,), generator=g)]
+    for hq, hkv in ((16, 1), (10, 2)):
+        q, kc, vc, table, ctx, ids = make_decode(fmt, lens, hq, hkv, 128, 128, 128, 16, seed=24)
+        ids[5] = -1
+        ref = paged_sparse_decode_ref(q, kc, vc, table, ctx, ids, 128)
+        for splits in (2, 3, 16):
+            monkeypatch.setattr(attn_gluon, "FUSED_COMBINE", False)
+            two_launches = sparse_decode(q, kc, vc, table, ctx, ids, 128, num_splits=splits, gluon=True,
+                                         out_dtype=torch.float32)
+            monkeypatch.setattr(attn_gluon, "FUSED_COMBINE", True)
+            fused = sparse_decode(q, kc, vc, table, ctx, ids, 128, num_splits=splits, gluon=True,
+                                  out_dtype=torch.float32)
+            counters = attn_gluon.split_counters(q.device, len(lens) * hkv)
+            assert int(counters.abs().sum()) == 0, "arrival counters not reset"
+            check_close(fused, two_launches, 1e-5)
+            check_close(fused, ref, 2e-3)
+            assert torch.equal(fused[5], torch.zeros_like(fused[5]))
+            again = sparse_decode(q, kc, vc, table, ctx, ids, 128, num_splits=splits, gluon=True,
+                                  out_dtype=torch.float32)
+            assert torch.equal(again, fused)
+        out = torch.empty_like(fused)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out.copy_(sparse_decode(q, kc, vc, table, ctx, ids, 128, num_splits=3, gluon=True,
+                                    out_dtype=torch.float32))
+        for _ in range(3):
+            out.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            check_close(out, ref, 2e-3)
 
 
 @pytest.mark.gpu

@@ -422,6 +422,23 @@ def test_store_gluon_gpu(fmt, variant, device, monkeypatch):
     assert len(ran) == len(GLUON_CASES) * 2 + 2
 
 
+def test_store_gluon_switch(device):
+    """store(gluon=True) is a clear error where the fast path cannot run (no GPU here, fp32 input, a config);
+    gluon=False always runs the portable kernel."""
+    fmt = get_format("mxfp4")
+    x = spread_values((9, 1, 128), SEED + 51, torch.float32).to(device)
+    slots = torch.arange(9, device=device)
+    _, cache = fresh_caches(fmt, 1, 16, 1, 128, device, SEED)
+    with pytest.raises(KernelArgumentError, match="gluon=True"):
+        store(cache, x, slots, gluon=True)
+    with pytest.raises(KernelArgumentError, match="gluon=True"):
+        store(cache, x.to(torch.bfloat16), slots, gluon=True, config=(4, 4))
+    ref, _ = fresh_caches(fmt, 1, 16, 1, 128, device, SEED)
+    ref.store(x, slots)
+    store(cache, x, slots, gluon=False)
+    assert torch.equal(cache.data.cpu(), ref.data.cpu())
+
+
 def test_store_gluon_dispatch(monkeypatch):
     """Where the Gluon store applies (CPU: the device rule stubbed in): bf16, D = 128, 4-bit block formats, heads
     contiguous and 16-byte aligned token rows, word-aligned payload rows; everything else runs the portable kernel."""
@@ -488,7 +505,12 @@ def test_bench_quant_smoke(device):
 
     report = run_quant_bench([4096], ("mxfp4",), device=device, configs=[(4, 2)])
     names = [r.name for r in report.rows]
-    graph = ["store [graph]", "dequant [graph]"] if torch.device(device).type == "cuda" else []
+    graph = []
+    if torch.device(device).type == "cuda":
+        from kvtool.kernels import store_gluon
+
+        fast = store_gluon.device_ok(torch.device(device))  # the default store is the Gluon one: portable row too
+        graph = ["store [graph]", *(["store [graph, portable]"] if fast else []), "dequant [graph]"]
     assert names[:4 + len(graph)] == [*graph, "store", "dequant", "store [4x2]", "dequant [4x2]"]
     assert "eager quantize" in names
     assert all(r.time_us > 0 and r.bytes_moved > 0 for r in report.rows)

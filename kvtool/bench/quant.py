@@ -144,6 +144,7 @@ def quant_cases(setup: _Setup, group: str, use_kernels: bool, eager: bool, confi
     torch quantize / dequant, and the torchao peer."""
     fmt, cases = setup.fmt, []
     if use_kernels:
+        from kvtool.kernels import store_gluon
         from kvtool.kernels.dequant import gather_dequantize
         from kvtool.kernels.store import store
 
@@ -154,6 +155,10 @@ def quant_cases(setup: _Setup, group: str, use_kernels: bool, eager: bool, confi
             out = torch.empty_like(setup.x)
             cases.append(BenchCase("store [graph]", lambda: store(setup.cache, setup.x, setup.slots, validate=False),
                                    setup.store_bytes, group=group, note="triton, CUDA graph", cuda_graph=True))
+            if store_gluon.applies(setup.x, fmt, True):  # the default above is the Hopper fast path: show both
+                cases.append(BenchCase("store [graph, portable]", lambda: store(
+                    setup.cache, setup.x, setup.slots, validate=False, gluon=False), setup.store_bytes, group=group,
+                    note="portable triton kernel, CUDA graph", cuda_graph=True))
             cases.append(BenchCase("dequant [graph]", lambda: gather_dequantize(
                 setup.cache, setup.slots, torch.bfloat16, validate=False, out=out), setup.dequant_bytes, group=group,
                 note="triton, to bf16, CUDA graph", cuda_graph=True))
