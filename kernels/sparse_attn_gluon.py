@@ -21,7 +21,9 @@ moves into the dot operand layouts through shared memory; its per-tile time did 
 - software pipeline over tiles: block ids 4 tiles ahead, pages 3, K words 2, V words 1, and the S tile of j + 1 is
   computed in iteration j beside tile j's softmax and P V;
 - after the loop the warps' states merge through shared memory once; one split writes the bf16 (or fp32) output
-  itself, several write the portable kernel's fp32 partials (acc, m, l) for its combine kernel.
+  itself; several write the portable kernel's fp32 partials (acc, m, l), and the last program of each (request, KV
+  head) to arrive (an int32 arrival counter per pair: barrier, acq_rel atomic at GPU scope; the last one resets it)
+  merges them as the portable `_combine_kernel` does and writes the output: no second launch (FUSED_COMBINE).
 Semantics are the portable kernel's (SPEC section 3): tokens after the query, -1 selection slots, selected blocks
 wholly after the query and -1 pages are never read (score -inf, V scales read as 0), a row with no visible token
 gives zeros, whole-tensor factors (the nvfp4 outer scale, E2M1's 2**-14 unit) fold into the softmax scale and the
@@ -30,8 +32,13 @@ final normalization. P is rounded once to fp16 (as the portable kernel's default
 Measured (H200, M3 TP4 shape, us per layer, layers back to back past L2 in one CUDA graph; bench/RESULTS.md has
 every run; final call 2026-11-29 15:16 UTC): nvfp4 batch 256 46.9 against the portable kernel's 68.7 (38.6 % of
 copy), 128 31.6 against 43.0, 64 24.4 against 25.6; mxfp4 batch 256 59.1 against 75.1 (28.9 %), 128 37.9 against
-47.3, and at batch 64 28.7 against 27.0 (14:55 UTC: so the default takes this kernel from `MIN_PROGRAMS` requests x
-KV heads). What the time is (batch 256, one layer, 14:39 UTC ablations):
+47.3, and at batch 64 28.7 against 27.0 (14:55 UTC). With the fused split merge (16:36 UTC, same conditions, fused
+against the combine launch at the same split count): nvfp4 batch 64 22.2 against 24.3 (4 splits; fp8's portable
+kernel 20.3), 128 30.6 against 31.6 (2 splits; fp8 31.9), 256 46.6 (one split: no merge; fp8 47.6); mxfp4 batch 64
+25.0 against 26.8 (the portable kernel 26.8: the default takes this kernel from `MIN_PROGRAMS` requests x KV
+heads), 128 36.6 against 37.7. The merge costs the last program ~2 us (fence, atomic, partial reads): the same launch
+without any merge took 20.1 at nvfp4 batch 64 (16:31 UTC). What the time is (batch 256, one layer, 14:39 UTC
+ablations):
 with nothing loaded (no selected ids) 45.9 us, and without any E2M1 decode too 34.8: the mma / softmax / rescale
 structure and its latency are most of the time, not the loads or the decode; without the whole softmax bookkeeping
 (rescales, exp2, row max) the integrated kernel took 41.4 instead of 46.9 (15:05 UTC). ncu (15:07 UTC): 47.5 %
@@ -438,9 +445,9 @@ def _num_sms(device: torch.device) -> int:
 
 # rows x KV heads from which the default launch takes this kernel, per format (H200, M3 shape, us per layer, layers
 # back to back past L2, 2026-11-29): nvfp4 batch 16 13.1 (8 splits) / 15.7 (16) against the portable 11.3, batch 64
-# 24.3 against 26.0 (14:47 UTC); mxfp4 batch 64 28.7 against 27.0, 96 40.3 / 41.3, 128 39.8 / 47.0, 256 61.8 / 75.1
-# (14:55 UTC)
-MIN_PROGRAMS = {"nvfp4": 64, "mxfp4": 128}
+# 24.3 against 26.0 (14:47 UTC); mxfp4 batch 64 28.7 against 27.0 with the combine launch (14:55 UTC), 25.0 against
+# 26.8 with the fused merge (16:36 UTC), 128 36.6 against 45.7, 256 59.1 against 74.8
+MIN_PROGRAMS = {"nvfp4": 64, "mxfp4": 64}
 
 
 def default_splits(rows: int, num_kv_heads: int, n_tiles: int, device: torch.device) -> int:

@@ -269,7 +269,7 @@ def test_gluon_dispatch_rules(monkeypatch):
         return SA.uses_gluon(torch.zeros(rows, hq, d, dtype=torch.bfloat16), k, v, block)
 
     assert uses("nvfp4", 64) and not uses("nvfp4", 63) and uses("nvfp4-rcp-auto", 256)
-    assert uses("mxfp4", 128) and not uses("mxfp4", 127) and uses("mxfp4-floor", 200)
+    assert uses("mxfp4", 64) and not uses("mxfp4", 63) and uses("mxfp4-floor", 200)
     assert uses("nvfp4", 32, hq=32, hkv=2)  # 32 requests x 2 KV heads = 64 programs, 16 query heads each
     for fmt in ("bf16", "fp8-unit", "fp8-token"):
         assert not uses(fmt, 256)
