@@ -21,8 +21,9 @@ sm_90 (tests/test_kernel_compile.py).
 
 Measured (H200, 2026-11-29 16:25 UTC, bench/sweep_quant_variants.py, % of the copy bandwidth at 64M / 256M / 1G
 elements, portable kernel in the same run in brackets): mxfp4-rceil 85.9 / 94.4 / 96.6 (77.7 / 83.3 / 85.1), nvfp4-rcp
-74.0 / 82.7 / 86.8 (73.0 / 77.3 / 79.8). mxfp4 is now near the copy; nvfp4 stays bound by instruction issue (sm_90
-SASS per element: 19 with one row per thread, two E4M3 scale round trips and two IEEE divisions per 16 elements).
+74.0 / 82.7 / 86.8 (73.0 / 77.3 / 79.8) with 32-row tiles, 77.3 / 84.9 at 64M / 256M with 16-row tiles (16:38 UTC).
+mxfp4 is now near the copy; nvfp4 stays bound by instruction issue (sm_90 SASS per element: 19 with one row per
+thread, an E4M3 scale round trip and two IEEE divisions per 16 elements).
 
 Where it runs: CUDA capability >= 9.0 (TMA), bf16 input [T, H, 128] with heads contiguous and 16-byte aligned rows,
 4-bit block formats with 4-byte aligned payload rows, no `config=` override. Elsewhere (and on ROCm: gfx950 runs the
@@ -50,12 +51,13 @@ except ImportError:  # pragma: no cover - the pinned Triton has it
 
 DIM = 128  # elements per row (one head)
 # (rows per tile, tiles in flight, programs per SM, warps) per block-scale element. H200, bf16 [T, 1, 128] into
-# shuffled 128-token pages, CUDA-graph replay, % of copy at 32M / 64M / 256M / 1G elements (bench/RESULTS.md, 16:25
-# UTC): mxfp4 64 x 2 x 4 x 4: 75.8 / 85.9 / 94.4 / 96.6 (32 rows x 8 programs 73.7 / 83.5 / 93.5 / 93.8; 3 stages
-# 70.9 / 81.9 / 93.3 / 96.1; 8 warps 73.6 / 83.8 / 92.5 / 95.0); nvfp4 32 x 2 x 8 x 4: 65.4 / 74.0 / 82.7 / 86.8 (64
-# rows x 4 programs 64.6 / 71.8 / 80.3 / 83.4, with 8 warps 66.5 / 73.7 / 81.8 / 86.0). Fewer programs per SM lost 5-20
-# points (16:21 UTC); the smaller sizes pay a fixed ~6 us per launch (pipeline fill and drain, launch).
-CONFIGS = {"e8m0": (64, 2, 4, 4), "e4m3": (32, 2, 8, 4)}
+# shuffled 128-token pages, CUDA-graph replay, % of copy (bench/RESULTS.md, session 13): mxfp4 64 x 2 x 4 x 4 at 32M /
+# 64M / 256M / 1G 75.8 / 85.9 / 94.4 / 96.6 (16:25 UTC; 32 rows x 8 programs 73.7 / 83.5 / 93.5 / 93.8, 3 stages 70.9
+# / 81.9 / 93.3 / 96.1, 8 warps 73.6 / 83.8 / 92.5 / 95.0); nvfp4 (issue-bound: smaller tiles on more programs) at 64M /
+# 256M 16 x 2 x 16 x 2 77.3 / 84.9, 16 rows x 12 programs 76.8 / 82.8, 32 x 2 x 8 x 4 75.5 / 82.3, 32 rows x 6
+# programs 73.3 / 79.6, 64 x 2 x 4 x 4 72.6 / 80.9 (16:38 UTC). Fewer programs per SM lost 5-20 points (16:21 UTC);
+# smaller sizes pay a fixed ~6 us per launch (pipeline fill and drain, the launch).
+CONFIGS = {"e8m0": (64, 2, 4, 4), "e4m3": (16, 2, 16, 2)}
 # the scaled-words encode (kc.fp4_scaled_words) measured slower here for both families (H200, 16:21 UTC, 256M:
 # mxfp4 90.9 against 96.2 %, nvfp4 77.0 against 81.8 %), so the Gluon store keeps the codes-then-pack encode
 MUL_PACK = False
