@@ -571,14 +571,32 @@ def mxfp4_quantize_block_fast(x, RULE: tl.constexpr, low=7):
 
 
 @triton.jit
-def nvfp4_quantize_block_fast(x, g_dec, g_enc, RECIPE: tl.constexpr, NATIVE: tl.constexpr = False, low=7):
+def amax_div6(amax, BF16_AMAX: tl.constexpr = False):
+    """RN(amax / 6) for an fp32 block amax. BF16_AMAX (the amax is a bf16 value, as in a store of bf16 rows; and the
+    code is compiled, with a real fma: the interpreter's fma rounds twice): Markstein's q = RN(a RN(1/6)), r =
+    fma(-q, 6, a), fma(r, RN(1/6), q), 3 instructions instead of the IEEE division's ~10 with its slow-path check.
+    It equals RN(a / 6) for every bf16 a (tests/test_kernel_codecs.py checks all 32640 non-negative finite ones in
+    exact arithmetic, and the GPU test on the device): the sequence is wrong only on exact ties of a subnormal
+    quotient, and a / 6 of a bf16 a is never such a tie (a = m 2**-133 would need m 2**16 = 3 (2 j + 1))."""
+    if BF16_AMAX:
+        c = 0.16666667163372039795  # RN(1/6) = 0x3E2AAAAB, exact in fp32
+        q = amax * c
+        r = tl.fma(-q, 6.0, amax)
+        return tl.fma(r, c, q)
+    else:
+        return tl.math.div_rn(amax, tl.full(amax.shape, E2M1_MAX, tl.float32))
+
+
+@triton.jit
+def nvfp4_quantize_block_fast(x, g_dec, g_enc, RECIPE: tl.constexpr, NATIVE: tl.constexpr = False, low=7,
+                              BF16_AMAX: tl.constexpr = False):
     """nvfp4_quantize_block (same codes and bytes) with, under NATIVE (CUDA sm_89+, set by launchers), the stored E4M3
     scale decoded by the hardware conversion (exact; the saturating encoder never writes the NaN codes) instead of the
     integer decode: about 10 integer ops less per block. (amax / 6 stays an IEEE division: the Markstein sequence
     q = a * RN(1/6), r = fma(-q, 6, a), fma(r, RN(1/6), q) that div_rn uses on its fast path is wrong on exact ties
     when the quotient is subnormal, and an amax that small matters with a large `auto` outer scale.)"""
     amax = tl.max(tl.abs(x), axis=2)
-    amax_6 = tl.math.div_rn(amax, tl.full(amax.shape, E2M1_MAX, tl.float32))
+    amax_6 = amax_div6(amax, BF16_AMAX)
     v = amax_6 * g_enc
     scale = e4m3_encode(v, NATIVE)
     # the stored byte is 0 exactly when v <= 2**-10 (half the smallest E4M3 subnormal; the tie rounds to even, 0): the
@@ -648,7 +666,8 @@ def mxfp4_scale_block(x, RULE: tl.constexpr):
 
 
 @triton.jit
-def nvfp4_scale_block(x, g_dec, g_enc, RECIPE: tl.constexpr, NATIVE: tl.constexpr = False):
+def nvfp4_scale_block(x, g_dec, g_enc, RECIPE: tl.constexpr, NATIVE: tl.constexpr = False,
+                      BF16_AMAX: tl.constexpr = False):
     """x: fp32 [R, NB, 16] -> (y fp32 [R, NB, 16], scale bytes uint8 [R, NB]): nvfp4_quantize_block_fast up to the
     element encode, with the zero-scale rule folded into y: e2m1_encode(y, True) gives its codes.
 
@@ -656,7 +675,7 @@ def nvfp4_scale_block(x, g_dec, g_enc, RECIPE: tl.constexpr, NATIVE: tl.constexp
     (x * r + -0.0 rounds like x * r, -0 included), so zero-scale blocks encode to codes 0 without a select per
     element (a reciprocal of 1 / 0 = inf left in would give inf / NaN codes). div / unrounded: a select on y."""
     amax = tl.max(tl.abs(x), axis=2)
-    amax_6 = tl.math.div_rn(amax, tl.full(amax.shape, E2M1_MAX, tl.float32))
+    amax_6 = amax_div6(amax, BF16_AMAX)
     v = amax_6 * g_enc
     scale = e4m3_encode(v, NATIVE)
     zero = v <= 0.0009765625  # the stored byte is 0 (see nvfp4_quantize_block_fast)
@@ -679,10 +698,10 @@ def nvfp4_scale_block(x, g_dec, g_enc, RECIPE: tl.constexpr, NATIVE: tl.constexp
 
 @triton.jit
 def fp4_quantize_blocks(xb, g_dec, g_enc, E8M0: tl.constexpr, RULE: tl.constexpr, RECIPE: tl.constexpr,
-                        NATIVE: tl.constexpr, FAST: tl.constexpr, low=7):
+                        NATIVE: tl.constexpr, FAST: tl.constexpr, low=7, BF16_AMAX: tl.constexpr = False):
     """fp32 [R, NB, B] -> (codes int32 [R, NB, B], scale bytes uint8 [R, NB]) by one FP4 block codec: mxfp4 (E8M0:
     B = 32, RULE) or nvfp4 (B = 16, RECIPE, outer scale g_dec / g_enc); FAST picks the *_quantize_block_fast form
-    (same bytes, see the store kernels' FAST_CODECS)."""
+    (same bytes, see the store kernels' FAST_CODECS); BF16_AMAX: see amax_div6."""
     if E8M0:
         if FAST:
             codes, sbytes = mxfp4_quantize_block_fast(xb, RULE, low)
@@ -690,7 +709,7 @@ def fp4_quantize_blocks(xb, g_dec, g_enc, E8M0: tl.constexpr, RULE: tl.constexpr
             codes, sbytes = mxfp4_quantize_block(xb, RULE, low)
     else:
         if FAST:
-            codes, sbytes = nvfp4_quantize_block_fast(xb, g_dec, g_enc, RECIPE, NATIVE, low)
+            codes, sbytes = nvfp4_quantize_block_fast(xb, g_dec, g_enc, RECIPE, NATIVE, low, BF16_AMAX)
         else:
             codes, sbytes = nvfp4_quantize_block(xb, g_dec, g_enc, RECIPE, NATIVE, low)
     return codes, sbytes
@@ -698,7 +717,7 @@ def fp4_quantize_blocks(xb, g_dec, g_enc, E8M0: tl.constexpr, RULE: tl.constexpr
 
 @triton.jit
 def fp4_scaled_words(xb, g_dec, g_enc, E8M0: tl.constexpr, RULE: tl.constexpr, RECIPE: tl.constexpr,
-                     NATIVE: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+                     NATIVE: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, BF16_AMAX: tl.constexpr = False):
     """xb: fp32 [ROWS, COLS / B, B] -> (payload words int32 [ROWS, COLS / 8], scale bytes uint8 [ROWS, COLS / B]):
     one FP4 block codec on the multiply-pipe path: mxfp4 (E8M0: B = 32, RULE) or nvfp4 (B = 16, RECIPE, outer scale
     g_dec / g_enc) block scales, then e2m1_words (saturating, except mxfp4 FLOOR whose codes cannot overflow)."""
@@ -706,6 +725,6 @@ def fp4_scaled_words(xb, g_dec, g_enc, E8M0: tl.constexpr, RULE: tl.constexpr, R
         y, scale = mxfp4_scale_block(xb, RULE)
         words = e2m1_words(tl.reshape(y, [ROWS, COLS]), ROWS, COLS, RULE == RULE_FLOOR)
     else:
-        y, scale = nvfp4_scale_block(xb, g_dec, g_enc, RECIPE, NATIVE)
+        y, scale = nvfp4_scale_block(xb, g_dec, g_enc, RECIPE, NATIVE, BF16_AMAX)
         words = e2m1_words(tl.reshape(y, [ROWS, COLS]), ROWS, COLS, True)
     return words, scale

@@ -193,6 +193,7 @@ def _store_kernel(
     WORDS: tl.constexpr,  # 4-bit formats: payload as int32 words (every row offset a multiple of 4 bytes)
     BLOCK_R: tl.constexpr,  # tokens per program
     FAST: tl.constexpr = True,  # 4-bit formats: the *_quantize_block_fast codecs (see FAST_CODECS)
+    BF16_AMAX: tl.constexpr = False,  # bf16 input, compiled: nvfp4's amax / 6 in 3 instructions (kc.amax_div6)
     MUL_PACK: tl.constexpr = False,  # 4-bit formats with WORDS: kc.*_scale_block + kc.e2m1_words (see MUL_PACK)
 ):
     # grid: (token tiles, heads); one program = BLOCK_R tokens of one head, no integer division per row
@@ -210,13 +211,13 @@ def _store_kernel(
         if MUL_PACK:  # (the launcher sets it only with WORDS)
             # sign, nibble mask and pack on the multiply pipe (kc.e2m1_words): fewer ALU-pipe ops per element
             words, sbytes = kc.fp4_scaled_words(xb, g_dec, g_enc, SCALE == SCALE_E8M0, RULE, RECIPE, NATIVE_FP8,
-                                                BLOCK_R, DP)
+                                                BLOCK_R, DP, BF16_AMAX)
             wcols = tl.arange(0, DP // 8)
             wrow = (payload_ptr + pay).to(tl.pointer_type(tl.int32))
             tl.store(wrow[:, None] + wcols[None, :], words, mask=row_mask(live, wcols, PB // 4, DP // 8))
         elif WORDS:
             codes, sbytes = kc.fp4_quantize_blocks(xb, g_dec, g_enc, SCALE == SCALE_E8M0, RULE, RECIPE, NATIVE_FP8,
-                                                   FAST, low7)
+                                                   FAST, low7, BF16_AMAX)
             # 8 codes -> one int32 word per lane, 4-byte stores of whole payload rows (PB and every row offset are
             # multiples of 4: checked by the launcher)
             words = kc.pack_nibble_words(tl.reshape(codes, [BLOCK_R, DP]), BLOCK_R, DP)
@@ -225,7 +226,7 @@ def _store_kernel(
             tl.store(wrow[:, None] + wcols[None, :], words, mask=row_mask(live, wcols, PB // 4, DP // 8))
         else:
             codes, sbytes = kc.fp4_quantize_blocks(xb, g_dec, g_enc, SCALE == SCALE_E8M0, RULE, RECIPE, NATIVE_FP8,
-                                                   FAST, low7)
+                                                   FAST, low7, BF16_AMAX)
             packed = kc.pack_nibbles(tl.reshape(codes, [BLOCK_R, DP]), BLOCK_R, DP)
             pcols = tl.arange(0, DP // 2)
             tl.store(payload_ptr + pay[:, None] + pcols[None, :], packed, mask=row_mask(live, pcols, PB, DP // 2))
@@ -386,7 +387,8 @@ def launch_store(x3: torch.Tensor, slots: torch.Tensor | None, payload: torch.Te
     pb = fmt.payload_bytes(D)
     bits = fmt.spec.payload_bits
     opts = dict(WORDS=word_aligned(payload, pb, page_stride, head_stride),
-                FAST=FAST_CODECS.get(fmt.scale_element, False))
+                FAST=FAST_CODECS.get(fmt.scale_element, False),
+                BF16_AMAX=x3.dtype == torch.bfloat16 and not INTERPRET)  # (the interpreter's fma rounds twice)
     opts.update(DEFAULT_VARIANT)
     opts.update(variant or {})
     opts["MUL_PACK"] = bool(opts.get("MUL_PACK", MUL_PACK.get(fmt.scale_element, False))) and opts["WORDS"]

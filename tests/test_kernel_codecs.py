@@ -715,3 +715,57 @@ def test_e2m1_pairs(device):
 @pytest.mark.gpu
 def test_e2m1_pairs_gpu(device):
     check_e2m1_pairs(device, 4096)
+
+
+# ----------------------------------------------------------------------------------- amax / 6 of a bf16 amax (Markstein)
+def _rn32(x):
+    """A Fraction rounded to the nearest fp32 (ties to even, subnormals included), as a Fraction."""
+    from fractions import Fraction
+
+    if x == 0:
+        return Fraction(0)
+    a = abs(x)
+    e = a.numerator.bit_length() - a.denominator.bit_length()
+    e += 1 if Fraction(2) ** (e + 1) <= a else 0
+    e -= 1 if Fraction(2) ** e > a else 0
+    ulp = Fraction(2) ** (max(e, -126) - 23)
+    m = a / ulp
+    fl = m.numerator // m.denominator
+    if m - fl > Fraction(1, 2) or (m - fl == Fraction(1, 2) and fl % 2):
+        fl += 1
+    return (1 if x > 0 else -1) * fl * ulp
+
+
+def test_amax_div6_markstein_exact_for_bf16():
+    """kc.amax_div6's BF16_AMAX sequence (q = RN(a c), r = fma(-q, 6, a), fma(r, c, q), c = RN(1/6)) in exact
+    arithmetic equals RN(a / 6) for every non-negative finite bf16 a: the proof behind using it in the store kernels.
+    The same sequence on fp32 inputs is not exact (the ties of subnormal quotients), which the last check shows."""
+    from fractions import Fraction
+
+    c = _rn32(Fraction(1, 6))
+    assert c == Fraction(float(np.float32(0.16666667163372039795)))
+    bits = np.arange(0, 0x7F80, dtype=np.uint32) << 16  # +0 .. the largest finite bf16
+    for a32 in bits.view(np.float32).tolist():
+        a = Fraction(a32)
+        q = _rn32(a * c)
+        assert _rn32(_rn32(a - 6 * q) * c + q) == _rn32(a / 6), a32
+    tie = Fraction(3 * (2 * 5 + 1), 2**149)  # 33 * 2**-149 (an fp32 subnormal): a / 6 = 5.5 ulps, a tie
+    q = _rn32(tie * c)
+    assert _rn32(_rn32(tie - 6 * q) * c + q) != _rn32(tie / 6)
+
+
+@triton.jit
+def _div6_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(out_ptr + offs, kc.amax_div6(tl.load(x_ptr + offs, mask=mask), True), mask=mask)
+
+
+@pytest.mark.gpu
+def test_amax_div6_gpu(device):
+    """Compiled (a real fma): kc.amax_div6(a, BF16_AMAX=True) == a / 6 (IEEE, torch on the CPU) for every
+    non-negative finite bf16 a."""
+    a = (torch.arange(0, 0x7F80, dtype=torch.int32) << 16).view(torch.float32)
+    out = torch.empty_like(a, device=device)
+    _div6_kernel[(triton.cdiv(a.numel(), 1024),)](a.to(device), out, a.numel(), BLOCK=1024)
+    assert same_bits(out.cpu(), a / 6), f"amax_div6: {first_diff(out.cpu(), a / 6)}"
