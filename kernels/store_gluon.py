@@ -5,9 +5,10 @@ Why a second kernel: the portable store loads each thread's whole blocks as 16-b
 Each program stalls on its loads with nothing else in flight (ncu on the H200: the top stall is the first use of
 the loaded input, the L1 at 93 % of its throughput), and it reached 73-81 % (nvfp4) / 80-87 % (mxfp4) of the copy
 bandwidth at 64M-1G elements. Here:
-- a program owns every `n_programs`-th tile of R rows x 128 of one head (grid: a few programs per SM, CONFIGS), and
-  keeps STAGES tiles in flight as TMA copies into shared memory (one instruction per tile, no registers, no L1
-  requests), so the next tile streams in while this one is encoded;
+- a program owns every `n_programs`-th tile of R rows x 128 of one head (grid: 8-16 programs per SM, CONFIGS); its
+  tiles arrive as TMA copies into shared memory (one instruction per tile, no registers, no L1 requests): as soon as
+  a tile is in registers the next one is requested into its buffer (STAGES buffers; one measured best), so the next
+  tile streams in while this one is encoded;
 - the tile is read from shared memory in the layout the codecs want: a thread owns 32 consecutive elements of a row
   (one mx block, two nvfp4 blocks), so the block amax and the per-block scale work are thread-local, as in the
   portable kernel;
@@ -19,11 +20,12 @@ by `kernels/gluon_port.py`, with the portable store's codec choice (store.FAST_C
 the torch codec and with the portable kernel (tests/test_kernels_store.py, marked gpu); CI compiles the kernel for
 sm_90 (tests/test_kernel_compile.py).
 
-Measured (H200, 2026-11-29 16:25 UTC, bench/sweep_quant_variants.py, % of the copy bandwidth at 64M / 256M / 1G
-elements, portable kernel in the same run in brackets): mxfp4-rceil 85.9 / 94.4 / 96.6 (77.7 / 83.3 / 85.1), nvfp4-rcp
-74.0 / 82.7 / 86.8 (73.0 / 77.3 / 79.8) with 32-row tiles, 77.3 / 84.9 at 64M / 256M with 16-row tiles (16:38 UTC).
-mxfp4 is now near the copy; nvfp4 stays bound by instruction issue (sm_90 SASS per element: 19 with one row per
-thread, an E4M3 scale round trip and two IEEE divisions per 16 elements).
+Measured (H200, 2026-11-29 16:53 UTC, bench/sweep_quant_variants.py, % of the copy bandwidth at 64M / 256M / 1G
+elements, portable kernel in the same run in brackets): mxfp4-rceil 90.1 / 94.7 / 95.7 (79.7 / 85.0 / 86.4), nvfp4-rcp
+83.7 / 90.0 / 90.4 (74.4 / 78.8 / 80.1). nvfp4 stays bound by instruction issue (sm_90 SASS per element: 16.7, of
+which ~12 the per-element encode, the rest an E4M3 scale round trip and an IEEE reciprocal per 16 elements), and
+every launch pays a fixed ~5-9 us (the first tiles' latency, the last tiles' encode, the launch), which is what keeps
+the 64M store under 85 %.
 
 Where it runs: CUDA capability >= 9.0 (TMA), bf16 input [T, H, 128] with heads contiguous and 16-byte aligned rows,
 4-bit block formats with 4-byte aligned payload rows, no `config=` override. Elsewhere (and on ROCm: gfx950 runs the
@@ -51,13 +53,14 @@ except ImportError:  # pragma: no cover - the pinned Triton has it
 
 DIM = 128  # elements per row (one head)
 # (rows per tile, tiles in flight, programs per SM, warps) per block-scale element. H200, bf16 [T, 1, 128] into
-# shuffled 128-token pages, CUDA-graph replay, % of copy (bench/RESULTS.md, session 13): mxfp4 64 x 2 x 4 x 4 at 32M /
-# 64M / 256M / 1G 75.8 / 85.9 / 94.4 / 96.6 (16:25 UTC; 32 rows x 8 programs 73.7 / 83.5 / 93.5 / 93.8, 3 stages 70.9
-# / 81.9 / 93.3 / 96.1, 8 warps 73.6 / 83.8 / 92.5 / 95.0); nvfp4 (issue-bound: smaller tiles on more programs) at 64M /
-# 256M 16 x 2 x 16 x 2 77.3 / 84.9, 16 rows x 12 programs 76.8 / 82.8, 32 x 2 x 8 x 4 75.5 / 82.3, 32 rows x 6
-# programs 73.3 / 79.6, 64 x 2 x 4 x 4 72.6 / 80.9 (16:38 UTC). Fewer programs per SM lost 5-20 points (16:21 UTC);
-# smaller sizes pay a fixed ~6 us per launch (pipeline fill and drain, the launch).
-CONFIGS = {"e8m0": (64, 2, 4, 4), "e4m3": (16, 2, 16, 2)}
+# shuffled 128-token pages, CUDA-graph replay, % of copy at 64M / 256M / 1G (bench/RESULTS.md, session 13, 16:53 UTC,
+# after the division-free tile loop and the one-op bf16 decode): nvfp4 16 x 1 x 16 x 2 83.7 / 90.0 / 90.4 (32 x 1 x 8 x
+# 4 82.3 / 90.1 / 91.4, 64 x 1 x 4 x 8 82.1 / 89.7 / 91.2, 16 rows with 2 stages 78.8 / 88.6 / 85.0, 12 programs 81.1
+# / 87.9 / 88.9); mxfp4 32 x 1 x 8 x 4 90.1 / 94.7 / 95.7 (16 x 1 x 16 x 2 89.8 / 94.2 / 95.4, 64 x 1 x 4 x 4 86.8 /
+# 92.4 / 93.8, 64 rows with 2 stages 85.9 / 93.2 / 94.7). One stage is enough: the tile after this one is loaded while
+# this one is encoded (its smem copy is already in registers), and a shallower queue halves the load burst of the
+# start. More programs than fit (registers, shared memory) lose 10-20 points.
+CONFIGS = {"e8m0": (32, 1, 8, 4), "e4m3": (16, 1, 16, 2)}
 # the scaled-words encode (kc.fp4_scaled_words) measured slower here for both families (H200, 16:21 UTC, 256M:
 # mxfp4 90.9 against 96.2 %, nvfp4 77.0 against 81.8 %), so the Gluon store keeps the codes-then-pack encode
 MUL_PACK = False
