@@ -589,13 +589,15 @@ def amax_div6(amax, BF16_AMAX: tl.constexpr = False):
 
 @triton.jit
 def nvfp4_quantize_block_fast(x, g_dec, g_enc, RECIPE: tl.constexpr, NATIVE: tl.constexpr = False, low=7,
-                              BF16_AMAX: tl.constexpr = False):
+                              BF16_AMAX: tl.constexpr = False, amax=None, rcp_lut=None):
     """nvfp4_quantize_block (same codes and bytes) with, under NATIVE (CUDA sm_89+, set by launchers), the stored E4M3
     scale decoded by the hardware conversion (exact; the saturating encoder never writes the NaN codes) instead of the
-    integer decode: about 10 integer ops less per block. (amax / 6 stays an IEEE division: the Markstein sequence
-    q = a * RN(1/6), r = fma(-q, 6, a), fma(r, RN(1/6), q) that div_rn uses on its fast path is wrong on exact ties
-    when the quotient is subnormal, and an amax that small matters with a large `auto` outer scale.)"""
-    amax = tl.max(tl.abs(x), axis=2)
+    integer decode: about 10 integer ops less per block. amax / 6: see amax_div6 (BF16_AMAX). Optional, from a caller
+    that has them cheaper: `amax` [R, NB] (the block amax of x, fp32), and for the rcp recipe `rcp_lut`, a pointer to
+    256 fp32 with entry b = RN(1 / RN(e4m3(b) g_dec)) (0 for b = 0; `rcp_table` computes it): one gather per block
+    instead of the decode, the multiply and the IEEE reciprocal."""
+    if amax is None:
+        amax = tl.max(tl.abs(x), axis=2)
     amax_6 = amax_div6(amax, BF16_AMAX)
     v = amax_6 * g_enc
     scale = e4m3_encode(v, NATIVE)
@@ -603,13 +605,27 @@ def nvfp4_quantize_block_fast(x, g_dec, g_enc, RECIPE: tl.constexpr, NATIVE: tl.
     # zero-scale rule from v, not from the byte (with NATIVE, `byte == 0` gave wrong codes on the H200 in a test
     # kernel whose blocks span several lanes, while the bytes themselves were right)
     zero = v <= 0.0009765625
-    if NATIVE:
-        s = scale.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    if RECIPE == RECIPE_RCP and rcp_lut is not None:
+        y = x * tl.load(rcp_lut + scale.to(tl.int32))[:, :, None]
     else:
-        s = e4m3_decode(scale)
-    y = nvfp4_scaled(x, s, g_dec, amax_6, RECIPE)
+        if NATIVE:
+            s = scale.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            s = e4m3_decode(scale)
+        y = nvfp4_scaled(x, s, g_dec, amax_6, RECIPE)
     codes = tl.where(zero[:, :, None], 0, e2m1_encode(y, True, low))
     return codes, scale
+
+
+@triton.jit
+def rcp_table(out_ptr, g_dec):
+    """The nvfp4 rcp recipe's per-block reciprocal for every scale byte b: out[b] = RN(1 / RN(e4m3(b) g_dec)) by the
+    same ops as nvfp4_scaled (0 for b = 0, whose blocks encode to 0; the NaN bytes, never written, get 0 too). One
+    program of 256 lanes; kernels that gather from it (nvfp4_quantize_block_fast's rcp_lut) give the same bytes."""
+    b = tl.arange(0, 256)
+    d = e4m3_decode(b) * g_dec
+    r = tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), d)
+    tl.store(out_ptr + b, tl.where((b & 0x7F) == 0, 0.0, tl.where((b & 0x7F) == 0x7F, 0.0, r)))
 
 
 # --------------------------------------------------------- store engineer: scaled values -> payload words (ALU relief)
@@ -698,10 +714,12 @@ def nvfp4_scale_block(x, g_dec, g_enc, RECIPE: tl.constexpr, NATIVE: tl.constexp
 
 @triton.jit
 def fp4_quantize_blocks(xb, g_dec, g_enc, E8M0: tl.constexpr, RULE: tl.constexpr, RECIPE: tl.constexpr,
-                        NATIVE: tl.constexpr, FAST: tl.constexpr, low=7, BF16_AMAX: tl.constexpr = False):
+                        NATIVE: tl.constexpr, FAST: tl.constexpr, low=7, BF16_AMAX: tl.constexpr = False, amax=None,
+                        rcp_lut=None):
     """fp32 [R, NB, B] -> (codes int32 [R, NB, B], scale bytes uint8 [R, NB]) by one FP4 block codec: mxfp4 (E8M0:
     B = 32, RULE) or nvfp4 (B = 16, RECIPE, outer scale g_dec / g_enc); FAST picks the *_quantize_block_fast form
-    (same bytes, see the store kernels' FAST_CODECS); BF16_AMAX: see amax_div6."""
+    (same bytes, see the store kernels' FAST_CODECS); BF16_AMAX: see amax_div6; amax, rcp_lut (fast nvfp4 only):
+    see nvfp4_quantize_block_fast."""
     if E8M0:
         if FAST:
             codes, sbytes = mxfp4_quantize_block_fast(xb, RULE, low)
@@ -709,7 +727,7 @@ def fp4_quantize_blocks(xb, g_dec, g_enc, E8M0: tl.constexpr, RULE: tl.constexpr
             codes, sbytes = mxfp4_quantize_block(xb, RULE, low)
     else:
         if FAST:
-            codes, sbytes = nvfp4_quantize_block_fast(xb, g_dec, g_enc, RECIPE, NATIVE, low, BF16_AMAX)
+            codes, sbytes = nvfp4_quantize_block_fast(xb, g_dec, g_enc, RECIPE, NATIVE, low, BF16_AMAX, amax, rcp_lut)
         else:
             codes, sbytes = nvfp4_quantize_block(xb, g_dec, g_enc, RECIPE, NATIVE, low)
     return codes, sbytes

@@ -64,6 +64,12 @@ CONFIGS = {"e8m0": (32, 1, 8, 4), "e4m3": (16, 1, 16, 2)}
 # the scaled-words encode (kc.fp4_scaled_words) measured slower here for both families (H200, 16:21 UTC, 256M:
 # mxfp4 90.9 against 96.2 %, nvfp4 77.0 against 81.8 %), so the Gluon store keeps the codes-then-pack encode
 MUL_PACK = False
+# nvfp4 (fast codec, codes-then-pack): the block amax by packed bf16x2 maxima (inline PTX `max.xorsign.abs.bf16x2`),
+# and for the rcp recipe the per-block reciprocal gathered from a 256-entry table (kc.rcp_table) instead of the E4M3
+# decode, multiply and IEEE reciprocal; same bytes
+PACKED_AMAX = True
+RCP_LUT = True
+RECIPE_RCP = 0  # kvtool.formats.rules.NvRecipe.RCP (kc.RECIPE_RCP)
 
 if gluon is not None:
     kg = port(kc)
@@ -101,6 +107,31 @@ if gluon is not None:
         return tt + step_tt + carry, hd - carry * num_heads
 
     @gluon.jit
+    def _absmax_bf16x2(a, b):
+        """Per 16-bit lane of two int32 words of bf16 pairs: max(|a|, |b|) (sign bits: a's xor b's, unused)."""
+        return gl.inline_asm_elementwise("max.xorsign.abs.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=gl.int32,
+                                         is_pure=True, pack=1)
+
+    @gluon.jit
+    def _block_amax(w, R: gl.constexpr, NB: gl.constexpr):
+        """int32 words of bf16 pairs [R, 64] (a thread's words consecutive) -> fp32 block amax [R, NB]: a tree of
+        packed bf16x2 maxima (one instruction per two elements and level) instead of one fp32 max per element."""
+        WPB: gl.constexpr = 64 // NB  # words per block: 8 (nvfp4), 16 (mxfp4)
+        a, b = gl.split(gl.reshape(w, [R, NB, WPB // 2, 2]))
+        m = _absmax_bf16x2(a, b)
+        a, b = gl.split(gl.reshape(m, [R, NB, WPB // 4, 2]))
+        m = _absmax_bf16x2(a, b)
+        a, b = gl.split(gl.reshape(m, [R, NB, WPB // 8, 2]))
+        m = _absmax_bf16x2(a, b)
+        if WPB == 16:
+            a, b = gl.split(gl.reshape(m, [R, NB, 1, 2]))
+            m = _absmax_bf16x2(a, b)
+        m = gl.reshape(m, [R, NB])
+        lo = (m << 16).to(gl.float32, bitcast=True)
+        hi = (m & -65536).to(gl.float32, bitcast=True)
+        return gl.maximum(gl.abs(lo), gl.abs(hi))
+
+    @gluon.jit
     def _bf16_words_f32(w):
         """int32 words of two bf16 [R, W] -> fp32 [R, 2 W] in element order (low half first): one shift or mask
         per element (a bf16 register tensor converts with a byte permute plus a shift for the high half)."""
@@ -121,6 +152,7 @@ if gluon is not None:
         head_stride,  # cache bytes between heads inside a page (PAGED)
         g_dec,  # fp32 nvfp4 decode-direction outer scale
         g_enc,  # fp32 fp32(1 / g_dec)
+        rcp_ptr,  # fp32 [256]: kc.rcp_table for g_dec (nvfp4 rcp with RCP_LUT)
         low7,  # the int 7 at run time (kc.e2m1_encode)
         PAGED: gl.constexpr, PAGE: gl.constexpr, PB: gl.constexpr, SB: gl.constexpr,
         E8M0: gl.constexpr,  # mxfp4 (else nvfp4)
@@ -130,6 +162,8 @@ if gluon is not None:
         R: gl.constexpr,  # rows per tile
         STAGES: gl.constexpr,  # tiles in flight
         NW: gl.constexpr,  # warps (num_warps)
+        PACKED_AMAX: gl.constexpr,  # nvfp4 fast codec: block amax by packed bf16x2 maxima (_block_amax)
+        RCP_LUT: gl.constexpr,  # nvfp4 rcp: per-block reciprocal gathered from rcp_ptr
     ):
         # a thread owns 16 consecutive words (32 elements) of a row: 4 threads a row, 8 rows a warp, 8 NW rows a pass
         W_IN: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])
@@ -172,7 +206,17 @@ if gluon is not None:
                 words, sbytes = kg.fp4_scaled_words(xb, g_dec, g_enc, E8M0, RULE, RECIPE, True, R, 128, True)
             else:
                 # the input is bf16 and this code is compiled: the 3-instruction amax / 6 (kc.amax_div6)
-                codes, sbytes = kg.fp4_quantize_blocks(xb, g_dec, g_enc, E8M0, RULE, RECIPE, True, FAST, low7, True)
+                if PACKED_AMAX:
+                    S3: gl.constexpr = gl.SliceLayout(2, xb.type.layout)
+                    amax = gl.convert_layout(_block_amax(w, R, 128 // BLOCK), S3, assert_trivial=True)
+                else:
+                    amax = None
+                if RCP_LUT:
+                    codes, sbytes = kg.fp4_quantize_blocks(xb, g_dec, g_enc, E8M0, RULE, RECIPE, True, FAST, low7,
+                                                           True, amax, rcp_ptr)
+                else:
+                    codes, sbytes = kg.fp4_quantize_blocks(xb, g_dec, g_enc, E8M0, RULE, RECIPE, True, FAST, low7,
+                                                           True, amax)
                 words = kg.pack_nibble_words(gl.reshape(codes, [R, 128]), R, 128)
             W_L: gl.constexpr = words.type.layout
             wcols = gl.arange(0, 16, layout=gl.SliceLayout(0, W_L))
@@ -198,6 +242,25 @@ def device_ok(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
+_RCP_TABLES: dict = {}
+
+
+def rcp_lut(device: torch.device, g_dec: float) -> torch.Tensor | None:
+    """kc.rcp_table for (device, g_dec), computed once and kept (None while a CUDA graph is being captured and the
+    table does not exist yet: the kernel then divides, as the portable one does)."""
+    key = (torch.device(device), float(g_dec))
+    table = _RCP_TABLES.get(key)
+    if table is None:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return None
+        table = torch.empty(256, dtype=torch.float32, device=key[0])
+        kc.rcp_table[(1,)](table, float(g_dec))
+        if len(_RCP_TABLES) >= 64:  # `auto` outer scales: one table per tensor amax
+            _RCP_TABLES.clear()
+        _RCP_TABLES[key] = table
+    return table
+
+
 @functools.lru_cache(maxsize=16)
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -218,10 +281,10 @@ def applies(x3: torch.Tensor, fmt: Format, words: bool) -> bool:
 def launch(x3: torch.Tensor, slots: torch.Tensor | None, payload: torch.Tensor, scales: torch.Tensor | None,
            fmt: Format, opts: dict, *, page_size: int, page_stride: int, head_stride: int, g_dec: float,
            g_enc: float, GLUON_ROWS: int | None = None, GLUON_STAGES: int | None = None,
-           GLUON_PROGRAMS: int | None = None, GLUON_WARPS: int | None = None, GLUON_MUL_PACK: bool | None = None
-           ) -> None:
+           GLUON_PROGRAMS: int | None = None, GLUON_WARPS: int | None = None, GLUON_MUL_PACK: bool | None = None,
+           GLUON_PACKED_AMAX: bool | None = None, GLUON_RCP_LUT: bool | None = None) -> None:
     """Launch `store_tma_kernel` (arguments as store.launch_store, after its checks; `opts` its FAST codec choice;
-    GLUON_* override CONFIGS and MUL_PACK, for sweeps)."""
+    GLUON_* override CONFIGS, MUL_PACK, PACKED_AMAX and RCP_LUT, for sweeps)."""
     rows, stages, programs, warps = CONFIGS[fmt.scale_element]
     GLUON_ROWS, GLUON_STAGES = GLUON_ROWS or rows, GLUON_STAGES or stages
     GLUON_PROGRAMS, GLUON_WARPS = GLUON_PROGRAMS or programs, GLUON_WARPS or warps
@@ -233,10 +296,16 @@ def launch(x3: torch.Tensor, slots: torch.Tensor | None, payload: torch.Tensor, 
     grid = (min(n_tiles, _num_sms(x3.device) * GLUON_PROGRAMS),)
     paged = slots is not None
     mul_pack = MUL_PACK if GLUON_MUL_PACK is None else GLUON_MUL_PACK
+    fast_nv = fmt.scale_element == "e4m3" and bool(opts["FAST"]) and not mul_pack
+    packed_amax = fast_nv and (PACKED_AMAX if GLUON_PACKED_AMAX is None else GLUON_PACKED_AMAX)
+    table = None
+    if fast_nv and int(fmt.recipe or 0) == RECIPE_RCP and (RCP_LUT if GLUON_RCP_LUT is None else GLUON_RCP_LUT):
+        table = rcp_lut(x3.device, g_dec)
     store_tma_kernel[grid](
         desc, slots if paged else payload, payload, scales if scales is not None else payload, T, H, n_tiles,
-        page_stride, head_stride, g_dec, g_enc, 7,
+        page_stride, head_stride, g_dec, g_enc, table if table is not None else payload, 7,
         PAGED=paged, PAGE=page_size, PB=fmt.payload_bytes(DIM), SB=fmt.scale_bytes(DIM),
         E8M0=fmt.scale_element == "e8m0", BLOCK=fmt.block, RULE=int(fmt.scale_rule or 0),
         RECIPE=int(fmt.recipe or 0), FAST=bool(opts["FAST"]), MUL_PACK=mul_pack, R=GLUON_ROWS,
-        STAGES=GLUON_STAGES, NW=GLUON_WARPS, num_warps=GLUON_WARPS)
+        STAGES=GLUON_STAGES, NW=GLUON_WARPS, PACKED_AMAX=packed_amax, RCP_LUT=table is not None,
+        num_warps=GLUON_WARPS)

@@ -769,3 +769,17 @@ def test_amax_div6_gpu(device):
     out = torch.empty_like(a, device=device)
     _div6_kernel[(triton.cdiv(a.numel(), 1024),)](a.to(device), out, a.numel(), BLOCK=1024)
     assert same_bits(out.cpu(), a / 6), f"amax_div6: {first_diff(out.cpu(), a / 6)}"
+
+
+@pytest.mark.parametrize("g_dec", [1.0, 0.37, 3.0e-20, 7.5e25])
+def test_rcp_table(device, g_dec):
+    """kc.rcp_table (the nvfp4 rcp reciprocal per scale byte that the Gluon store gathers) == 1 / (e4m3(b) * g_dec)
+    in IEEE fp32 (torch on the CPU) for every byte the encoder writes, 0 for byte 0 (and the NaN bytes)."""
+    g = float(torch.tensor(g_dec, dtype=torch.float32))
+    out = torch.empty(256, dtype=torch.float32, device=device)
+    kc.rcp_table[(1,)](out, g)
+    s = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    want = 1.0 / (s * torch.tensor(g, dtype=torch.float32))
+    want[(torch.arange(256) & 0x7F) == 0] = 0.0
+    want[(torch.arange(256) & 0x7F) == 0x7F] = 0.0
+    assert same_bits(out.cpu(), want), f"rcp_table: {first_diff(out.cpu(), want)}"
