@@ -14,18 +14,21 @@ bandwidth at 64M-1G elements. Here:
   portable kernel;
 - the payload leaves as 16-byte stores (a thread's 4 words), the block scales as 1-2 byte stores;
 - dead rows (slot -1, past the tensor) are loaded (TMA moves whole boxes; rows past the tensor read as 0) but never
-  written.
+  written;
+- nvfp4's per-block work is cut where the bf16 input allows it (same bytes): the block amax as a tree of packed
+  `max.xorsign.abs.bf16x2` (inline PTX), amax / 6 by a 3-instruction Markstein sequence (`kc.amax_div6`, exact for
+  bf16 amax), and the rcp recipe's reciprocal gathered from a 256-entry table per outer scale (`kc.rcp_table`).
 Bytes: `kc.fp4_quantize_blocks` + `kc.pack_nibble_words` (or `kc.fp4_scaled_words` with MUL_PACK), ported to Gluon
 by `kernels/gluon_port.py`, with the portable store's codec choice (store.FAST_CODECS). Tests compare the bytes with
 the torch codec and with the portable kernel (tests/test_kernels_store.py, marked gpu); CI compiles the kernel for
 sm_90 (tests/test_kernel_compile.py).
 
-Measured (H200, 2026-11-29 16:53 UTC, bench/sweep_quant_variants.py, % of the copy bandwidth at 64M / 256M / 1G
-elements, portable kernel in the same run in brackets): mxfp4-rceil 90.1 / 94.7 / 95.7 (79.7 / 85.0 / 86.4), nvfp4-rcp
-83.7 / 90.0 / 90.4 (74.4 / 78.8 / 80.1). nvfp4 stays bound by instruction issue (sm_90 SASS per element: 16.7, of
-which ~12 the per-element encode, the rest an E4M3 scale round trip and an IEEE reciprocal per 16 elements), and
-every launch pays a fixed ~5-9 us (the first tiles' latency, the last tiles' encode, the launch), which is what keeps
-the 64M store under 85 %.
+Measured (H200, 2026-11-29, bench/sweep_quant_variants.py at 16:59 UTC, % of the copy bandwidth at 64M / 256M / 1G
+elements, portable kernel in the same run in brackets): nvfp4-rcp 87.4 / 92.3 / 93.0 (73.8 / 78.6 / 78.6), mxfp4-rceil
+89.1 / 94.3 / 95.4 (79.1 / 84.9 / 86.1); `kvtool bench quant` right after: nvfp4 86.6 / 90.9 / 86.5, mxfp4 89.0 /
+90.6 / 88.5. Offline sm_90 SASS per thread and 16-row nvfp4 tile (32 elements): 488, of which ~12 per element the
+E2M1 encode, sign and pack. Every launch also pays a fixed ~5-9 us (the first tiles' latency, the last tiles'
+encode, the launch): the reason 64M sits below 256M.
 
 Where it runs: CUDA capability >= 9.0 (TMA), bf16 input [T, H, 128] with heads contiguous and 16-byte aligned rows,
 4-bit block formats with 4-byte aligned payload rows, no `config=` override. Elsewhere (and on ROCm: gfx950 runs the
@@ -52,14 +55,14 @@ except ImportError:  # pragma: no cover - the pinned Triton has it
     gluon = None
 
 DIM = 128  # elements per row (one head)
-# (rows per tile, tiles in flight, programs per SM, warps) per block-scale element. H200, bf16 [T, 1, 128] into
-# shuffled 128-token pages, CUDA-graph replay, % of copy at 64M / 256M / 1G (bench/RESULTS.md, session 13, 16:53 UTC,
-# after the division-free tile loop and the one-op bf16 decode): nvfp4 16 x 1 x 16 x 2 83.7 / 90.0 / 90.4 (32 x 1 x 8 x
-# 4 82.3 / 90.1 / 91.4, 64 x 1 x 4 x 8 82.1 / 89.7 / 91.2, 16 rows with 2 stages 78.8 / 88.6 / 85.0, 12 programs 81.1
-# / 87.9 / 88.9); mxfp4 32 x 1 x 8 x 4 90.1 / 94.7 / 95.7 (16 x 1 x 16 x 2 89.8 / 94.2 / 95.4, 64 x 1 x 4 x 4 86.8 /
-# 92.4 / 93.8, 64 rows with 2 stages 85.9 / 93.2 / 94.7). One stage is enough: the tile after this one is loaded while
-# this one is encoded (its smem copy is already in registers), and a shallower queue halves the load burst of the
-# start. More programs than fit (registers, shared memory) lose 10-20 points.
+# (rows per tile, tile buffers, programs per SM, warps) per block-scale element. H200, bf16 [T, 1, 128] into shuffled
+# 128-token pages, CUDA-graph replay, % of copy at 64M / 256M / 1G (bench/RESULTS.md, session 13, 16:53 UTC, before
+# the packed amax and the reciprocal table): nvfp4 16 x 1 x 16 x 2 83.7 / 90.0 / 90.4 (32 x 1 x 8 x 4 82.3 / 90.1 /
+# 91.4, 64 x 1 x 4 x 8 82.1 / 89.7 / 91.2, 16 rows with 2 buffers 78.8 / 88.6 / 85.0, 12 programs 81.1 / 87.9 / 88.9);
+# mxfp4 32 x 1 x 8 x 4 90.1 / 94.7 / 95.7 (16 x 1 x 16 x 2 89.8 / 94.2 / 95.4, 64 x 1 x 4 x 4 86.8 / 92.4 / 93.8, 64
+# rows with 2 buffers 85.9 / 93.2 / 94.7). One buffer is enough: the next tile is requested as soon as this one is in
+# registers, and a shallower queue halves the load burst at the start. More programs than fit (registers, shared
+# memory) lose 10-20 points.
 CONFIGS = {"e8m0": (32, 1, 8, 4), "e4m3": (16, 1, 16, 2)}
 # the scaled-words encode (kc.fp4_scaled_words) measured slower here for both families (H200, 16:21 UTC, 256M:
 # mxfp4 90.9 against 96.2 %, nvfp4 77.0 against 81.8 %), so the Gluon store keeps the codes-then-pack encode
