@@ -5,7 +5,8 @@ cheaper sequence that gives the same codes (e.g. `e2m1_encode`'s fma/min form, c
 in tests/test_kernel_codecs.py on random fp32 bit patterns of every exponent, the edge cases and every E2M1 code).
 
 Portability: the default paths use only integer bit logic, fp32/fp16 arithmetic and bitcasts: no inline asm, no lookup
-tables in memory, no fp32 -> fp8 casts (the interpreter rounds them wrongly). Hardware fp8 conversions (`NATIVE=True`)
+tables in memory (`rcp_table` builds the one optional table, which only the NVIDIA Gluon store gathers from), no fp32
+-> fp8 casts (the interpreter rounds them wrongly). Hardware fp8 conversions (`NATIVE=True`)
 are used only where a launcher's capability check allows them (CUDA sm_89+); the portable path is what the interpreter
 tests, and GPU tests compare the two.
 
