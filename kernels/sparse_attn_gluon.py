@@ -462,13 +462,17 @@ FUSED_COMBINE = True
 _COUNTERS: dict = {}
 
 
-def split_counters(device: torch.device, n: int) -> torch.Tensor:
+def split_counters(device: torch.device, n: int) -> torch.Tensor | None:
     """int32 arrival counters for the fused merge, zero between launches (each launch's last arrival resets its
     own), kept per device and grown on demand. Launches on one device share them: run split decodes of one device on
-    one stream at a time (as a model's layers run), or pass fused_combine=False."""
+    one stream at a time (as a model's layers run), or pass fused_combine=False. None while a CUDA graph is being
+    captured and the buffer is missing or too small (zeroing it there would only happen at replay): that launch then
+    uses the combine kernel."""
     key = torch.device(device)
     buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < n:
+        if key.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
         buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=key)
         _COUNTERS[key] = buf
     return buf
@@ -490,13 +494,15 @@ def sparse_decode(q: torch.Tensor, k_cache, v_cache, block_table: torch.Tensor, 
     splits = int(num_splits) if num_splits else default_splits(rows, hkv, n_tiles, q.device)
     per = max(1, math.ceil(n_tiles / splits))
     splits = max(1, math.ceil(n_tiles / per))  # no empty trailing splits
-    fused = splits > 1 and FUSED_COMBINE if fused_combine is None else splits > 1 and fused_combine
+    fused = splits > 1 and (FUSED_COMBINE if fused_combine is None else fused_combine)
+    cnt = split_counters(q.device, rows * hkv) if fused else None
+    fused = fused and cnt is not None
     if splits > 1:
         part = torch.empty(rows * hq * splits, d, dtype=torch.float32, device=q.device)
         ml = torch.empty(rows * hq * splits, 2, dtype=torch.float32, device=q.device)
     else:
         part = ml = out  # unused
-    cnt = split_counters(q.device, rows * hkv) if fused else out  # unused without the fused merge
+    cnt = cnt if fused else out  # unused without the fused merge
     decode_kernel[(rows, hkv, splits)](
         q, k_cache.data, v_cache.data, out, part, ml, cnt, block_table, context_lens, block_ids, float(qk_scale),
         float(v_scalar), q.stride(0), q.stride(1), k_cache.data.stride(0), k_cache.data.stride(1),

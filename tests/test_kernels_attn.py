@@ -250,6 +250,24 @@ def test_gluon_path_is_refused_where_it_cannot_run():
     check_close(sparse_decode(q, kc, vc, table, ctx, ids, 32, gluon=False, out_dtype=torch.float32), ref)
 
 
+def test_split_counters(monkeypatch):
+    """The fused split merge's arrival counters (host side): zeros, kept and grown per device; never created while
+    a CUDA graph is being captured (the launch then takes the combine kernel), reused if they exist."""
+    from kvtool.kernels import sparse_attn_gluon as G
+
+    monkeypatch.setattr(G, "_COUNTERS", {})
+    cpu = torch.device("cpu")
+    a = G.split_counters(cpu, 10)
+    assert a.dtype == torch.int32 and a.numel() >= 10 and int(a.abs().sum()) == 0
+    assert G.split_counters(cpu, 10) is a
+    assert G.split_counters(cpu, 5000).numel() >= 5000
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert G.split_counters(cuda, 64) is None
+    G._COUNTERS[cuda] = a
+    assert G.split_counters(cuda, 64) is a
+
+
 def test_gluon_dispatch_rules(monkeypatch):
     """Where the default launch takes the Gluon fast path, with the device condition patched to hold (the shape and
     format rules and the batch thresholds are host code, checked here on CPU; the kernel itself is compiled for

@@ -376,7 +376,9 @@ def test_store_gpu_fp4_codecs(fmt, variant, device, monkeypatch):
         check_store(fmt, x, slots, pages, page_size, seed, validate=False)
 
 
-GLUON_CASES = ((1, 1), (65, 1), (10007, 1), (3001, 3))  # (tokens, heads): 1 row, a partial tile, ragged, H > 1
+# (tokens, heads): 1 row, a partial tile, ragged, H > 1; and 5 heads, which the H200's programs (132 SMs x 8 or 16)
+# do not divide: each program's walk over (token tile, head) carries from the last head to the next token tile
+GLUON_CASES = ((1, 1), (65, 1), (10007, 1), (3001, 3), (20000, 5))
 
 
 @pytest.mark.gpu
@@ -437,6 +439,24 @@ def test_store_gluon_switch(device):
     ref.store(x, slots)
     store(cache, x, slots, gluon=False)
     assert torch.equal(cache.data.cpu(), ref.data.cpu())
+
+
+def test_store_gluon_rcp_table_memo(monkeypatch):
+    """The Gluon store's reciprocal tables (host side): one per (device, g_dec), kept; none created while a CUDA
+    graph is being captured (the kernel then divides), reused if it exists."""
+    from kvtool.kernels import store_gluon
+
+    monkeypatch.setattr(store_gluon, "_RCP_TABLES", {})
+    cpu = torch.device("cpu")
+    t = store_gluon.rcp_lut(cpu, 0.5)
+    assert t.shape == (256,) and t[1].item() == 1.0 / (2.0**-9 * 0.5)
+    assert store_gluon.rcp_lut(cpu, 0.5) is t and store_gluon.rcp_lut(cpu, 2.0) is not t
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert store_gluon.rcp_lut(cuda, 1.0) is None
+    store_gluon._RCP_TABLES[(cuda, 1.0)] = t
+    assert store_gluon.rcp_lut(cuda, 1.0) is t
 
 
 def test_store_gluon_dispatch(monkeypatch):
