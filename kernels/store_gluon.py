@@ -43,6 +43,7 @@ import torch
 import triton
 
 from kvtool.formats import Format
+from kvtool.formats.rules import NvRecipe
 from kvtool.kernels import codecs as kc
 from kvtool.kernels.gluon_port import port
 
@@ -72,7 +73,6 @@ MUL_PACK = False
 # decode, multiply and IEEE reciprocal; same bytes
 PACKED_AMAX = True
 RCP_LUT = True
-RECIPE_RCP = 0  # kvtool.formats.rules.NvRecipe.RCP (kc.RECIPE_RCP)
 
 if gluon is not None:
     kg = port(kc)
@@ -302,7 +302,7 @@ def launch(x3: torch.Tensor, slots: torch.Tensor | None, payload: torch.Tensor, 
     fast_nv = fmt.scale_element == "e4m3" and bool(opts["FAST"]) and not mul_pack
     packed_amax = fast_nv and (PACKED_AMAX if GLUON_PACKED_AMAX is None else GLUON_PACKED_AMAX)
     table = None
-    if fast_nv and int(fmt.recipe or 0) == RECIPE_RCP and (RCP_LUT if GLUON_RCP_LUT is None else GLUON_RCP_LUT):
+    if fast_nv and fmt.recipe == NvRecipe.RCP and (RCP_LUT if GLUON_RCP_LUT is None else GLUON_RCP_LUT):
         table = rcp_lut(x3.device, g_dec)
     store_tma_kernel[grid](
         desc, slots if paged else payload, payload, scales if scales is not None else payload, T, H, n_tiles,
