@@ -20,6 +20,7 @@ import triton.language as tl
 
 from kvtool.errors import KernelArgumentError
 from kvtool.kernels import codecs as kc
+from kvtool.kernels.paged_rows import row_addresses
 from kvtool.kernels.store import (
     INTERPRET,
     SCALE_E8M0,
@@ -34,7 +35,6 @@ from kvtool.kernels.store import (
     native_fp8,
     next_pow2,
     require_tensor_scale,
-    row_addresses,
     row_mask,
     word_aligned,
 )

@@ -65,6 +65,7 @@ from kvtool.formats.codecs import fp8_row_scale, nvfp4_outer_scale
 from kvtool.formats.registry import require_finite
 from kvtool.kernels import codecs as kc
 from kvtool.kernels import store_gluon
+from kvtool.kernels.paged_rows import row_addresses
 
 # Scale kinds as kernel constexprs, keyed by Format.scale_element (the format is data; the kernel reads this number).
 SCALE_KINDS = {"none": 0, "fp32-tensor": 1, "fp32-row": 2, "e4m3": 3, "e8m0": 4}
@@ -79,29 +80,6 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # ------------------------------------------------------------------------------------------------- shared @jit parts
-@triton.jit
-def row_addresses(tok, head, n_tok, num_heads, slot_ptr, page_stride, head_stride,
-                  PAGED: tl.constexpr, PAGE: tl.constexpr, PB: tl.constexpr, SB: tl.constexpr):
-    """Tokens [BLOCK_R] of one head -> (live mask, payload byte offset, scale byte offset), offsets int64.
-
-    PAGED: token t has slot `slot_ptr[t]` (-1 = dead row); per page and head the bytes are
-    `[PAGE x PB payload][PAGE x SB scale]`. Planes: row r = t * H + head has its payload at r * PB and scales at
-    r * SB."""
-    live = tok < n_tok
-    if PAGED:
-        slot = tl.load(slot_ptr + tok, mask=live, other=-1).to(tl.int32)
-        live = live & (slot >= 0)
-        base = (slot // PAGE).to(tl.int64) * page_stride + head * head_stride
-        off = slot % PAGE
-        pay = base + off * PB
-        sc = base + PAGE * PB + off * SB
-    else:
-        rows = tok.to(tl.int64) * num_heads + head
-        pay = rows * PB
-        sc = rows * SB
-    return live, pay, sc
-
-
 @triton.jit
 def row_mask(live, cols, N: tl.constexpr, NP: tl.constexpr):
     """[R, NP] store/load mask: live rows, and columns < N only when the tile is padded (NP > N), so that unpadded

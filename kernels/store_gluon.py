@@ -45,6 +45,7 @@ import triton
 from kvtool.formats import Format
 from kvtool.formats.rules import NvRecipe
 from kvtool.kernels import codecs as kc
+from kvtool.kernels import paged_rows
 from kvtool.kernels.gluon_port import port
 
 try:  # Gluon ships with Triton >= 3.5; without it the portable kernel runs everywhere
@@ -76,24 +77,7 @@ RCP_LUT = True
 
 if gluon is not None:
     kg = port(kc)
-
-    @gluon.jit
-    def _row_addresses(tok, head, n_tok, slot_ptr, page_stride, head_stride, num_heads,
-                       PAGED: gl.constexpr, PAGE: gl.constexpr, PB: gl.constexpr, SB: gl.constexpr):
-        """As store.row_addresses: tokens [R] of one head -> (live, payload byte offset, scale byte offset)."""
-        live = tok < n_tok
-        if PAGED:
-            slot = gl.load(slot_ptr + tok, mask=live, other=-1).to(gl.int32)
-            live = live & (slot >= 0)
-            base = (slot // PAGE).to(gl.int64) * page_stride + head * head_stride
-            off = slot % PAGE
-            pay = base + off * PB
-            sc = base + PAGE * PB + off * SB
-        else:
-            rows = tok.to(gl.int64) * num_heads + head
-            pay = rows * PB
-            sc = rows * SB
-        return live, pay, sc
+    rows_g = port(paged_rows)
 
     @gluon.jit
     def _issue(x_desc, smem, bar, tt, hd, ok, R: gl.constexpr):
@@ -201,8 +185,8 @@ if gluon is not None:
             tt_n, hd_n = _advance(tt_n, hd_n, step_tt, step_hd, num_heads)
 
             tok = tt * R + rows
-            live, pay, sc = _row_addresses(tok, hd, n_tok, slot_ptr, page_stride, head_stride, num_heads,
-                                           PAGED, PAGE, PB, SB)
+            live, pay, sc = rows_g.row_addresses(tok, hd, n_tok, num_heads, slot_ptr, page_stride, head_stride,
+                                                 PAGED, PAGE, PB, SB)
             tt, hd = _advance(tt, hd, step_tt, step_hd, num_heads)
             xb = gl.reshape(_bf16_words_f32(w), [R, 128 // BLOCK, BLOCK])  # bf16 -> fp32 is exact
             if MUL_PACK:
