@@ -39,7 +39,13 @@ STORE = {
 }
 if parts not in ("store", "all"):
     STORE = {}
-DEQ = [(dict(), None)] if parts in ("dequant", "all") else []
+# dequant: the default (the Gluon kernel, kernels/dequant_gluon.py, for FP4 on Hopper), the portable kernel at two
+# configs, and Gluon tunings (rows per program, words of a row per thread, warps, streaming stores)
+DQ_GL = [dict(GLUON_WPT=1), dict(GLUON_WPT=2), dict(GLUON_WPT=4, GLUON_STREAM=True),
+         dict(GLUON_ROWS=64, GLUON_WPT=2, GLUON_WARPS=8), dict(GLUON_ROWS=64, GLUON_WPT=4, GLUON_WARPS=4),
+         dict(GLUON_ROWS=16, GLUON_WPT=4, GLUON_WARPS=2), dict(GLUON_ROWS=128, GLUON_WPT=4, GLUON_WARPS=8)]
+DEQ = ([(dict(), None), (dict(GLUON=False), None), (dict(), (64, 8))] + [(v, None) for v in DQ_GL]
+       if parts in ("dequant", "all") else [])
 HOST = parts in ("host", "all")
 
 TABLE: dict = {}  # (format, variant, config) -> {elements: (fraction of copy, bytes ok)}
@@ -101,6 +107,7 @@ for n_el, label in [(n, lb) for n in sizes for lb in labels]:
             torch.cuda.synchronize()
             ok = torch.equal(out.view(torch.int16), want.view(torch.int16))
             sec = time_fn(fn, dev, cuda_graph=True)
+            TABLE.setdefault((fmt.label, "dequant " + str(var), str(cfg)), {})[n_el] = (dq_bytes / sec / 1e9 / copy, ok)
             print(f"dequant {fmt.label:12s} {str(var):40s} {str(cfg):>8s}  {'OK ' if ok else 'BAD'} "
                   f"{sec * 1e6:8.1f} us {dq_bytes / sec / 1e9:6.0f} GB/s {dq_bytes / sec / 1e9 / copy:6.1%} "
                   f"(compile+check {time.time() - t0:.1f}s)", flush=True)
@@ -120,7 +127,7 @@ def print_table(*_):
     """The compact table: % of the copy bandwidth per size, '!' where the bytes differ from the torch store (also
     printed when `timeout` stops the sweep, with the sizes done so far)."""
     if TABLE:
-        print("\nstore, % of copy  " + "".join(f"{n / 2**20:>9.0f}M " for n in sizes))
+        print("\n% of copy         " + "".join(f"{n / 2**20:>9.0f}M " for n in sizes))
         for (label, var, cfg), row in TABLE.items():
             cells = "".join(f"{row[n][0]:>9.1%}{' ' if row[n][1] else '!'} " if n in row else f"{'-':>11s}"
                             for n in sizes)

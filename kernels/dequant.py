@@ -20,6 +20,7 @@ import triton.language as tl
 
 from kvtool.errors import KernelArgumentError
 from kvtool.kernels import codecs as kc
+from kvtool.kernels import dequant_gluon, store_gluon
 from kvtool.kernels.paged_rows import row_addresses
 from kvtool.kernels.store import (
     INTERPRET,
@@ -149,10 +150,11 @@ def _dequant_kernel(
 def launch_dequant(payload: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor | None, out: torch.Tensor,
                    fmt, *, page_size: int = 1, page_stride: int = 0, head_stride: int = 0,
                    tensor_scale: float = 1.0, g_dec: float = 1.0, config: tuple[int, int] | None = None,
-                   variant: dict | None = None) -> None:
+                   variant: dict | None = None, gluon: bool | None = None) -> None:
     """Launch `_dequant_kernel` into `out` [T, H, D] (contiguous). With `slots` [T] it gathers the tokens' rows from
     the pages of `payload` (the uint8 cache buffer), without it it reads the planes `payload` [T * H, PB] and
-    `scales` [T * H, SB]."""
+    `scales` [T * H, SB]. `gluon`: None takes the Hopper fast path for FP4 rows (kernels/dequant_gluon.py) where it
+    applies, False never, True requires it (KernelArgumentError where it cannot run); a `config` means this kernel."""
     T, H, D = out.shape
     if T * H == 0:
         return
@@ -170,6 +172,18 @@ def launch_dequant(payload: torch.Tensor, scales: torch.Tensor | None, slots: to
                  and (kf.SCALE == SCALE_KINDS["e8m0"] or float(g32) == 1.0))
     opts = dict(WORDS=words, G_FOLD=g_fold, BF16_MATH=bf16_math)
     opts.update(variant or {})
+    # the Gluon kernel where it applies; variant GLUON=False or a config forces this one (GLUON_*: its tuning)
+    tuning = {k: opts.pop(k) for k in list(opts) if k.startswith("GLUON")}
+    use_gluon = tuning.pop("GLUON", True) if gluon is None else gluon
+    fast_ok = config is None and dequant_gluon.applies(out, fmt, words, store_gluon.device_ok)
+    if gluon and not fast_ok:
+        raise KernelArgumentError("gluon=True: the Gluon dequantize needs CUDA capability >= 9.0, a 4-bit block "
+                                  "format with word-aligned rows of 128, and no config")
+    if use_gluon and fast_ok:
+        dequant_gluon.launch(payload, scales, slots, out, fmt, page_size=page_size, page_stride=page_stride,
+                             head_stride=head_stride, g_dec=float(g32), g_fold=g_fold,
+                             bf16_math=opts["BF16_MATH"], **tuning)
+        return
     grid = (triton.cdiv(T, block_r), H)
     _dequant_kernel[grid](
         payload, scales if scales is not None else payload, slots if paged else payload, out, T, H,
@@ -185,11 +199,13 @@ def check_output_dtype(dtype: torch.dtype) -> None:
 
 
 def gather_dequantize(cache, slots: torch.Tensor, dtype: torch.dtype = torch.float32, *, validate: bool = True,
-                      config: tuple[int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                      config: tuple[int, int] | None = None, out: torch.Tensor | None = None,
+                      gluon: bool | None = None) -> torch.Tensor:
     """Triton twin of `PagedCache.dequantize`: the decoded values [N, H, D] (`dtype`: fp32, bf16 or fp16) of the
     tokens at `slots` (int32 / int64 [N], all valid, on the cache's device). `validate` checks the slot range (a host
     sync), as the torch path does. `out` (contiguous [N, H, D] of `dtype` on the cache's device) receives the values
-    instead of a new tensor (engines reuse one buffer; also what CUDA-graph capture wants)."""
+    instead of a new tensor (engines reuse one buffer; also what CUDA-graph capture wants). `gluon`: the Hopper
+    fast path's switch (see launch_dequant)."""
     check_cache(cache)
     check_output_dtype(dtype)
     check_slot_ids(slots, slots.shape[0] if slots.dim() == 1 else -1, cache.data.device, "gather: slots")
@@ -208,5 +224,5 @@ def gather_dequantize(cache, slots: torch.Tensor, dtype: torch.dtype = torch.flo
                                   f"got {out.dtype} {list(out.shape)} on {out.device}")
     launch_dequant(cache.data, None, slots, out, cache.fmt, page_size=cache.page_size,
                    page_stride=cache.data.stride(0), head_stride=cache.data.stride(1), tensor_scale=tensor_scale,
-                   g_dec=cache_scales(cache)[1], config=config)
+                   g_dec=cache_scales(cache)[1], config=config, gluon=gluon)
     return out
