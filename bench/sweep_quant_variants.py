@@ -39,13 +39,10 @@ STORE = {
 }
 if parts not in ("store", "all"):
     STORE = {}
-# dequant: the default (the Gluon kernel, kernels/dequant_gluon.py, for FP4 on Hopper), the portable kernel at two
-# configs, and Gluon tunings (rows per program, words of a row per thread, warps, streaming stores)
-DQ_GL = [dict(GLUON_WPT=1), dict(GLUON_WPT=2), dict(GLUON_WPT=4, GLUON_STREAM=True),
-         dict(GLUON_ROWS=64, GLUON_WPT=2, GLUON_WARPS=8), dict(GLUON_ROWS=64, GLUON_WPT=4, GLUON_WARPS=4),
-         dict(GLUON_ROWS=16, GLUON_WPT=4, GLUON_WARPS=2), dict(GLUON_ROWS=128, GLUON_WPT=4, GLUON_WARPS=8)]
-DEQ = ([(dict(), None), (dict(GLUON=False), None), (dict(), (64, 8))] + [(v, None) for v in DQ_GL]
-       if parts in ("dequant", "all") else [])
+# dequant: the default (kernels/dequant.py FP4_WORDS_CONFIG: 16 x 2 tiles, streaming stores) against the former
+# default (32 x 4, no cache hints) and neighbours
+DEQ = ([(dict(), None), (dict(STREAM=False), (32, 4)), (dict(), (32, 4)), (dict(STREAM=False), None),
+        (dict(), (8, 1)), (dict(), (8, 2)), (dict(), (32, 2))] if parts in ("dequant", "all") else [])
 HOST = parts in ("host", "all")
 
 TABLE: dict = {}  # (format, variant, config) -> {elements: (fraction of copy, bytes ok)}

@@ -9,6 +9,11 @@ three integer ops per value, no table) and, for bf16 output, the block scale app
 where every product is exact (BF16_MATH), so no value goes through fp32. Measured on the H200 (CUDA-graph replay,
 256M elements, to bf16, 32 x 4 tiles): mxfp4 93.9 %, nvfp4 93.8 % of copy (78-83 % / 70-74 % before the word decode);
 the fp32-path variant (BF16_MATH off) 92-93 %: memory bound either way (sm_90 SASS: 9 instructions per element).
+What moved it further is cache policy, not instructions (FP4_WORDS_CONFIG): streaming output stores gain 2-4 points at
+64M. Tried and dropped (session 14): a Gluon twin in which each thread owns one payload word and writes its 16
+output bytes directly (no shared-memory shuffle between the load and store layouts, 10.5 SASS per element) measured
+the same as this kernel; with 4 words a thread (6.3 SASS per element, 4 strided 16-byte stores) it fell to 41-48 %
+of copy: partial-sector writes.
 """
 
 from __future__ import annotations
@@ -20,7 +25,6 @@ import triton.language as tl
 
 from kvtool.errors import KernelArgumentError
 from kvtool.kernels import codecs as kc
-from kvtool.kernels import dequant_gluon, store_gluon
 from kvtool.kernels.paged_rows import row_addresses
 from kvtool.kernels.store import (
     INTERPRET,
@@ -41,6 +45,14 @@ from kvtool.kernels.store import (
 )
 
 OUTPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# FP4 word rows, compiled: 16-row tiles of 2 warps, and on CUDA the output stores marked streaming (`st.global.cs`)
+# and the payload / scale loads evict-first (STREAM): each byte is touched once. H200, bf16 out, 128-token pages in
+# shuffled order, CUDA-graph replay, % of copy at 64M / 256M / 1G, two runs (bench/RESULTS.md, session 14, 18:00
+# UTC): mxfp4 92.5-94.3 / 95.0-95.9 / 94.9-96.8, nvfp4 91.8-95.1 / 94.8-96.7 / 95.1-96.9; the former 32 x 4 tiles
+# without hints 89.0-90.5 / 93.0-95.2 / 94.4-96.3 and 88.1-90.9 / 93.3-95.3 / 94.2-96.4; 32 x 4 with the hints
+# 90.8-93.8 / 94.2-96.0 / 94.5-96.4; 16 x 2 without 88.4-91.9 / 94.1-95.8 / 94.7-96.9. (ROCm keeps no hints: not
+# measured there.)
+FP4_WORDS_CONFIG = (16, 2)
 
 
 @triton.jit
@@ -70,6 +82,7 @@ def _dequant_kernel(
     G_FOLD: tl.constexpr,  # nvfp4: 2**14 * g_dec is finite in fp32 (fold it into one multiply)
     BF16_MATH: tl.constexpr,  # 4-bit words to bf16 with exact packed bf16 multiplies (E8M0, or E4M3 with g_dec = 1)
     BLOCK_R: tl.constexpr,  # tokens per program
+    STREAM: tl.constexpr = False,  # streaming output stores (`st.global.cs`), evict-first payload / scale loads
 ):
     # grid: (token tiles, heads), as in the store
     tok = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -83,10 +96,12 @@ def _dequant_kernel(
         # <= 6 significant bits, >= 2**-24) or in fp32 (E8M0: 2**-127 .. 2**127); one rounding to the output dtype
         wcols = tl.arange(0, DP // 8)
         wrow = (payload_ptr + pay).to(tl.pointer_type(tl.int32))
-        words = tl.load(wrow[:, None] + wcols[None, :], mask=row_mask(live, wcols, PB // 4, DP // 8), other=0)
+        hint: tl.constexpr = "evict_first" if STREAM else ""
+        words = tl.load(wrow[:, None] + wcols[None, :], mask=row_mask(live, wcols, PB // 4, DP // 8), other=0,
+                        eviction_policy=hint)
         scols = tl.arange(0, DP // BLOCK)
         sbytes = tl.load(scale_ptr + sc[:, None] + scols[None, :], mask=row_mask(live, scols, SB, DP // BLOCK),
-                         other=0)
+                         other=0, eviction_policy=hint)
         if BF16_MATH:
             # bf16 out, every product exact (E8M0: 2**-127 .. 2**127; E4M3 with g_dec = 1: <= 6 significant bits):
             # packed bf16 multiplies, no fp32 round trip (compiled only: the interpreter's bf16 math is not exact)
@@ -144,22 +159,21 @@ def _dequant_kernel(
     else:
         out = v.to(out_ptr.dtype.element_ty)
     rows = tok.to(tl.int64) * num_heads + head
-    tl.store(out_ptr + rows[:, None] * D + cols[None, :], out, mask=row_mask(tok < n_tok, cols, D, DP))
+    tl.store(out_ptr + rows[:, None] * D + cols[None, :], out, mask=row_mask(tok < n_tok, cols, D, DP),
+             cache_modifier=".cs" if STREAM else "")
 
 
 def launch_dequant(payload: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor | None, out: torch.Tensor,
                    fmt, *, page_size: int = 1, page_stride: int = 0, head_stride: int = 0,
                    tensor_scale: float = 1.0, g_dec: float = 1.0, config: tuple[int, int] | None = None,
-                   variant: dict | None = None, gluon: bool | None = None) -> None:
+                   variant: dict | None = None) -> None:
     """Launch `_dequant_kernel` into `out` [T, H, D] (contiguous). With `slots` [T] it gathers the tokens' rows from
     the pages of `payload` (the uint8 cache buffer), without it it reads the planes `payload` [T * H, PB] and
-    `scales` [T * H, SB]. `gluon`: None takes the Hopper fast path for FP4 rows (kernels/dequant_gluon.py) where it
-    applies, False never, True requires it (KernelArgumentError where it cannot run); a `config` means this kernel."""
+    `scales` [T * H, SB]."""
     T, H, D = out.shape
     if T * H == 0:
         return
     dp = next_pow2(D)
-    block_r, num_warps = launch_config(dp, 8, config)  # 2-D tiles for every format
     paged = slots is not None
     kf = KernelFormat.of(fmt)
     pb = fmt.payload_bytes(D)
@@ -167,23 +181,17 @@ def launch_dequant(payload: torch.Tensor, scales: torch.Tensor | None, slots: to
     with np.errstate(over="ignore"):
         g_fold = bool(np.isfinite(g32 * np.float32(16384.0)))
     words = word_aligned(payload, pb, page_stride, head_stride)
+    fp4_words = kf.BITS == 4 and words and not INTERPRET
+    if config is None and fp4_words:
+        block_r, num_warps = FP4_WORDS_CONFIG
+    else:
+        block_r, num_warps = launch_config(dp, 8, config)  # 2-D tiles for every format
     # packed bf16 products are exact only where no outer scale rounds; compiled only (interpreter bf16 math)
-    bf16_math = (out.dtype == torch.bfloat16 and kf.BITS == 4 and words and not INTERPRET
+    bf16_math = (out.dtype == torch.bfloat16 and fp4_words
                  and (kf.SCALE == SCALE_KINDS["e8m0"] or float(g32) == 1.0))
-    opts = dict(WORDS=words, G_FOLD=g_fold, BF16_MATH=bf16_math)
+    stream = fp4_words and stream_ok(out.device)
+    opts = dict(WORDS=words, G_FOLD=g_fold, BF16_MATH=bf16_math, STREAM=stream)
     opts.update(variant or {})
-    # the Gluon kernel where it applies; variant GLUON=False or a config forces this one (GLUON_*: its tuning)
-    tuning = {k: opts.pop(k) for k in list(opts) if k.startswith("GLUON")}
-    use_gluon = tuning.pop("GLUON", True) if gluon is None else gluon
-    fast_ok = config is None and dequant_gluon.applies(out, fmt, words, store_gluon.device_ok)
-    if gluon and not fast_ok:
-        raise KernelArgumentError("gluon=True: the Gluon dequantize needs CUDA capability >= 9.0, a 4-bit block "
-                                  "format with word-aligned rows of 128, and no config")
-    if use_gluon and fast_ok:
-        dequant_gluon.launch(payload, scales, slots, out, fmt, page_size=page_size, page_stride=page_stride,
-                             head_stride=head_stride, g_dec=float(g32), g_fold=g_fold,
-                             bf16_math=opts["BF16_MATH"], **tuning)
-        return
     grid = (triton.cdiv(T, block_r), H)
     _dequant_kernel[grid](
         payload, scales if scales is not None else payload, slots if paged else payload, out, T, H,
@@ -193,19 +201,23 @@ def launch_dequant(payload: torch.Tensor, scales: torch.Tensor | None, slots: to
         BLOCK_R=block_r, num_warps=num_warps, **opts)
 
 
+def stream_ok(device: torch.device) -> bool:
+    """Whether the dequantize marks its FP4 traffic streaming (FP4_WORDS_CONFIG): CUDA builds (measured on the H200),
+    not ROCm (not measured there)."""
+    return device.type == "cuda" and torch.version.hip is None
+
+
 def check_output_dtype(dtype: torch.dtype) -> None:
     if dtype not in OUTPUT_DTYPES:
         raise KernelArgumentError(f"dequantize: output dtype {dtype} is not one of fp32 / bf16 / fp16")
 
 
 def gather_dequantize(cache, slots: torch.Tensor, dtype: torch.dtype = torch.float32, *, validate: bool = True,
-                      config: tuple[int, int] | None = None, out: torch.Tensor | None = None,
-                      gluon: bool | None = None) -> torch.Tensor:
+                      config: tuple[int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton twin of `PagedCache.dequantize`: the decoded values [N, H, D] (`dtype`: fp32, bf16 or fp16) of the
     tokens at `slots` (int32 / int64 [N], all valid, on the cache's device). `validate` checks the slot range (a host
     sync), as the torch path does. `out` (contiguous [N, H, D] of `dtype` on the cache's device) receives the values
-    instead of a new tensor (engines reuse one buffer; also what CUDA-graph capture wants). `gluon`: the Hopper
-    fast path's switch (see launch_dequant)."""
+    instead of a new tensor (engines reuse one buffer; also what CUDA-graph capture wants)."""
     check_cache(cache)
     check_output_dtype(dtype)
     check_slot_ids(slots, slots.shape[0] if slots.dim() == 1 else -1, cache.data.device, "gather: slots")
@@ -224,5 +236,5 @@ def gather_dequantize(cache, slots: torch.Tensor, dtype: torch.dtype = torch.flo
                                   f"got {out.dtype} {list(out.shape)} on {out.device}")
     launch_dequant(cache.data, None, slots, out, cache.fmt, page_size=cache.page_size,
                    page_stride=cache.data.stride(0), head_stride=cache.data.stride(1), tensor_scale=tensor_scale,
-                   g_dec=cache_scales(cache)[1], config=config, gluon=gluon)
+                   g_dec=cache_scales(cache)[1], config=config)
     return out

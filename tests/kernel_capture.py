@@ -215,6 +215,7 @@ def capture(thunk: Callable[[], Any], target: Target) -> list[Launch]:
         p.setattr(mods["sparse_attn_gluon"], "device_ok", lambda device: not target.rocm)
         p.setattr(mods["sparse_attn_gluon"], "_num_sms", lambda device: target.sms)
         p.setattr(mods["store_gluon"], "device_ok", lambda device: not target.rocm)
+        p.setattr(mods["dequant"], "stream_ok", lambda device: not target.rocm)  # cache hints: CUDA only
         p.setattr(mods["store_gluon"], "_num_sms", lambda device: target.sms)
         real_plan = sa.launch_plan
         p.setattr(sa, "torch", fake)

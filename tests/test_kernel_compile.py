@@ -199,11 +199,9 @@ SCORER = ("index_score._tuned_kernel", "index_score._index_score_kernel", "index
 ATTN_DECODE = ("sparse_attn._sparse_attn_kernel", "sparse_attn_gluon.decode_kernel")
 # the store: the portable kernel, or (bf16 rows of 128 into FP4 on CUDA) the Gluon TMA store (kernels/store_gluon.py)
 STORE = ("store._store_kernel", "store_gluon.store_tma_kernel")
-# the dequantize: the portable kernel, or (FP4 rows of 128 on CUDA) the Gluon kernel (kernels/dequant_gluon.py)
-DEQUANT = ("dequant._dequant_kernel", "dequant_gluon.dequant_words_kernel")
 EXPECT = {
     "store": {STORE}, "quantize": {STORE}, "store-f32": {"store._store_kernel"},
-    "gather-bf16": {DEQUANT}, "dequantize-fp32": {DEQUANT},
+    "gather-bf16": {"dequant._dequant_kernel"}, "dequantize-fp32": {"dequant._dequant_kernel"},
     "index-decode-topk": {SCORER, "topk._select_kernel"},
     "index-decode-blocks": {SCORER},
     "index-prefill-topk": {SCORER, "topk._select_kernel"},

@@ -482,27 +482,18 @@ def test_store_gluon_dispatch(monkeypatch):
     assert not store_gluon.applies(x, nv, True)
 
 
-# Gluon dequantize tunings (rows, words per thread, warps) checked beside the default
-DEQUANT_GLUON_TUNINGS = ({"GLUON_ROWS": 16, "GLUON_WPT": 1, "GLUON_WARPS": 2},
-                         {"GLUON_ROWS": 64, "GLUON_WPT": 2, "GLUON_WARPS": 8},
-                         {"GLUON_ROWS": 32, "GLUON_WPT": 4, "GLUON_WARPS": 4, "GLUON_STREAM": True})
+# gather-dequantize launch variants checked beside the default: the cache hints off, other tiles (config)
+DEQUANT_VARIANTS = (({"STREAM": False}, None), ({}, (32, 4)), ({"STREAM": False}, (64, 8)))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FP4_FORMATS, ids=lambda f: f.label)
-def test_dequant_gluon_gpu(fmt, device, monkeypatch):
-    """The Gluon dequantize (kernels/dequant_gluon.py) against the torch path and the portable kernel, bit for bit:
-    caches whose untouched slots hold random bytes (every code, NaN scale codes), token counts off the tile, 1-5
-    heads, fp32 / bf16 / fp16 output, each tuning of DEQUANT_GLUON_TUNINGS; and planes (triton_dequantize). A spy
-    checks that the fast path ran."""
+def test_dequant_random_bytes_gpu(fmt, device):
+    """The gather-dequantize against the torch path, bit for bit, on caches whose untouched slots hold random bytes
+    (every code, NaN scale codes) read in a shuffled order with stored tokens: token counts off the tile, 1-5 heads,
+    fp32 / bf16 / fp16 output, the default launch (FP4_WORDS_CONFIG, streaming stores) and DEQUANT_VARIANTS."""
     from kvtool.kernels import dequant as dequant_mod
-    from kvtool.kernels import dequant_gluon, store_gluon
 
-    if not store_gluon.device_ok(torch.device(device)):
-        pytest.skip("the Gluon dequantize needs a CUDA GPU with compute capability >= 9.0")
-    ran = []
-    real = dequant_gluon.launch
-    monkeypatch.setattr(dequant_gluon, "launch", lambda *a, **k: (ran.append(1), real(*a, **k)))
     page_size = 128
     for i, (n, heads) in enumerate(GLUON_CASES):
         seed = SEED + 61 + i
@@ -513,55 +504,17 @@ def test_dequant_gluon_gpu(fmt, device, monkeypatch):
         ref.store(x, slots)
         ker.data.copy_(ref.data)
         ker.tensor_amax = ref.tensor_amax
-        # stored tokens and garbage slots, in a shuffled order
         read = torch.randperm(pages * page_size, generator=torch.Generator().manual_seed(seed))[:n].to(device)
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            want = ref.dequantize(read, dtype)
-            count = len(ran)
-            got = gather_dequantize(ker, read, dtype, gluon=True)
-            assert len(ran) == count + 1, "the Gluon dequantize did not run"
+            got, want = gather_dequantize(ker, read, dtype), ref.dequantize(read, dtype)
             assert same_bits(got, want), f"{fmt.label} {n}x{heads} {dtype}: {first_diff(got, want)}"
-            portable = gather_dequantize(ker, read, dtype, gluon=False)
-            assert same_bits(portable, want), f"portable {fmt.label} {n}x{heads} {dtype}: {first_diff(portable, want)}"
-        want = ref.dequantize(read, torch.bfloat16)
         _, g_dec = dequant_mod.cache_scales(ker)
-        for tuning in DEQUANT_GLUON_TUNINGS:
+        for variant, config in DEQUANT_VARIANTS:
             out = torch.full_like(want, float("nan"))
             dequant_mod.launch_dequant(ker.data, None, read, out, fmt, page_size=page_size,
                                        page_stride=ker.data.stride(0), head_stride=ker.data.stride(1), g_dec=g_dec,
-                                       variant=tuning)
-            assert same_bits(out, want), f"{fmt.label} {n}x{heads} {tuning}: {first_diff(out, want)}"
-    count = len(ran)
-    check_planes(fmt, spread_values((4099, 128), SEED + 65, torch.bfloat16).to(device))
-    assert len(ran) == count + 3  # fp32, bf16, fp16 (fp64 is the fp32 result cast)
-
-
-def test_dequant_gluon_switch_and_dispatch(device, monkeypatch):
-    """gather_dequantize(gluon=True) is a clear error where the fast path cannot run (no GPU here, 8-bit payload, a
-    config); gluon=False runs the portable kernel. Where it applies (the device rule stubbed in): 4-bit block
-    formats with word-aligned payload rows of 128."""
-    from kvtool.kernels import dequant_gluon, store_gluon
-
-    mx = get_format("mxfp4")
-    ref, ker = fresh_caches(mx, 2, 16, 1, 128, device, SEED)
-    slots = torch.arange(20, device=device)
-    if not store_gluon.device_ok(torch.device(device)):
-        with pytest.raises(KernelArgumentError, match="gluon=True"):
-            gather_dequantize(ker, slots, torch.bfloat16, gluon=True)
-    with pytest.raises(KernelArgumentError, match="gluon=True"):
-        gather_dequantize(ker, slots, torch.bfloat16, gluon=True, config=(4, 4))
-    fp8 = get_format("fp8-unit")
-    _, k8 = fresh_caches(fp8, 2, 16, 1, 128, device, SEED)
-    with pytest.raises(KernelArgumentError, match="gluon=True"):
-        gather_dequantize(k8, slots, torch.bfloat16, gluon=True)
-    assert same_bits(gather_dequantize(ker, slots, torch.float32, gluon=False), ref.dequantize(slots, torch.float32))
-    out = torch.zeros(4, 2, 128, dtype=torch.bfloat16)
-    ok = lambda device: True  # noqa: E731
-    assert dequant_gluon.applies(out, mx, True, ok) and dequant_gluon.applies(out, get_format("nvfp4"), True, ok)
-    assert not dequant_gluon.applies(out, fp8, True, ok)  # not a 4-bit block format
-    assert not dequant_gluon.applies(out, mx, False, ok)  # payload rows not word-aligned
-    assert not dequant_gluon.applies(torch.zeros(4, 2, 64), mx, True, ok)  # D != 128
-    assert not dequant_gluon.applies(out, mx, True, lambda device: False)
+                                       config=config, variant=variant)
+            assert same_bits(out, want), f"{fmt.label} {n}x{heads} {variant} {config}: {first_diff(out, want)}"
 
 
 def test_store_both_codecs(device, monkeypatch):
