@@ -104,6 +104,7 @@ if gluon is not None:
     Q_L = gl.BlockedLayout([1, 4], [4, 8], [NUM_WARPS, 1], [1, 0])
     O_L = gl.BlockedLayout([1, 4], [2, 16], [NUM_WARPS, 1], [1, 0])
     ML_L = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+    P3 = gl.BlockedLayout([4, 1, 16], [1, 4, 8], [1, NUM_WARPS, 1], [2, 1, 0])  # the merge's [4 splits, 16, 128]
     e2m1_pairs = gluon.jit(kc.e2m1_pairs.fn)
     exp2_int = gluon.jit(kc.exp2_int.fn)
     pow2_f16 = gluon.jit(kc.pow2_f16.fn)
@@ -256,28 +257,41 @@ if gluon is not None:
         return gl.where(gl.expand_dims(valid, 0), s * gl.expand_dims(down, 1), float("-inf"))
 
     @gluon.jit
-    def _combine(part_ptr, ml_ptr, out_ptr, heads, hmask, cols, n_splits, v_scalar):
-        """The split merge of the portable `_combine_kernel` for one (row, KV head): [16] flat query heads `heads`
-        (mask `hmask`), output columns `cols`, read past L1 (`.cg`: other programs wrote the partials)."""
-        m_max = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, O_L))
-        for sp in range(n_splits):
-            m_max = gl.maximum(m_max, gl.load(ml_ptr + (heads * n_splits + sp) * 2, mask=hmask,
-                                              other=float("-inf"), cache_modifier=".cg"))
-        m_safe = gl.where(m_max == float("-inf"), 0.0, m_max)
-        total = gl.full([16], 0.0, gl.float32, layout=gl.SliceLayout(1, O_L))
-        o = gl.full([16, 128], 0.0, gl.float32, layout=O_L)
-        for sp in range(n_splits):
-            slot = heads * n_splits + sp
-            m = gl.load(ml_ptr + slot * 2, mask=hmask, other=float("-inf"), cache_modifier=".cg")
-            w = gl.exp2(m - m_safe)  # a split that saw nothing has m = -inf: weight 0
-            total += w * gl.load(ml_ptr + slot * 2 + 1, mask=hmask, other=0.0, cache_modifier=".cg")
-            o += gl.expand_dims(w, 1) * gl.load(part_ptr + gl.expand_dims(slot, 1) * 128 + cols,
-                                                mask=gl.expand_dims(hmask, 1), other=0.0, cache_modifier=".cg")
-        t = gl.expand_dims(total, 1)
+    def _combine(part_ptr, ml_ptr, out_ptr, head0, G: gl.constexpr, n_splits, v_scalar):
+        """The split merge of the portable `_combine_kernel` for one (row, KV head) (query heads head0 .. head0 + G - 1
+        flat), read past L1 (`.cg`: other programs wrote the partials). Four splits a round: their m, l and partial
+        rows are loaded at once and merged online, so the last program waits one L2 round trip per four splits (the
+        first form waited two per split: every load fed the next step)."""
+        SL: gl.constexpr = gl.SliceLayout(2, P3)  # [4 splits, 16 heads]
+        RL: gl.constexpr = gl.SliceLayout(0, P3)  # [16 heads, 128 columns]
+        HL: gl.constexpr = gl.SliceLayout(1, RL)  # [16 heads] of the result
+        sp = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(1, SL)), 1)
+        hs = gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, SL)), 0)
+        c3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, RL)), 0), 0)
+        m_run = gl.full([16], float("-inf"), gl.float32, layout=HL)
+        l_run = gl.full([16], 0.0, gl.float32, layout=HL)
+        o = gl.full([16, 128], 0.0, gl.float32, layout=RL)
+        for s0 in range(0, n_splits, 4):
+            live = (hs < G) & (s0 + sp < n_splits)
+            slot = (head0 + hs) * n_splits + s0 + sp  # [4, 16]
+            m = gl.load(ml_ptr + slot * 2, mask=live, other=float("-inf"), cache_modifier=".cg")
+            lv = gl.load(ml_ptr + slot * 2 + 1, mask=live, other=0.0, cache_modifier=".cg")
+            part = gl.load(part_ptr + gl.expand_dims(slot, 2) * 128 + c3, mask=gl.expand_dims(live, 2), other=0.0,
+                           cache_modifier=".cg")
+            m_new = gl.maximum(m_run, gl.convert_layout(gl.max(m, axis=0), HL, assert_trivial=True))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_run - m_safe)  # 0 while nothing was seen
+            w = gl.exp2(m - gl.expand_dims(gl.convert_layout(m_safe, gl.SliceLayout(0, SL), assert_trivial=True),
+                                           0))  # a split that saw nothing has m = -inf: weight 0
+            l_run = l_run * alpha + gl.convert_layout(gl.sum(w * lv, axis=0), HL, assert_trivial=True)
+            o = o * gl.expand_dims(alpha, 1) + gl.sum(gl.expand_dims(w, 2) * part, axis=0)
+            m_run = m_new
+        t = gl.expand_dims(l_run, 1)
         empty = t == 0.0
         res = gl.where(empty, 0.0, o / gl.where(empty, 1.0, t)) * v_scalar
-        gl.store(out_ptr + gl.expand_dims(heads, 1) * 128 + cols, res.to(out_ptr.dtype.element_ty),
-                 mask=gl.expand_dims(hmask, 1))
+        ho = gl.arange(0, 16, layout=HL)
+        gl.store(out_ptr + gl.expand_dims(head0 + ho, 1) * 128 + gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(
+            0, RL)), 0), res.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(ho < G, 1))
 
     @gluon.jit
     def decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, ml_ptr, cnt_ptr, table_ptr, ctx_ptr, ids_ptr, qk_scale,
@@ -410,7 +424,8 @@ if gluon is not None:
                 arrived = gl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
                 if arrived == n_splits - 1:
                     gl.store(cnt, 0)  # the last arrival: no other program of this launch touches it again
-                    _combine(part_ptr, ml_ptr, out_ptr, heads, hmask, cols, n_splits, v_scalar)
+                    _combine(part_ptr, ml_ptr, out_ptr, row.to(gl.int64) * (G * gl.num_programs(1)) + h * G, G,
+                             n_splits, v_scalar)
         else:
             l_o = gl.expand_dims(gl.convert_layout(l_tot, gl.SliceLayout(1, O_L)), 1)
             empty = l_o == 0.0  # nothing visible: zeros (a NaN sum stays NaN)
