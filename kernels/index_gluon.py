@@ -154,20 +154,18 @@ if gluon is not None:
         return gl.convert_layout(gl.reshape(gl.join(f, f), [TOK, 16]), W_L, assert_trivial=True)
 
     @gluon.jit
-    def _page(bt_row, blk, n_blk, num_pages, PAGE: gl.constexpr):
-        """Block blk's page: -1 if blk >= n_blk or the table entry is -1 / out of range."""
+    def _fetch(data_ptr, bt_row, blk, n_blk, num_pages, page_bytes, w_off, s_off, PAGE: gl.constexpr,
+               PB: gl.constexpr, SB: gl.constexpr):
+        """Block blk's page (-1 if blk >= n_blk or the table entry is -1 / out of range) and its word and scale
+        loads (masked off for page -1)."""
         pg = gl.load(bt_row + (blk * TOK) // PAGE, mask=blk < n_blk, other=-1)
-        return gl.where((pg >= 0) & (pg < num_pages), pg, -1)
-
-    @gluon.jit
-    def _fetch(data_ptr, pg, blk, page_bytes, w_off, s_off, PAGE: gl.constexpr, PB: gl.constexpr, SB: gl.constexpr):
-        """Block blk's word and scale loads from its page pg (masked off for page -1)."""
+        pg = gl.where((pg >= 0) & (pg < num_pages), pg, -1)
         base = gl.maximum(pg, 0).to(gl.int64) * page_bytes
         row0 = (blk * TOK) % PAGE  # the block's first token in its page
         words = gl.load(data_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + (base + row0 * PB) // 4 + w_off,
                         mask=pg >= 0, other=0)
         sb = gl.load(data_ptr + base + row0 * SB + s_off, mask=pg >= 0, other=0)
-        return words, sb
+        return pg, words, sb
 
     @gluon.jit
     def decode_block_parts_kernel(
@@ -235,16 +233,12 @@ if gluon is not None:
         p_mask = p_off < HI * n_out
         out_row = out_ptr + (b * HI).to(gl.int64) * n_out
         bt_row = bt_ptr + b.to(gl.int64) * stride_bt
-        # software pipeline: the page of block j + 2 and the words of block j + 1 are requested in iteration j (the
-        # word loads wait for their page id, so it is fetched one tile earlier)
-        blk_end = blk0 + n_blk
-        pg = _page(bt_row, blk0, blk_end, num_pages, PAGE)
-        pg_n = _page(bt_row, blk0 + 1, blk_end, num_pages, PAGE)
-        words, sb = _fetch(data_ptr, pg, blk0, page_bytes, w_off, s_off, PAGE, PB, SB)
+        pg, words, sb = _fetch(data_ptr, bt_row, blk0, blk0 + n_blk, num_pages, page_bytes, w_off, s_off, PAGE,
+                              PB, SB)
         for j in range(0, n_blk):
             blk = blk0 + j
-            pg_nn = _page(bt_row, blk + 2, blk_end, num_pages, PAGE)
-            words_n, sb_n = _fetch(data_ptr, pg_n, blk + 1, page_bytes, w_off, s_off, PAGE, PB, SB)
+            pg_n, words_n, sb_n = _fetch(data_ptr, bt_row, blk + 1, blk0 + n_blk, num_pages, page_bytes, w_off,
+                                         s_off, PAGE, PB, SB)
             zero = gl.full([TOK, NDOT], 0.0, gl.float32, layout=MMA)
             if E8M0:  # undecorated E2M1 x the block-diagonal query, then the fp32 block factors
                 acc = mx_post_scale(mma_v2(decode_tile(words, words, lo3, sign8, False), qt, zero),
@@ -263,8 +257,7 @@ if gluon is not None:
             elif blk < INIT:
                 part = p_scale * 0.0 + 1e30
             gl.store(out_row + blk * NW + p_off, part, mask=p_mask)
-            pg, pg_n = pg_n, pg_nn
-            words, sb = words_n, sb_n
+            pg, words, sb = pg_n, words_n, sb_n
 
 
 @functools.lru_cache(maxsize=None)
