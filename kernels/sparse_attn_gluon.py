@@ -36,10 +36,10 @@ copy), 128 31.6 against 43.0, 64 24.4 against 25.6; mxfp4 batch 256 59.1 against
 against the combine launch at the same split count): nvfp4 batch 64 22.2 against 24.3 (4 splits; fp8's portable
 kernel 20.3), 128 30.6 against 31.6 (2 splits; fp8 31.9), 256 46.6 (one split: no merge; fp8 47.6); mxfp4 batch 64
 25.0 against 26.8 (the portable kernel 26.8: the default takes this kernel from `MIN_PROGRAMS` requests x KV
-heads), 128 36.6 against 37.7. The merge costs the last program ~2 us (fence, atomic, partial reads): the same launch
-without any merge took 20.1 at nvfp4 batch 64 (16:31 UTC). What the time is (batch 256, one layer, 14:39 UTC
-ablations):
-with nothing loaded (no selected ids) 45.9 us, and without any E2M1 decode too 34.8: the mma / softmax / rescale
+heads), 128 36.6 against 37.7. The merge cost the last program ~2 us (fence, atomic, partial reads: the same launch
+without any merge took 20.1 at nvfp4 batch 64, 16:31 UTC); loading four splits' m, l and partials at once and merging
+online (session 14, 18:07 UTC) took it to 21.5-21.9 at batch 64 (fp8 20.3-20.4), 30.4 at 128 (fp8 32.2). What
+the time is (batch 256, one layer, 14:39 UTC ablations): with nothing loaded (no selected ids) 45.9 us, and without any E2M1 decode too 34.8: the mma / softmax / rescale
 structure and its latency are most of the time, not the loads or the decode; without the whole softmax bookkeeping
 (rescales, exp2, row max) the integrated kernel took 41.4 instead of 46.9 (15:05 UTC). ncu (15:07 UTC): 47.5 %
 issue slots busy at 7.3 warps per SM, 3.5 cycles per issued instruction, DRAM 34 %. The register-split fp16 pairs
