@@ -37,16 +37,16 @@ against the combine launch at the same split count): nvfp4 batch 64 22.2 against
 kernel 20.3), 128 30.6 against 31.6 (2 splits; fp8 31.9), 256 46.6 (one split: no merge; fp8 47.6); mxfp4 batch 64
 25.0 against 26.8 (the portable kernel 26.8: the default takes this kernel from `MIN_PROGRAMS` requests x KV
 heads), 128 36.6 against 37.7. The merge cost the last program ~2 us (fence, atomic, partial reads: the same launch
-without any merge took 20.1 at nvfp4 batch 64, 16:31 UTC); loading four splits' m, l and partials at once and merging
-online (session 14, 18:07 UTC) took it to 21.5-21.9 at batch 64 (fp8 20.3-20.4), 30.4 at 128 (fp8 32.2). What
-the time is (batch 256, one layer, 14:39 UTC ablations): with nothing loaded (no selected ids) 45.9 us, and without any E2M1 decode too 34.8: the mma / softmax / rescale
-structure and its latency are most of the time, not the loads or the decode; without the whole softmax bookkeeping
-(rescales, exp2, row max) the integrated kernel took 41.4 instead of 46.9 (15:05 UTC). ncu (15:07 UTC): 47.5 %
-issue slots busy at 7.3 warps per SM, 3.5 cycles per issued instruction, DRAM 34 %. The register-split fp16 pairs
-(`pair_join`: 10 % fewer SASS, 20 fewer registers) are kept although the time did not change. Tried and not faster
-(same day): Q kept in shared memory (168 registers), one shared softmax max across the warps with the accumulator
-rescaled only when a max grows by > 2**8 (3 barriers per tile: slower), loads one more tile ahead (+3 % at batch
-256, -2 % at 128), the S dot as two independent mma chains.
+without any merge took 20.1 at nvfp4 batch 64, 16:31 UTC); loading four splits' m, l and partials at once and
+merging online (session 14, 18:07 UTC) took it to 21.5-21.9 at batch 64 (fp8 20.3-20.4), 30.4 at 128 (fp8 32.2).
+What the time is (batch 256, one layer, 14:39 UTC ablations): with nothing loaded (no selected ids) 45.9 us, and
+without any E2M1 decode too 34.8: the mma / softmax / rescale structure and its latency are most of the time, not
+the loads or the decode; without the whole softmax bookkeeping (rescales, exp2, row max) the integrated kernel took
+41.4 instead of 46.9 (15:05 UTC). ncu (15:07 UTC): 47.5 % issue slots busy at 7.3 warps per SM, 3.5 cycles per
+issued instruction, DRAM 34 %. The register-split fp16 pairs (`pair_join`: 10 % fewer SASS, 20 fewer registers) are
+kept although the time did not change. Tried and not faster (same day): Q kept in shared memory (168 registers), one
+shared softmax max across the warps with the accumulator rescaled only when a max grows by > 2**8 (3 barriers per
+tile: slower), loads one more tile ahead (+3 % at batch 256, -2 % at 128), the S dot as two independent mma chains.
 
 Where it runs: CUDA devices with Gluon and the hardware E4M3 conversion (capability >= 8.9); decode; nvfp4 or mxfp4
 K and V; head dim 128; at most 16 query heads per KV head; 128-token selection blocks and pages. Elsewhere (gfx950
