@@ -517,6 +517,29 @@ def test_dequant_random_bytes_gpu(fmt, device):
             assert same_bits(out, want), f"{fmt.label} {n}x{heads} {variant} {config}: {first_diff(out, want)}"
 
 
+@pytest.mark.parametrize("label", ["mxfp4", "nvfp4-rcp-auto"])
+def test_dequant_launch_variants(label, device):
+    """Interpreter sizes (and the GPU): every DEQUANT_VARIANTS launch, and the cache hints forced on, give the torch
+    path's values (the hints are the CUDA default for FP4 word rows; here they must change nothing)."""
+    from kvtool.kernels import dequant as dequant_mod
+
+    fmt = get_format(label)
+    ref, ker = fresh_caches(fmt, 3, 16, 2, 128, device, SEED + 71)
+    x = spread_values((30, 2, 128), SEED + 71, torch.float32).to(device)
+    slots = slot_mapping(30, 48, 16, SEED + 71).to(device)
+    ref.store(x, slots)
+    ker.data.copy_(ref.data)
+    ker.tensor_amax = ref.tensor_amax
+    read = torch.randperm(48, generator=torch.Generator().manual_seed(SEED))[:30].to(device)
+    want = ref.dequantize(read, torch.float32)
+    _, g_dec = dequant_mod.cache_scales(ker)
+    for variant, config in DEQUANT_VARIANTS + (({"STREAM": True}, None),):
+        out = torch.full_like(want, float("nan"))
+        dequant_mod.launch_dequant(ker.data, None, read, out, fmt, page_size=16, page_stride=ker.data.stride(0),
+                                   head_stride=ker.data.stride(1), g_dec=g_dec, config=config, variant=variant)
+        assert same_bits(out, want), f"{label} {variant} {config}: {first_diff(out, want)}"
+
+
 def test_store_both_codecs(device, monkeypatch):
     """Interpreter sizes: the codec FAST_CODECS does not pick for each 4-bit family, and the encode MUL_PACK does
     not pick, through the public store."""
