@@ -31,8 +31,8 @@ print(f"copy {copy:.0f} GB/s", flush=True)
 # Lane-split block loads (11:29 UTC) and persistent programs (13:17 / 13:21 UTC) measured no gain and were removed.
 # GLUON=False: the portable kernel where the Hopper TMA path (kernels/store_gluon.py) is the default; GLUON_*: its
 # tile rows, stages in flight and programs per SM.
-GL = [dict(GLUON=False), dict(GLUON_STREAM=True), dict(GLUON_STREAM=True, GLUON_PROGRAMS=12),
-      dict(GLUON_PROGRAMS=12)]
+GL = [dict(GLUON=False), dict(GLUON_PACKED_AMAX=False, GLUON_RCP_LUT=False), dict(GLUON_ROWS=32, GLUON_PROGRAMS=8,
+      GLUON_WARPS=4)]
 STORE = {
     "e8m0": [(dict(), None)] + [(v, None) for v in GL],
     "e4m3": [(dict(), None)] + [(v, None) for v in GL],

@@ -74,8 +74,6 @@ MUL_PACK = False
 # decode, multiply and IEEE reciprocal; same bytes
 PACKED_AMAX = True
 RCP_LUT = True
-# payload / scale stores marked streaming (the dequantize's gain, kernels/dequant.py FP4_WORDS_CONFIG); under test
-STREAM = False
 
 if gluon is not None:
     kg = port(kc)
@@ -153,7 +151,6 @@ if gluon is not None:
         NW: gl.constexpr,  # warps (num_warps)
         PACKED_AMAX: gl.constexpr,  # nvfp4 fast codec: block amax by packed bf16x2 maxima (_block_amax)
         RCP_LUT: gl.constexpr,  # nvfp4 rcp: per-block reciprocal gathered from rcp_ptr
-        STREAM: gl.constexpr,  # payload and scale stores marked streaming (`st.global.cs`)
     ):
         # a thread owns 16 consecutive words (32 elements) of a row: 4 threads a row, 8 rows a warp, 8 NW rows a pass
         W_IN: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])
@@ -213,14 +210,13 @@ if gluon is not None:
             w_live = gl.convert_layout(live, gl.SliceLayout(1, W_L))
             w_pay = gl.convert_layout(pay, gl.SliceLayout(1, W_L))
             wrow = (payload_ptr + w_pay).to(gl.pointer_type(gl.int32))
-            gl.store(gl.expand_dims(wrow, 1) + gl.expand_dims(wcols, 0), words, mask=gl.expand_dims(w_live, 1),
-                     cache_modifier=".cs" if STREAM else "")
+            gl.store(gl.expand_dims(wrow, 1) + gl.expand_dims(wcols, 0), words, mask=gl.expand_dims(w_live, 1))
             S_L: gl.constexpr = sbytes.type.layout
             scols = gl.arange(0, 128 // BLOCK, layout=gl.SliceLayout(0, S_L))
             s_live = gl.convert_layout(live, gl.SliceLayout(1, S_L))
             s_off = gl.convert_layout(sc, gl.SliceLayout(1, S_L))
             gl.store(scale_ptr + gl.expand_dims(s_off, 1) + gl.expand_dims(scols, 0), sbytes,
-                     mask=gl.expand_dims(s_live, 1), cache_modifier=".cs" if STREAM else "")
+                     mask=gl.expand_dims(s_live, 1))
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
 
@@ -273,8 +269,7 @@ def launch(x3: torch.Tensor, slots: torch.Tensor | None, payload: torch.Tensor, 
            fmt: Format, opts: dict, *, page_size: int, page_stride: int, head_stride: int, g_dec: float,
            g_enc: float, GLUON_ROWS: int | None = None, GLUON_STAGES: int | None = None,
            GLUON_PROGRAMS: int | None = None, GLUON_WARPS: int | None = None, GLUON_MUL_PACK: bool | None = None,
-           GLUON_PACKED_AMAX: bool | None = None, GLUON_RCP_LUT: bool | None = None,
-           GLUON_STREAM: bool | None = None) -> None:
+           GLUON_PACKED_AMAX: bool | None = None, GLUON_RCP_LUT: bool | None = None) -> None:
     """Launch `store_tma_kernel` (arguments as store.launch_store, after its checks; `opts` its FAST codec choice;
     GLUON_* override CONFIGS, MUL_PACK, PACKED_AMAX and RCP_LUT, for sweeps)."""
     rows, stages, programs, warps = CONFIGS[fmt.scale_element]
@@ -300,4 +295,4 @@ def launch(x3: torch.Tensor, slots: torch.Tensor | None, payload: torch.Tensor, 
         E8M0=fmt.scale_element == "e8m0", BLOCK=fmt.block, RULE=int(fmt.scale_rule or 0),
         RECIPE=int(fmt.recipe or 0), FAST=bool(opts["FAST"]), MUL_PACK=mul_pack, R=GLUON_ROWS,
         STAGES=GLUON_STAGES, NW=GLUON_WARPS, PACKED_AMAX=packed_amax, RCP_LUT=table is not None,
-        STREAM=STREAM if GLUON_STREAM is None else GLUON_STREAM, num_warps=GLUON_WARPS)
+        num_warps=GLUON_WARPS)
