@@ -76,6 +76,15 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(view).cpu(), b.contiguous().view(view).cpu())
 
 
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """same_bits, except that a NaN equals any NaN (NaN payload and sign bits are not part of the format: a garbage
+    scale byte decodes to NaN, and torch and a kernel may carry different NaN bits through the scale products)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    na, nb = torch.isnan(a), torch.isnan(b)
+    return torch.equal(na.cpu(), nb.cpu()) and same_bits(a.masked_fill(na, 0), b.masked_fill(nb, 0))
+
+
 def first_diff(a: torch.Tensor, b: torch.Tensor) -> str:
     if a.shape != b.shape or a.dtype != b.dtype:
         return f"shape/dtype {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}"
@@ -490,7 +499,7 @@ DEQUANT_VARIANTS = (({"STREAM": False}, None), ({}, (32, 4)), ({"STREAM": False}
 @pytest.mark.parametrize("fmt", FP4_FORMATS, ids=lambda f: f.label)
 def test_dequant_random_bytes_gpu(fmt, device):
     """The gather-dequantize against the torch path, bit for bit, on caches whose untouched slots hold random bytes
-    (every code, NaN scale codes) read in a shuffled order with stored tokens: token counts off the tile, 1-5 heads,
+    (every code, NaN scale codes: any NaN matches) read in a shuffled order with stored tokens: token counts off the tile, 1-5 heads,
     fp32 / bf16 / fp16 output, the default launch (FP4_WORDS_CONFIG, streaming stores) and DEQUANT_VARIANTS."""
     from kvtool.kernels import dequant as dequant_mod
 
@@ -507,14 +516,14 @@ def test_dequant_random_bytes_gpu(fmt, device):
         read = torch.randperm(pages * page_size, generator=torch.Generator().manual_seed(seed))[:n].to(device)
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             got, want = gather_dequantize(ker, read, dtype), ref.dequantize(read, dtype)
-            assert same_bits(got, want), f"{fmt.label} {n}x{heads} {dtype}: {first_diff(got, want)}"
+            assert same_values(got, want), f"{fmt.label} {n}x{heads} {dtype}: {first_diff(got, want)}"
         _, g_dec = dequant_mod.cache_scales(ker)
         for variant, config in DEQUANT_VARIANTS:
             out = torch.full_like(want, float("nan"))
             dequant_mod.launch_dequant(ker.data, None, read, out, fmt, page_size=page_size,
                                        page_stride=ker.data.stride(0), head_stride=ker.data.stride(1), g_dec=g_dec,
                                        config=config, variant=variant)
-            assert same_bits(out, want), f"{fmt.label} {n}x{heads} {variant} {config}: {first_diff(out, want)}"
+            assert same_values(out, want), f"{fmt.label} {n}x{heads} {variant} {config}: {first_diff(out, want)}"
 
 
 @pytest.mark.parametrize("label", ["mxfp4", "nvfp4-rcp-auto"])
@@ -537,7 +546,7 @@ def test_dequant_launch_variants(label, device):
         out = torch.full_like(want, float("nan"))
         dequant_mod.launch_dequant(ker.data, None, read, out, fmt, page_size=16, page_stride=ker.data.stride(0),
                                    head_stride=ker.data.stride(1), g_dec=g_dec, config=config, variant=variant)
-        assert same_bits(out, want), f"{label} {variant} {config}: {first_diff(out, want)}"
+        assert same_values(out, want), f"{label} {variant} {config}: {first_diff(out, want)}"
 
 
 def test_store_both_codecs(device, monkeypatch):
