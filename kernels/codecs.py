@@ -626,7 +626,8 @@ def rcp_table(out_ptr, g_dec):
     b = tl.arange(0, 256)
     d = e4m3_decode(b) * g_dec
     r = tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), d)
-    tl.store(out_ptr + b, tl.where((b & 0x7F) == 0, 0.0, tl.where((b & 0x7F) == 0x7F, 0.0, r)))
+    mag = b & 0x7F
+    tl.store(out_ptr + b, tl.where((mag == 0) | (mag == 0x7F), 0.0, r))
 
 
 # --------------------------------------------------------- store engineer: scaled values -> payload words (ALU relief)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import types
 
+import torch
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
@@ -47,3 +48,12 @@ def port(module: types.ModuleType) -> types.ModuleType:
     twin_module = types.ModuleType(module.__name__ + ".gluon")
     twin_module.__dict__.update(twins)
     return twin_module
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_at_least(device: torch.device, capability: tuple[int, int]) -> bool:
+    """The device rule of the Gluon fast paths: Gluon is importable and `device` is a CUDA (not ROCm) device of at
+    least `capability` (memoized per device)."""
+    if gluon is None or device.type != "cuda" or torch.version.cuda is None:
+        return False
+    return torch.cuda.get_device_capability(device) >= capability

@@ -44,13 +44,13 @@ compare it with the portable kernel and the reference (tests/test_kernels_index.
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
 
 from kvtool.kernels import codecs as kc
 from kvtool.kernels import index_blocks as ib
+from kvtool.kernels.gluon_port import cuda_at_least
 
 try:  # Gluon ships with Triton >= 3.5; without it the portable kernel runs everywhere
     from triton.experimental import gluon
@@ -260,12 +260,9 @@ if gluon is not None:
             pg, words, sb = pg_n, words_n, sb_n
 
 
-@functools.lru_cache(maxsize=None)
 def device_ok(device: torch.device) -> bool:
     """This path runs on CUDA devices with Gluon and the hardware E4M3 conversion (capability >= 8.9)."""
-    if gluon is None or device.type != "cuda" or torch.version.cuda is None:
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    return cuda_at_least(device, (8, 9))
 
 
 # Formats (by scale element) the launcher sends here by default: both. H200, batch 64 x 150K top-k (13:32 UTC):

@@ -62,6 +62,7 @@ import torch
 import triton
 
 from kvtool.kernels import codecs as kc
+from kvtool.kernels.gluon_port import cuda_at_least
 
 try:  # Gluon ships with Triton >= 3.5; without it the portable kernel runs everywhere
     from triton.experimental import gluon
@@ -267,7 +268,8 @@ if gluon is not None:
         HL: gl.constexpr = gl.SliceLayout(1, RL)  # [16 heads] of the result
         sp = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(1, SL)), 1)
         hs = gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, SL)), 0)
-        c3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, RL)), 0), 0)
+        cols = gl.arange(0, 128, layout=gl.SliceLayout(0, RL))
+        c3 = gl.expand_dims(gl.expand_dims(cols, 0), 0)
         m_run = gl.full([16], float("-inf"), gl.float32, layout=HL)
         l_run = gl.full([16], 0.0, gl.float32, layout=HL)
         o = gl.full([16, 128], 0.0, gl.float32, layout=RL)
@@ -290,8 +292,8 @@ if gluon is not None:
         empty = t == 0.0
         res = gl.where(empty, 0.0, o / gl.where(empty, 1.0, t)) * v_scalar
         ho = gl.arange(0, 16, layout=HL)
-        gl.store(out_ptr + gl.expand_dims(head0 + ho, 1) * 128 + gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(
-            0, RL)), 0), res.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(ho < G, 1))
+        gl.store(out_ptr + gl.expand_dims(head0 + ho, 1) * 128 + gl.expand_dims(cols, 0),
+                 res.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(ho < G, 1))
 
     @gluon.jit
     def decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, ml_ptr, cnt_ptr, table_ptr, ctx_ptr, ids_ptr, qk_scale,
@@ -436,9 +438,7 @@ if gluon is not None:
 
 def device_ok(device: torch.device) -> bool:
     """This path runs on CUDA devices with Gluon and the hardware E4M3 conversion (capability >= 8.9)."""
-    if gluon is None or device.type != "cuda" or torch.version.cuda is None:
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    return cuda_at_least(device, (8, 9))
 
 
 def applies(q: torch.Tensor, k_cache, v_cache, block_size: int) -> bool:

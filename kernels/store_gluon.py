@@ -46,7 +46,7 @@ from kvtool.formats import Format
 from kvtool.formats.rules import NvRecipe
 from kvtool.kernels import codecs as kc
 from kvtool.kernels import paged_rows
-from kvtool.kernels.gluon_port import port
+from kvtool.kernels.gluon_port import cuda_at_least, port
 
 try:  # Gluon ships with Triton >= 3.5; without it the portable kernel runs everywhere
     from triton.experimental import gluon
@@ -221,12 +221,9 @@ if gluon is not None:
             mbarrier.invalidate(bars.index(i))
 
 
-@functools.lru_cache(maxsize=16)
 def device_ok(device: torch.device) -> bool:
     """Gluon, CUDA (not ROCm), compute capability >= 9.0 (TMA and the hardware E4M3 conversion)."""
-    if gluon is None or device.type != "cuda" or torch.version.cuda is None:
-        return False
-    return torch.cuda.get_device_capability(device) >= (9, 0)
+    return cuda_at_least(device, (9, 0))
 
 
 _RCP_TABLES: dict = {}

@@ -2,11 +2,11 @@
 128, 128-token blocks and pages, top-16 blocks per request) for batch 1, 16, 64, 256, per cache format.
 
 Rows per (batch, format): the Triton kernel (`kvtool.kernels.sparse_attn.sparse_decode`'s default launch: for nvfp4
-and mxfp4 on CUDA >= 8.9, from 64 / 128 requests, the Gluon fast path of `kernels/sparse_attn_gluon.py`, with the
-portable kernel's row beside it as "portable"), torch eager (gather the selected slots, dequantize, attention in
+and mxfp4 on CUDA >= 8.9, from 64 requests x KV heads, the Gluon fast path of `kernels/sparse_attn_gluon.py`, with
+the portable kernel's row beside it as "portable"), torch eager (gather the selected slots, dequantize, attention in
 fp32: the unfused path), and once per batch PyTorch SDPA over the gathered, already dequantized bf16 tokens
-(attention alone, the floor of an unfused engine). Bytes (SPEC section 6): the visible selected K/V tokens read once (payload + scales), q read once, the output written once, plus the selection;
-SDPA is charged its bf16 K/V and mask.
+(attention alone, the floor of an unfused engine). Bytes (SPEC section 6): the visible selected K/V tokens read once
+(payload + scales), q read once, the output written once, plus the selection; SDPA is charged its bf16 K/V and mask.
 
 How it is timed, the way engines run it: each case runs `layers` layers back to back (distinct caches and
 selections per layer, enough of them that one step's K/V exceeds the H200's 50 MB L2 three times over, at most M3's

@@ -213,8 +213,8 @@ def verify_attn_synthetic(formats: list[str], *, batch: int = 4, context_lens: s
                           geometry: dict | None = None, kernel: str = "auto",
                           progress: Callable[[str], None] | None = None) -> VerifyAttnReport:
     """One decode step at M3's TP4 shape (or `geometry`, keys as M3_TP4) for `batch` requests, through the decode
-    kernel (`kernel`: auto | portable | gluon, see the module docstring); see the module docstring. Returns the
-    report (per-format rows under layer 'synthetic' and 'all')."""
+    kernel (`kernel`: auto | portable | gluon; see the module docstring). Returns the report (per-format rows under
+    layer 'synthetic' and 'all')."""
     _check_kernel(kernel)
     geo = {**M3_TP4, **(geometry or {})}
     dev = torch.device(device)
