@@ -57,3 +57,8 @@ def cuda_at_least(device: torch.device, capability: tuple[int, int]) -> bool:
     if gluon is None or device.type != "cuda" or torch.version.cuda is None:
         return False
     return torch.cuda.get_device_capability(device) >= capability
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (the persistent Gluon kernels size their grids by it)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count

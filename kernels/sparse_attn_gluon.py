@@ -62,7 +62,7 @@ import torch
 import triton
 
 from kvtool.kernels import codecs as kc
-from kvtool.kernels.gluon_port import cuda_at_least
+from kvtool.kernels.gluon_port import cuda_at_least, num_sms
 
 try:  # Gluon ships with Triton >= 3.5; without it the portable kernel runs everywhere
     from triton.experimental import gluon
@@ -454,9 +454,6 @@ def applies(q: torch.Tensor, k_cache, v_cache, block_size: int) -> bool:
             and all(c.data.stride(i) % 4 == 0 for c in (k_cache, v_cache) for i in (0, 1)))
 
 
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
 
 # rows x KV heads from which the default launch takes this kernel, per format (H200, M3 shape, us per layer, layers
 # back to back past L2, 2026-11-29): nvfp4 batch 16 13.1 (8 splits) / 15.7 (16) against the portable 11.3, batch 64
@@ -469,7 +466,7 @@ def default_splits(rows: int, num_kv_heads: int, n_tiles: int, device: torch.dev
     """About two programs per SM (H200, M3 shape, us per layer, 2026-11-29 14:47 UTC, layers back to back past L2:
     batch 256 with 1 / 2 splits 48.1 / 61.1; batch 128 with 1 / 2: 36.4 / 33.5; batch 64 with 2 / 3 / 4 / 6 / 8:
     24.3 / 27.0 / 24.6 / 32.4 / 33.5)."""
-    return max(1, min(n_tiles, 2 * _num_sms(device) // max(1, rows * num_kv_heads)))
+    return max(1, min(n_tiles, 2 * num_sms(device) // max(1, rows * num_kv_heads)))
 
 
 # Split decodes merge their partials in the last program of each (request, KV head) instead of a second launch.

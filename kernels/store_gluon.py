@@ -46,7 +46,7 @@ from kvtool.formats import Format
 from kvtool.formats.rules import NvRecipe
 from kvtool.kernels import codecs as kc
 from kvtool.kernels import paged_rows
-from kvtool.kernels.gluon_port import cuda_at_least, port
+from kvtool.kernels.gluon_port import cuda_at_least, num_sms, port
 
 try:  # Gluon ships with Triton >= 3.5; without it the portable kernel runs everywhere
     from triton.experimental import gluon
@@ -246,10 +246,6 @@ def rcp_lut(device: torch.device, g_dec: float) -> torch.Tensor | None:
 
 
 @functools.lru_cache(maxsize=16)
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def applies(x3: torch.Tensor, fmt: Format, words: bool) -> bool:
     """Whether `launch` can take this store: bf16 [T, H, 128] rows with heads contiguous and 16-byte aligned token
     rows, a 4-bit block format with word-aligned payload rows (`words`), on a device where `device_ok`."""
@@ -277,7 +273,7 @@ def launch(x3: torch.Tensor, slots: torch.Tensor | None, payload: torch.Tensor, 
     layout = gl.NVMMASharedLayout.get_default_for([GLUON_ROWS, DIM], gl.bfloat16)
     desc = TensorDescriptor(x2, [T, H * DIM], [x2.stride(0), 1], [GLUON_ROWS, DIM], layout)
     n_tiles = triton.cdiv(T, GLUON_ROWS) * H
-    grid = (min(n_tiles, _num_sms(x3.device) * GLUON_PROGRAMS),)
+    grid = (min(n_tiles, num_sms(x3.device) * GLUON_PROGRAMS),)
     paged = slots is not None
     mul_pack = MUL_PACK if GLUON_MUL_PACK is None else GLUON_MUL_PACK
     fast_nv = fmt.scale_element == "e4m3" and bool(opts["FAST"]) and not mul_pack

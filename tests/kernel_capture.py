@@ -213,10 +213,12 @@ def capture(thunk: Callable[[], Any], target: Target) -> list[Launch]:
         p.setattr(isc, "_fp4_pair_default", lambda device: not target.rocm)
         p.setattr(mods["index_gluon"], "device_ok", lambda device: not target.rocm)  # the NVIDIA fast paths
         p.setattr(mods["sparse_attn_gluon"], "device_ok", lambda device: not target.rocm)
-        p.setattr(mods["sparse_attn_gluon"], "_num_sms", lambda device: target.sms)
+        p.setattr(mods["sparse_attn_gluon"], "num_sms", lambda device: target.sms)
+        p.setattr(mods["index_gluon"], "num_sms", lambda device: target.sms)
+        p.setattr(mods["index_gluon"], "ring_ok", lambda cache, device: not target.rocm)
         p.setattr(mods["store_gluon"], "device_ok", lambda device: not target.rocm)
         p.setattr(mods["dequant"], "stream_ok", lambda device: not target.rocm)  # cache hints: CUDA only
-        p.setattr(mods["store_gluon"], "_num_sms", lambda device: target.sms)
+        p.setattr(mods["store_gluon"], "num_sms", lambda device: target.sms)
         real_plan = sa.launch_plan
         p.setattr(sa, "torch", fake)
         p.setattr(sa, "launch_plan", lambda *a, **k: real_plan(*a, **{"sms": target.sms, **k}))

@@ -276,7 +276,7 @@ def test_gluon_dispatch_rules(monkeypatch):
     from kvtool.kernels import sparse_attn_gluon as G
 
     monkeypatch.setattr(G, "device_ok", lambda device: True)
-    monkeypatch.setattr(G, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(G, "num_sms", lambda device: 132)
 
     def caches(fmt, d=128, page=128, hkv=1):
         f = get_format(fmt)
