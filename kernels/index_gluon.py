@@ -56,8 +56,6 @@ try:  # Gluon ships with Triton >= 3.5; without it the portable kernel runs ever
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # pragma: no cover - the pinned Triton has it
     gluon = None
 
@@ -66,11 +64,13 @@ DIM = 128  # head dim
 HEADS_PAD = 8  # nvfp4: the dot's N, index heads padded to one mma n8 tile
 MX_HEADS = 4  # mxfp4: heads per MX block in the block-diagonal query (N = 4 blocks x 4 heads)
 NUM_WARPS = 4  # 32 tokens per warp; also the number of partial maxima per block (WP)
-# the TMA ring kernel (decode_block_parts_ring_kernel): the default where it runs (ring_ok); (stages, programs per
-# SM); requests per step of its prologue scans
-RING = True
-RING_CONFIG = (4, 5)
-RING_SCAN = 128
+# blocks per program: at most CHUNK_BLOCKS; see chunk_blocks_for (H200, score + top-k, 2026-11-29 19:39 UTC, us per
+# graph of the bench's layers, blocks per program 32 / 8 / 2: nvfp4 batch 1 x 8K 1492 / 601 / 374, 1 x 150K 488 /
+# 251 / 227, 16 x 8K 496 / 210 / 165, 16 x 32K 141.5 / 90.2 / 103, 16 x 150K 80.5 / 67.6 / 84.0, 64 x 8K 132 / 83 /
+# 97, 64 x 32K 58.2 / 60.6 / 75.5, 64 x 150K 225 / 234 / 309; mxfp4 alike)
+FILL_PROGRAMS = 3
+BALANCE_PROGRAMS = 16
+BALANCE_CHUNK = 8
 CHUNK_BLOCKS = 32  # blocks per program (H200, nvfp4 batch 64 x 150K top-k: 8 / 16 / 32 / 64 blocks 242 / 241 / 240 /
 # 249 us; one wave of programs, 118 blocks each, 257 us)
 
@@ -307,146 +307,6 @@ if gluon is not None:
             _emit(acc, blk, ctx, valid, pg, out_row, p_off, p_mask, p_scale, E8M0, INIT, LOCAL)
             pg, words, sb = pg_n, words_n, sb_n
 
-    # ---------------------------------------------------------------- the TMA ring with balanced persistent programs
-    @gluon.jit
-    def _add(a, b):
-        return a + b
-
-    @gluon.jit
-    def _valid_blocks(ctx, nb):
-        """Blocks of a row to score: those holding tokens before its context (at most nb, the output's width)."""
-        return gl.minimum((gl.maximum(ctx, 0) + TOK - 1) // TOK, nb)
-
-    @gluon.jit
-    def _total_tiles(ctx_ptr, pos_ptr, bsz, nb, pid, n_prog, BB: gl.constexpr):
-        """The number of (request, valid block) tiles of the launch; also writes the query positions ctx - 1 of
-        the rows r with r % n_prog == pid (-1 for an empty row)."""
-        L1: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
-        total = pid * 0
-        for c0 in range(0, bsz, BB):
-            r = c0 + gl.arange(0, BB, layout=L1)
-            ctx = gl.load(ctx_ptr + r, mask=r < bsz, other=0)
-            gl.store(pos_ptr + r, gl.maximum(ctx - 1, -1), mask=(r < bsz) & (r % n_prog == pid))
-            total += gl.sum(_valid_blocks(ctx, nb), axis=0)
-        return total
-
-    @gluon.jit
-    def _locate(ctx_ptr, bsz, nb, t, BB: gl.constexpr):
-        """Tile t of the flattened order (requests in order, each its valid blocks) -> (request, block)."""
-        L1: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
-        running = t * 0
-        n_before = t * 0
-        base = t * 0
-        for c0 in range(0, bsz, BB):
-            r = c0 + gl.arange(0, BB, layout=L1)
-            v = _valid_blocks(gl.load(ctx_ptr + r, mask=r < bsz, other=0), nb)
-            before = running + gl.associative_scan(v, 0, _add) <= t  # rows ending at or before tile t
-            n_before += gl.sum(before.to(gl.int32), axis=0)
-            base += gl.sum(gl.where(before, v, 0), axis=0)
-            running += gl.sum(v, axis=0)
-        return n_before, t - base
-
-    @gluon.jit
-    def _advance(b, blk, vb, ctx_ptr, bsz, nb):
-        """(request, block, its row's valid blocks) -> those of the next tile (rows without blocks skipped)."""
-        blk += 1
-        if blk >= vb:
-            blk = 0
-            b += 1
-            vb = _valid_blocks(gl.load(ctx_ptr + b, mask=b < bsz, other=0), nb)
-            while (vb == 0) & (b < bsz):
-                b += 1
-                vb = _valid_blocks(gl.load(ctx_ptr + b, mask=b < bsz, other=0), nb)
-        return b, blk, vb
-
-    @gluon.jit
-    def _page_of(bt_ptr, b, blk, bsz, stride_bt, num_pages, PAGE: gl.constexpr):
-        """Block blk of request b -> its page, -1 where the table has none (or an id out of range, or b >= bsz)."""
-        pg = gl.load(bt_ptr + b.to(gl.int64) * stride_bt + (blk * TOK) // PAGE, mask=b < bsz, other=-1)
-        return gl.where((pg >= 0) & (pg < num_pages), pg, -1)
-
-    @gluon.jit
-    def _issue(w_desc, s_desc, w_buf, s_buf, bar, pg, blk, rows_per_page, ok, PAGE: gl.constexpr,
-               SB: gl.constexpr):
-        """TMA copies of a block's payload rows [128, 64 B] and scale bytes [128 * SB / 64, 64 B] into a ring
-        stage, completing on bar. A missing page (-1) reads page 0: its scores are masked to -inf."""
-        row = gl.maximum(pg, 0) * rows_per_page + (blk * TOK) % PAGE  # in 64-byte rows of the cache
-        mbarrier.expect(bar, TOK * (64 + SB), pred=ok)
-        tma.async_copy_global_to_shared(w_desc, [row, 0], bar, w_buf, pred=ok)
-        tma.async_copy_global_to_shared(s_desc, [row - (blk * TOK) % PAGE + PAGE + ((blk * TOK) % PAGE) * SB // 64,
-                                                 0], bar, s_buf, pred=ok)
-
-    @gluon.jit
-    def decode_block_parts_ring_kernel(
-        q_ptr,  # bf16 [B, Hi, D] (decode queries), last dim contiguous
-        w_desc,  # TMA descriptor of the cache as [rows, 64] uint8 (a 64-byte row: one token's payload), box [128, 64]
-        s_desc,  # the same rows, box [128 * SB / 64, 64]: a block's scale bytes
-        bt_ptr,  # int32 [B, max_pages] block table (-1 = no page)
-        ctx_ptr,  # int32 [B] context lengths (the query sits at ctx - 1)
-        out_ptr,  # fp32 [B, Hi, NB * NW]: the NW partial maxima of every valid block
-        pos_ptr,  # int32 [B]: written here, the query positions ctx - 1 (-1 for an empty row) for the select pass
-        gscale,  # fp32 whole-tensor factor (nvfp4 outer scale, else 1)
-        bsz, num_pages, rows_per_page, nb, n_out,
-        lo3, sign8,  # int32 0x07070707, 0x80808080 at run time (kc.e2m1_pairs: one LOP3 per bit-select)
-        stride_qb, stride_qh, stride_bt,  # strides in elements
-        HI: gl.constexpr, PAGE: gl.constexpr, SB: gl.constexpr, E8M0: gl.constexpr, INIT: gl.constexpr,
-        LOCAL: gl.constexpr,  # as decode_block_parts_kernel
-        STAGES: gl.constexpr,  # ring stages (tiles in flight per program)
-        BB: gl.constexpr,  # requests per step of the prologue's scans
-    ):
-        pid = gl.program_id(0)
-        n_prog = gl.num_programs(0)
-        total = _total_tiles(ctx_ptr, pos_ptr, bsz, nb, pid, n_prog, BB)
-        t0 = (pid.to(gl.int64) * total // n_prog).to(gl.int32)
-        n_mine = ((pid + 1).to(gl.int64) * total // n_prog).to(gl.int32) - t0
-        if n_mine > 0:
-            W_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-            S_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
-            SROWS: gl.constexpr = TOK * SB // 64
-            w_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, TOK, 64], w_desc.layout)
-            s_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, SROWS, 64], s_desc.layout)
-            bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            for i in gl.static_range(STAGES):
-                mbarrier.init(bars.index(i), count=1)
-            b, blk = _locate(ctx_ptr, bsz, nb, t0, BB)
-            vb = _valid_blocks(gl.load(ctx_ptr + b), nb)
-            # the producer's position (STAGES tiles ahead of the consumer's) and its page, loaded a tile early
-            bp, blkp, vbp = b, blk, vb
-            for i in gl.static_range(STAGES):
-                pgp = _page_of(bt_ptr, bp, blkp, bsz, stride_bt, num_pages, PAGE)
-                _issue(w_desc, s_desc, w_ring.index(i), s_ring.index(i), bars.index(i), pgp, blkp, rows_per_page,
-                       i < n_mine, PAGE, SB)
-                bp, blkp, vbp = _advance(bp, blkp, vbp, ctx_ptr, bsz, nb)
-            pgp = _page_of(bt_ptr, bp, blkp, bsz, stride_bt, num_pages, PAGE)
-            pg = _page_of(bt_ptr, b, blk, bsz, stride_bt, num_pages, PAGE)
-            p_off, p_mask = _part_offsets(n_out, HI, E8M0)
-            qt, p_scale = _query_operand(q_ptr, b, stride_qb, stride_qh, gscale, HI, E8M0)
-            ctx = gl.load(ctx_ptr + b)
-            S_L: gl.constexpr = F_L if E8M0 else S16_L
-            for k in range(n_mine):
-                s = k % STAGES
-                mbarrier.wait(bars.index(s), (k // STAGES) & 1)
-                words = w_ring.index(s)._reinterpret(gl.int32, [TOK, 16], W_SMEM).load(W_L)
-                sb = s_ring.index(s)._reinterpret(gl.uint8, [TOK, SB], S_SMEM).load(S_L)
-                # every warp has read stage s: refill it with the tile STAGES ahead (generic reads, then async
-                # writes)
-                gl.thread_barrier()
-                fence_async_shared()
-                _issue(w_desc, s_desc, w_ring.index(s), s_ring.index(s), bars.index(s), pgp, blkp, rows_per_page,
-                       k + STAGES < n_mine, PAGE, SB)
-                bp, blkp, vbp = _advance(bp, blkp, vbp, ctx_ptr, bsz, nb)
-                pgp = _page_of(bt_ptr, bp, blkp, bsz, stride_bt, num_pages, PAGE)
-                if (blk == 0) & (k > 0):  # a new request: its query, context and output row
-                    qt, p_scale = _query_operand(q_ptr, b, stride_qb, stride_qh, gscale, HI, E8M0)
-                    ctx = gl.load(ctx_ptr + b)
-                acc = _tile_dot(words, sb, qt, lo3, sign8, E8M0)
-                _emit(acc, blk, ctx, (ctx + TOK - 1) // TOK, pg, out_ptr + (b * HI).to(gl.int64) * n_out,
-                      p_off, p_mask, p_scale, E8M0, INIT, LOCAL)
-                b, blk, vb = _advance(b, blk, vb, ctx_ptr, bsz, nb)
-                pg = _page_of(bt_ptr, b, blk, bsz, stride_bt, num_pages, PAGE)
-            for i in gl.static_range(STAGES):
-                mbarrier.invalidate(bars.index(i))
-
 
 def device_ok(device: torch.device) -> bool:
     """This path runs on CUDA devices with Gluon and the hardware E4M3 conversion (capability >= 8.9)."""
@@ -470,37 +330,25 @@ def applies(iq4: torch.Tensor, cache, cfg, q_pos, scales=("e4m3", "e8m0")) -> bo
             and 1 <= hi <= (HEADS_PAD if cache.fmt.scale_element == "e4m3" else MX_HEADS))
 
 
-def ring_ok(cache, device: torch.device) -> bool:
-    """The TMA ring (`decode_block_parts_ring_kernel`) needs TMA (capability >= 9.0) and a cache buffer it can
-    view as 64-byte rows: contiguous, 16-byte aligned, pages of a multiple of 64 bytes."""
-    data = cache.data
-    return (cuda_at_least(device, (9, 0)) and data.is_contiguous() and data.data_ptr() % 16 == 0
-            and cache.page_bytes % 64 == 0 and (TOKENS * cache.scale_bytes) % 64 == 0)
-
-
-def _ring_descriptors(cache):
-    """TMA descriptors of the cache as [rows, 64] uint8: box [128, 64] (a block's payload), box [128 * SB / 64, 64]
-    (its scale bytes); no swizzle (a warp reads whole 512-byte row groups: no bank conflicts)."""
-    rows = cache.data.numel() // 64
-    view = cache.data.view(rows, 64)
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
-    w_desc = TensorDescriptor(view, [rows, 64], [64, 1], [TOKENS, 64], layout)
-    s_desc = TensorDescriptor(view, [rows, 64], [64, 1], [TOKENS * cache.scale_bytes // 64, 64], layout)
-    return w_desc, s_desc
+def chunk_blocks_for(bsz: int, nb: int, sms: int) -> int:
+    """Blocks per program of the default launch (a power of two, at most CHUNK_BLOCKS): the largest that still
+    gives every SM FILL_PROGRAMS programs, and no more than BALANCE_CHUNK where BALANCE_PROGRAMS per SM would
+    not be reached otherwise (few long programs leave SMs idle at the end: one wave of unequal shares)."""
+    sizes = [c for c in (32, 16, 8, 4, 2, 1) if c <= CHUNK_BLOCKS]
+    fill = next((c for c in sizes if bsz * triton.cdiv(nb, c) >= FILL_PROGRAMS * sms), 1)
+    balance = next((c for c in sizes if bsz * triton.cdiv(nb, c) >= BALANCE_PROGRAMS * sms), 1)
+    return min(fill, max(BALANCE_CHUNK, balance))
 
 
 def decode_block_parts(iq4: torch.Tensor, cache, block_table: torch.Tensor, context_lens: torch.Tensor, cfg,
-                       nb: int, chunk_blocks: int | None = None, fill: bool = True, ring: bool | None = None,
-                       ring_stages: int | None = None, ring_programs: int | None = None
+                       nb: int, chunk_blocks: int | None = None, fill: bool = True
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """iq4 bf16 [B, 1, Hi, 128] decode queries -> (fp32 [B, 1, Hi, nb, NUM_WARPS] partial block maxima (their max
     is the block score with the forced blocks applied; -inf past each row's valid blocks), int32 [B, 1] query
     positions ctx - 1, -1 for an empty row: the select pass's input, written by the kernel instead of by a few
-    small torch kernels). Inputs as checked by
-    `index_score._check`; `applies` and `device_ok` hold. chunk_blocks: blocks per program (CHUNK_BLOCKS).
-    fill=False leaves the blocks past each row's valid ones unwritten (the select pass reads only valid blocks).
-    ring: the TMA ring kernel (default RING where `ring_ok`); ring_stages / ring_programs: its stages and programs
-    per SM (RING_CONFIG)."""
+    small torch kernels). Inputs as checked by `index_score._check`; `applies` and `device_ok` hold.
+    chunk_blocks: blocks per program (default `chunk_blocks_for`). fill=False leaves the blocks past each row's
+    valid ones unwritten (the select pass reads only valid blocks)."""
     bsz, _, hi, _ = iq4.shape
     shape = (bsz, 1, hi, nb * NUM_WARPS)
     out = torch.full(shape, float("-inf"), dtype=torch.float32, device=iq4.device) if fill else \
@@ -509,25 +357,13 @@ def decode_block_parts(iq4: torch.Tensor, cache, block_table: torch.Tensor, cont
         torch.empty((bsz, 1), dtype=torch.int32, device=iq4.device)
     if bsz == 0 or nb == 0:
         return out.view(bsz, 1, hi, nb, NUM_WARPS), pos
+    ch = chunk_blocks or chunk_blocks_for(bsz, nb, num_sms(iq4.device))
     q = iq4[:, 0] if iq4.stride(-1) == 1 else iq4[:, 0].contiguous()
     gscale = cache.outer_scale() if cache.fmt.scale_element == "e4m3" else 1.0
-    common = dict(HI=hi, PAGE=cache.page_size, SB=cache.scale_bytes, E8M0=cache.fmt.scale_element == "e8m0",
-                  INIT=cfg.init_blocks, LOCAL=cfg.local_blocks, num_warps=NUM_WARPS)
-    ring = (RING if chunk_blocks is None else False) if ring is None else ring
-    if ring and ring_ok(cache, iq4.device):
-        stages, programs = RING_CONFIG
-        w_desc, s_desc = _ring_descriptors(cache)
-        grid = (num_sms(iq4.device) * (ring_programs or programs),)
-        decode_block_parts_ring_kernel[grid](
-            q, w_desc, s_desc, block_table, context_lens, out, pos, float(gscale), bsz, cache.num_pages,
-            cache.page_bytes // 64, nb, nb * NUM_WARPS, 0x07070707, -0x7F7F7F80, q.stride(0), q.stride(1),
-            block_table.stride(0), STAGES=ring_stages or stages, BB=RING_SCAN, **common)
-        return out.view(bsz, 1, hi, nb, NUM_WARPS), pos
-    ch = chunk_blocks or CHUNK_BLOCKS
     grid = (bsz, triton.cdiv(nb, ch))
     decode_block_parts_kernel[grid](
         q, cache.data, block_table, context_lens, out, pos, float(gscale), cache.num_pages, cache.page_bytes,
         nb * NUM_WARPS, ch, 0x07070707, -0x7F7F7F80, q.stride(0), q.stride(1), block_table.stride(0),
-        PB=cache.payload_bytes, **common)
+        HI=hi, PAGE=cache.page_size, PB=cache.payload_bytes, SB=cache.scale_bytes,
+        E8M0=cache.fmt.scale_element == "e8m0", INIT=cfg.init_blocks, LOCAL=cfg.local_blocks, num_warps=NUM_WARPS)
     return out.view(bsz, 1, hi, nb, NUM_WARPS), pos
-

@@ -237,7 +237,7 @@ _tuned_kernel = triton.autotune(
 )(_index_score_kernel)
 LAUNCH_OPTIONS = ("chunk_blocks", "q_tile", "prefetch", "native_fp8", "num_warps", "num_stages", "fp4_words",
                   "in_kernel_topk", "post_scale", "warp_partials", "select", "lean", "tile_pairs",
-                  "max_registers", "gluon", "ring", "ring_stages", "ring_programs")
+                  "max_registers", "gluon")
 # launch options that pick a variant of the portable kernel: any of them given turns the Gluon fast path off
 PORTABLE_OPTIONS = ("q_tile", "prefetch", "native_fp8", "num_warps", "num_stages", "fp4_words", "in_kernel_topk",
                     "post_scale", "warp_partials", "lean", "tile_pairs", "max_registers")
@@ -380,9 +380,7 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
     64-block programs: two passes 358 us, in-kernel 381 us), post_scale (FP4 words: block scales applied to the
     partial scores of a block-diagonal query after the dot; default where its dot rows fit 16, see
     POST_SCALE_DEFAULT_ROWS), warp_partials (two-pass top-k: per-warp partial block maxima, see
-    the comment above the launchers), select (the select pass's launch variant, `topk.SELECT_VARIANTS`), ring /
-    ring_stages / ring_programs (the Gluon path's TMA ring kernel and its launch, `index_gluon.decode_block_parts`),
-    tile_pairs
+    the comment above the launchers), select (the select pass's launch variant, `topk.SELECT_VARIANTS`), tile_pairs
     (two tiles per loop iteration, `index_blocks.pair_step`; FP4 top-k on CUDA: FP4_PAIR_LAUNCH), and prefetch /
     num_warps / num_stages / max_registers (a fixed launch instead of the autotuned one; max_registers: CUDA's maxnreg)."""
     bad = set(options) - set(LAUNCH_OPTIONS)
@@ -394,10 +392,7 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
     nb = triton.cdiv(max(max_context, 1), cfg.block_size)
     if (mode == 1 or nb <= MAX_SELECT_BLOCKS) and _use_gluon(iq4, cache, cfg, q_pos, mode, options):
         parts, pos = index_gluon.decode_block_parts(iq4, cache, block_table, context_lens, cfg, nb,
-                                                    options.get("chunk_blocks"), fill=mode == 1,
-                                                    ring=options.get("ring"),
-                                                    ring_stages=options.get("ring_stages"),
-                                                    ring_programs=options.get("ring_programs"))
+                                                    options.get("chunk_blocks"), fill=mode == 1)
         if mode == 1:
             return parts.amax(-1)  # NaN-propagating, like the kernels' block maxima
         return select_from_block_scores(parts, pos, cfg.block_size, cfg.topk, higher_id=cfg.tie_rule != "lower-id",

@@ -215,7 +215,6 @@ def capture(thunk: Callable[[], Any], target: Target) -> list[Launch]:
         p.setattr(mods["sparse_attn_gluon"], "device_ok", lambda device: not target.rocm)
         p.setattr(mods["sparse_attn_gluon"], "num_sms", lambda device: target.sms)
         p.setattr(mods["index_gluon"], "num_sms", lambda device: target.sms)
-        p.setattr(mods["index_gluon"], "ring_ok", lambda cache, device: not target.rocm)
         p.setattr(mods["store_gluon"], "device_ok", lambda device: not target.rocm)
         p.setattr(mods["dequant"], "stream_ok", lambda device: not target.rocm)  # cache hints: CUDA only
         p.setattr(mods["store_gluon"], "num_sms", lambda device: target.sms)

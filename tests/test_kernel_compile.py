@@ -183,10 +183,6 @@ CASES["index-decode-topk-split256/nvfp4"] = _index_decode("nvfp4", "decode_topk"
 # the Gluon scorer forced (gluon=True) and its refusal on ROCm
 CASES["index-decode-topk-gluon/nvfp4"] = _index_decode("nvfp4", "decode_topk", gluon=True)
 XFAIL[("index-decode-topk-gluon/nvfp4", "hip:gfx950")] = "gluon=True is refused off CUDA (KernelArgumentError)"
-# the Gluon scorer's chunked kernel (ring=False: devices without TMA, caches the ring cannot view)
-for _f in ("nvfp4", "mxfp4"):
-    CASES[f"index-decode-topk-chunked/{_f}"] = _index_decode(_f, "decode_topk", gluon=True, ring=False)
-    XFAIL[(f"index-decode-topk-chunked/{_f}", "hip:gfx950")] = "gluon=True is refused off CUDA (KernelArgumentError)"
 # the Gluon attention forced (gluon=True) and its refusal on ROCm
 for _f in ("nvfp4", "mxfp4"):
     CASES[f"attn-decode-gluon/{_f}"] = _attn_decode(_f, 64, gluon=True)
@@ -198,7 +194,7 @@ for _case in PORTABLE_FP8:
 
 # what each group must launch (by kernel object name; a tuple: one of these), checked on every target. The index
 # scorer: autotuned, or its fixed launch (FP4 top-k on CUDA: index_score.FP4_PAIR_LAUNCH)
-SCORER = ("index_score._tuned_kernel", "index_score._index_score_kernel", "index_gluon.decode_block_parts_ring_kernel")
+SCORER = ("index_score._tuned_kernel", "index_score._index_score_kernel", "index_gluon.decode_block_parts_kernel")
 # sparse-attention decode: the portable kernel, or (FP4 on CUDA) the Gluon fast path (kernels/sparse_attn_gluon.py)
 ATTN_DECODE = ("sparse_attn._sparse_attn_kernel", "sparse_attn_gluon.decode_kernel")
 # the store: the portable kernel, or (bf16 rows of 128 into FP4 on CUDA) the Gluon TMA store (kernels/store_gluon.py)
@@ -218,8 +214,7 @@ EXPECT = {
     "attn-prefill": {"sparse_attn._sparse_attn_kernel"},
     "index-decode-topk-inkernel": {"index_score._tuned_kernel", "topk._merge_kernel"},
     "index-decode-topk-split256": {SCORER, "topk._select_kernel", "topk._merge_packed_kernel"},
-    "index-decode-topk-gluon": {"index_gluon.decode_block_parts_ring_kernel", "topk._select_kernel"},
-    "index-decode-topk-chunked": {"index_gluon.decode_block_parts_kernel", "topk._select_kernel"},
+    "index-decode-topk-gluon": {"index_gluon.decode_block_parts_kernel", "topk._select_kernel"},
 }
 
 

@@ -909,3 +909,22 @@ def test_gpu_decode_gluon_heads(heads):
     iq = queries(len(ctx), heads, 128, seed=93)
     iq[1] = 0
     check_decode(cache, table, cl, iq, IndexerConfig(topk=8), tuned=True, gluon=True)
+
+
+def test_gluon_chunk_rule():
+    """Blocks per program of the Gluon scorer's default launch (index_gluon.chunk_blocks_for) at the benchmark's
+    decode shapes on 132 SMs: the choices the H200 measured best (the table beside the rule), and the rule's
+    invariants on other shapes (a power of two <= CHUNK_BLOCKS; every SM gets FILL_PROGRAMS programs whenever the
+    blocks allow it)."""
+    G = K.index_gluon
+    want = {(1, 8192): 1, (1, 150_000): 2, (16, 8192): 2, (16, 32768): 8, (16, 150_000): 8, (64, 8192): 8,
+            (64, 32768): 8, (64, 150_000): 32}
+    got = {(b, c): G.chunk_blocks_for(b, -(-c // 128), 132) for b, c in want}
+    assert got == want
+    for bsz in (1, 3, 64, 1000):
+        for nb in (1, 7, 64, 1172, 2048):
+            for sms in (8, 132, 304):
+                ch = G.chunk_blocks_for(bsz, nb, sms)
+                assert 1 <= ch <= G.CHUNK_BLOCKS and ch & (ch - 1) == 0
+                programs = bsz * -(-nb // ch)
+                assert programs >= min(G.FILL_PROGRAMS * sms, bsz * nb) or ch == 1

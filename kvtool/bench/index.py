@@ -79,13 +79,6 @@ SWEEP = (
     ("gluon ch16", {"gluon": True, "chunk_blocks": 16}, ("nvfp4", "mxfp4")),
     ("gluon ch32", {"gluon": True, "chunk_blocks": 32}, ("nvfp4", "mxfp4")),
     ("gluon ch64", {"gluon": True, "chunk_blocks": 64}, ("nvfp4", "mxfp4")),
-    # the TMA ring kernel (index_gluon.RING_CONFIG: its default stages and programs per SM) at other launches
-    ("ring s2", {"gluon": True, "ring_stages": 2}, ("nvfp4", "mxfp4")),
-    ("ring s3", {"gluon": True, "ring_stages": 3}, ("nvfp4", "mxfp4")),
-    ("ring s6", {"gluon": True, "ring_stages": 6}, ("nvfp4", "mxfp4")),
-    ("ring p4", {"gluon": True, "ring_programs": 4}, ("nvfp4", "mxfp4")),
-    ("ring s3 p6", {"gluon": True, "ring_stages": 3, "ring_programs": 6}, ("nvfp4", "mxfp4")),
-    ("ring s2 p8", {"gluon": True, "ring_stages": 2, "ring_programs": 8}, ("nvfp4", "mxfp4")),
 )
 FP4_ONLY = ("post_scale",)
 
