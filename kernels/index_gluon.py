@@ -64,13 +64,15 @@ DIM = 128  # head dim
 HEADS_PAD = 8  # nvfp4: the dot's N, index heads padded to one mma n8 tile
 MX_HEADS = 4  # mxfp4: heads per MX block in the block-diagonal query (N = 4 blocks x 4 heads)
 NUM_WARPS = 4  # 32 tokens per warp; also the number of partial maxima per block (WP)
-# blocks per program: at most CHUNK_BLOCKS; see chunk_blocks_for (H200, score + top-k, 2026-11-29 19:39 UTC, us per
-# graph of the bench's layers, blocks per program 32 / 8 / 2: nvfp4 batch 1 x 8K 1492 / 601 / 374, 1 x 150K 488 /
-# 251 / 227, 16 x 8K 496 / 210 / 165, 16 x 32K 141.5 / 90.2 / 103, 16 x 150K 80.5 / 67.6 / 84.0, 64 x 8K 132 / 83 /
-# 97, 64 x 32K 58.2 / 60.6 / 75.5, 64 x 150K 225 / 234 / 309; mxfp4 alike)
+# blocks per program: at most CHUNK_BLOCKS; see chunk_blocks_for. H200, score + top-k, us per graph of the bench's
+# layers (bench/RESULTS.md, session 15), blocks per program 32 / 16 / 8 / 4 / 2 / 1 (two runs; 8 and 2 from the
+# first): nvfp4 batch 1 x 8K 1411 / 867 / 601 / 432 / 374 / 326, 1 x 150K 488 / 320 / 251 / 217 / 227 / 211, 16 x 8K
+# 502 / 306 / 210 / 176 / 165 / 161, 16 x 32K 138 / 98 / 90 / 89 / 103 / 96, 16 x 150K 79 / 70.4 / 67.6 / 73 / 84 /
+# 79, 64 x 8K 135 / 99 / 83 / 84 / 97 / 90, 64 x 32K 57.9 / 59.0 / 60.6-67.6 / 65 / 76 / 70, 64 x 150K 224 / 227 /
+# 234 / 260 / 309 / 289; mxfp4 alike. Fixed 32 (the default before) lost up to 4x on small batches.
 FILL_PROGRAMS = 3
 BALANCE_PROGRAMS = 16
-BALANCE_CHUNK = 8
+BALANCE_CHUNK = 16
 CHUNK_BLOCKS = 32  # blocks per program (H200, nvfp4 batch 64 x 150K top-k: 8 / 16 / 32 / 64 blocks 242 / 241 / 240 /
 # 249 us; one wave of programs, 118 blocks each, 257 us)
 
