@@ -20,8 +20,11 @@ loads the 16 bytes of each of its token rows that its mma.sync A-operand registe
   column 4 b + h holds head h's elements of MX block b, 16 columns), so the undecorated E2M1 tile gives every
   (token, block, head) partial score, each multiplied by its fp32 block factor 2**e and the 4 blocks summed;
 - the next tile's loads are issued before this tile's decode (register double buffer); each warp's 32 tokens of a
-  block reduce to a partial maximum per head inside the warp (no shared memory, no barrier) and the select pass
-  maxes the 4 parts (`topk.select_from_block_scores`, as for the portable kernel's warp partials).
+  block reduce to a partial maximum per head inside the warp (no shared memory, no barrier; the thread's register
+  rows first, so the lane shuffles carry half as many values) and the select pass maxes the 4 parts
+  (`topk.select_from_block_scores`, as for the portable kernel's warp partials);
+- programs take `chunk_blocks_for` blocks of one request each: few per program where the batch and context are
+  small (every SM busy), up to 32 where there are many (less per-program setup).
 Semantics are the portable kernel's (SPEC section 3, LEAN block scores): tokens at or past the context and tiles of
 -1 pages score -inf, NaN scores win the block maximum, the column scale multiplies the block maxima, forced init /
 local blocks get 1e30 / 1e29. Exactness: the same exact fp16 products as index_score (E2M1 x E4M3 and E2M1 x 2**k
@@ -33,6 +36,11 @@ written by the kernel and no -inf fill, 224.0 us against 254.0 (13:32 UTC); mxfp
 Offline sm_90 loop per thread and 128-token tile, common path: nvfp4 ~400 SASS (102 registers, 5 programs per SM),
 mxfp4 ~383 (123 registers, 4 per SM); no shared memory in the loop. ncu (13:19 UTC, before e2m1_pairs): issue slots
 77 % busy, DRAM 67 %: still issue-bound, about two thirds of the loop is the E2M1 decode and the nvfp4 HMUL2s.
+Session 15 (19:20 UTC): a TMA-ring variant (tiles copied into a 2-6 stage shared-memory ring, persistent programs
+taking equal shares of all (request, block) tiles) gave the same partial maxima bit for bit but no speed (nvfp4 222
+-236 us, mxfp4 298-336: 137 registers) and was removed. Its probes at batch 64 x 150K, event-timed: loads alone
+(no math) ~192 us, math alone (no loads) ~200 us, both ~235: the loop is bound by both at once, so neither deeper
+prefetch nor fewer instructions alone reaches the 191 us goal.
 
 Where it runs: CUDA devices with the hardware E4M3 conversion (capability >= 8.9) and Gluon; decode (one query per
 request), head dim 128, 128-token blocks within pages of a multiple of 128 tokens, at most 8 (nvfp4) or 4 (mxfp4)
