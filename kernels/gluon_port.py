@@ -59,6 +59,7 @@ def cuda_at_least(device: torch.device, capability: tuple[int, int]) -> bool:
     return torch.cuda.get_device_capability(device) >= capability
 
 
+@functools.lru_cache(maxsize=16)
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (the persistent Gluon kernels size their grids by it)."""
     return torch.cuda.get_device_properties(device).multi_processor_count

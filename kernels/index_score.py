@@ -431,10 +431,12 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
     if ch is None:
         # about four programs per SM; powers of 4 so that few distinct kernels (and autotune keys) arise, at most 32
         # blocks (H200, batch 64 x 150K score+topk: 32 blocks 344 / 370 / 521 us nvfp4 / fp8 / mxfp4, 64 blocks
-        # 358 / 391 / 520, 16 blocks 348 / 379 / 526)
+        # 358 / 391 / 520, 16 blocks 348 / 379 / 526); one block per program where there are fewer blocks than
+        # that (H200, session 15, fp8 / bf16 score + top-k, us per graph: batch 1 x 8K 966 -> 775 / 954 -> 782, 1 x
+        # 32K 664 -> 572 / 336 -> 304 against 4 blocks)
         want = triton.cdiv(nb * bsz * n_qtiles, 4 * _num_sms(iq4.device))
-        ch = 4
-        while ch < min(want, 64):
+        ch = 1 if want <= 1 else 4
+        while 1 < ch < min(want, 64):
             ch *= 4
         ch = min(ch, 32)
     ch = triton.next_power_of_2(ch)

@@ -454,7 +454,6 @@ def applies(q: torch.Tensor, k_cache, v_cache, block_size: int) -> bool:
             and all(c.data.stride(i) % 4 == 0 for c in (k_cache, v_cache) for i in (0, 1)))
 
 
-
 # rows x KV heads from which the default launch takes this kernel, per format (H200, M3 shape, us per layer, layers
 # back to back past L2, 2026-11-29): nvfp4 batch 16 13.1 (8 splits) / 15.7 (16) against the portable 11.3, batch 64
 # 24.3 against 26.0 (14:47 UTC); mxfp4 batch 64 28.7 against 27.0 with the combine launch (14:55 UTC), 25.0 against

@@ -37,8 +37,6 @@ portable kernel, tested in CI under the interpreter) `store.launch_store` runs t
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 
@@ -245,7 +243,6 @@ def rcp_lut(device: torch.device, g_dec: float) -> torch.Tensor | None:
     return table
 
 
-@functools.lru_cache(maxsize=16)
 def applies(x3: torch.Tensor, fmt: Format, words: bool) -> bool:
     """Whether `launch` can take this store: bf16 [T, H, 128] rows with heads contiguous and 16-byte aligned token
     rows, a 4-bit block format with word-aligned payload rows (`words`), on a device where `device_ok`."""
