@@ -913,7 +913,7 @@ def test_gpu_decode_gluon_heads(heads):
 
 def test_gluon_chunk_rule():
     """Blocks per program of the Gluon scorer's default launch (index_gluon.chunk_blocks_for) at the benchmark's
-    decode shapes on 132 SMs: the choices the H200 measured best (the table beside the rule), and the rule's
+    decode shapes on 132 SMs: the H200 best there or within 8 % of it (the table beside the rule), and the rule's
     invariants on other shapes (a power of two <= CHUNK_BLOCKS; every SM gets FILL_PROGRAMS programs whenever the
     blocks allow it)."""
     G = K.index_gluon

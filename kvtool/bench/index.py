@@ -74,7 +74,7 @@ SWEEP = (
                        "max_registers": 128}, None),
     ("pairs prefetch", {"tile_pairs": True, "prefetch": True, "num_stages": 1, "num_warps": 4}, None),
     # the FP4 default on CUDA is the Gluon kernel (kernels/index_gluon.py): the portable kernel's default beside it,
-    # and the Gluon kernel at other blocks per program (its default: 32)
+    # and the Gluon kernel at fixed blocks per program (its default: index_gluon.chunk_blocks_for)
     ("portable", {"gluon": False}, ("nvfp4", "mxfp4")),
     ("gluon ch16", {"gluon": True, "chunk_blocks": 16}, ("nvfp4", "mxfp4")),
     ("gluon ch32", {"gluon": True, "chunk_blocks": 32}, ("nvfp4", "mxfp4")),
