@@ -425,8 +425,11 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
     # rows of scores: a dot needs 16 rows (padded); POST_SCALE dots MP NSBP rows
     mp = max(16 // nsbp, qt * hip)
     n_qtiles = triton.cdiv(nq, qt)
-    tile_pos = torch.nn.functional.pad(pos, (0, n_qtiles * qt - nq), value=-1).view(bsz, n_qtiles, qt)
-    tile_pos = tile_pos.amax(-1).contiguous() if bsz * nq else tile_pos.new_empty(0)
+    if qt == 1:  # one query per tile (decode): its position; no pad / max launches in the step's graph
+        tile_pos = pos
+    else:
+        tile_pos = torch.nn.functional.pad(pos, (0, n_qtiles * qt - nq), value=-1).view(bsz, n_qtiles, qt)
+        tile_pos = tile_pos.amax(-1).contiguous() if bsz * nq else tile_pos.new_empty(0)
     ch = options.get("chunk_blocks")
     if ch is None:
         # about four programs per SM; powers of 4 so that few distinct kernels (and autotune keys) arise, at most 32
