@@ -81,8 +81,8 @@ NUM_WARPS = 4  # 32 tokens per warp; also the number of partial maxima per block
 FILL_PROGRAMS = 3
 BALANCE_PROGRAMS = 16
 BALANCE_CHUNK = 16
-CHUNK_BLOCKS = 32  # blocks per program (H200, nvfp4 batch 64 x 150K top-k: 8 / 16 / 32 / 64 blocks 242 / 241 / 240 /
-# 249 us; one wave of programs, 118 blocks each, 257 us)
+CHUNK_BLOCKS = 32  # the most blocks per program (H200, nvfp4 batch 64 x 150K top-k: 8 / 16 / 32 / 64 blocks 242 / 241 /
+# 240 / 249 us; one wave of programs, 118 blocks each, 257 us)
 
 if gluon is not None:
     NW = gl.constexpr(NUM_WARPS)
