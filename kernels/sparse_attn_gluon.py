@@ -48,6 +48,24 @@ kept although the time did not change. Tried and not faster (same day): Q kept i
 shared softmax max across the warps with the accumulator rescaled only when a max grows by > 2**8 (3 barriers per
 tile: slower), loads one more tile ahead (+3 % at batch 256, -2 % at 128), the S dot as two independent mma chains.
 
+The column-split kernel (`decode_os_kernel`, session 16; nvfp4's default, `O_SPLIT`): the kernel above keeps a whole
+O [16, 128] per warp (64 fp32 registers a thread), so it held 2 programs per SM. Here O is split by head-dim column
+across the warps (warp w owns elements 32 w .. 32 w + 31: 16 registers a thread), which costs one softmax max per
+tile across the warps and P through shared memory (every warp multiplies all 64 tokens' P by its own V columns):
+- K and V tiles come in as async copies (cp.async) into a 3-stage shared-memory ring, so loads in flight hold no
+  registers; V's ring is swizzled by token bits 1, 2, so the four token rows one V load instruction reads sit in
+  four different 16-byte chunks (no bank conflicts);
+- a V thread reads one word per token and keeps one half (lanes g0 = 0, 1 share the word), the two tokens of a
+  B register pair joined by one PRMT, then `kc.e2m1_pairs`: the same decode cost as the kernel above;
+- S, its decode of K and Q's scaling are the kernel above's; nothing is merged across warps after the loop.
+Measured (H200, same conditions, 21:1x UTC): nvfp4 batch 64 / 128 / 256 18.2 / 26.9 / 44.2 us per layer against 22.1
+/ 30.6 / 47.1 (fp8's portable kernel 20.1 / 32.3 / 46.7). It is issue-bound, not latency-bound: ~650 SASS per warp
+and tile (as the kernel above), ~2.9 instructions per cycle per SM in the loop at 2 programs per SM; capped at 128
+registers (4 programs per SM instead of 3, no spills) it was no faster at any batch. mxfp4 keeps the kernel above
+(65.4 against 59.2 us at batch 256): its per-token E8M0 factors, recomputed by each of the 16 tokens' lanes, put
+~400 more SASS in each tile. Both kernels also pay ~10 us per layer outside the loop (launch, the dependent loads
+before the first tile, the output): batch 128 with 2 splits and batch 256 with 1 differ by 16 tiles a program.
+
 Where it runs: CUDA devices with Gluon and the hardware E4M3 conversion (capability >= 8.9); decode; nvfp4 or mxfp4
 K and V; head dim 128; at most 16 query heads per KV head; 128-token selection blocks and pages. Elsewhere (gfx950
 included) `sparse_decode` runs the portable kernel, whose code CI tests in the interpreter; CI compiles this one
@@ -67,7 +85,7 @@ from kvtool.kernels.gluon_port import cuda_at_least, num_sms
 try:  # Gluon ships with Triton >= 3.5; without it the portable kernel runs everywhere
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 except ImportError:  # pragma: no cover - the pinned Triton has it
     gluon = None
 
@@ -436,6 +454,247 @@ if gluon is not None:
                      mask=gl.expand_dims(hmask, 1))
 
 
+    # ---- O split by head-dim column across the warps (decode_os_kernel) ----
+    # V words [64 tokens, 16 words, 2 halves] for BS at [64 k, 128 n]: token bit 0 and bits 3-5 in registers, bits
+    # 1, 2 on the lanes t; word bits 0, 1 on the lanes g1, g2, bits 2, 3 on the warps; the half on the lane g0. Each
+    # thread loads one word per token (lanes g0 = 0, 1 read the same word and keep one half each), so warp w holds
+    # head-dim elements 32 w .. 32 w + 31 of every token: one E8M0 block, two E4M3 blocks.
+    WV2 = gl.DistributedLinearLayout(reg_bases=[[1, 0, 0], [8, 0, 0], [16, 0, 0], [32, 0, 0]],
+                                     lane_bases=[[2, 0, 0], [4, 0, 0], [0, 0, 1], [0, 1, 0], [0, 2, 0]],
+                                     warp_bases=[[0, 4, 0], [0, 8, 0]], block_bases=[], shape=[TILE, 16, 2])
+
+    @gluon.jit
+    def prmt(a, b, sel):
+        """The bytes of (a, b) selected by sel (PTX prmt): one instruction for a byte shuffle of two words."""
+        return gl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel], dtype=gl.int32,
+                                         is_pure=True, pack=1)
+
+    @gluon.jit
+    def v2_column_element(n):
+        """Output column n of the O-split P V dot -> head-dim element: B's n = g + 8 w + 32 r holds nibble r of
+        half-word 8 w + g, element 32 w + 4 g + r."""
+        return 32 * ((n >> 3) & 3) + 4 * (n & 7) + (n >> 5)
+
+    @gluon.jit
+    def decode_v2(words, f, lo3, sign8):
+        """V words int32 [64, 16, 2] (WV2), fp16 factors of the same shape and layout -> V fp16 [64 tokens, 128 n] in
+        BS, column n = v2_column_element(n), values * 2**-14 * factor."""
+        w3 = gl.permute(gl.reshape(words, [T // 2, 2, 16, 2]), (0, 2, 3, 1))  # [tp, word, half, tb0]
+        wa, wb = gl.split(w3)
+        half = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(0, wa.type.layout)))
+        sel = gl.expand_dims(gl.expand_dims(0x5410 + 0x2222 * half, 0), 0)
+        z = prmt(wa, wb, sel)  # nibbles 0-3: the half's four elements of the even token; 4-7: of the odd token
+        p0, p1, p2, p3 = e2m1_pairs(z, lo3, sign8)
+        x = gl.join(gl.join(pair_join(p0), pair_join(p1)), gl.join(pair_join(p2), pair_join(p3)))
+        f3 = gl.permute(gl.reshape(f, [T // 2, 2, 16, 2]), (0, 2, 3, 1))
+        fa, fb = gl.split(f3)
+        fab = gl.join(fa, fb)  # [tp, word, half, tb0]
+        fab = gl.join(fab, fab)
+        fab = gl.join(fab, fab)
+        x = x * gl.convert_layout(fab, x.type.layout, assert_trivial=True)
+        # x: [tp, word, half, tb0, r0, r1] -> bits: 0 tb5 1 tb4 2 tb3 3 tb2 4 tb1 | 5 wd3 6 wd2 7 wd1 8 wd0 | 9 half |
+        # 10 tb0 | 11 r0 | 12 r1; target [k5 .. k0 | n6 .. n0] = [tb5 .. tb1 tb0 | r1 r0 wd3 wd2 wd1 wd0 half]
+        x = gl.reshape(x, [2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2])
+        x = gl.permute(x, (0, 1, 2, 3, 4, 10, 12, 11, 5, 6, 7, 8, 9))
+        return gl.convert_layout(gl.reshape(x, [T, 128]), BS, assert_trivial=True)
+
+    # shared-memory tiles of the O-split kernel: payload words [64 tokens, 16] (K plain: a thread's four words are one
+    # LDS.128 over 8 rows x 4 chunks; V swizzled by token bits 1, 2 so that the four rows a V load instruction reads
+    # land in four different 16-byte chunks), scale words [64, 2] (nvfp4) or [64] (mxfp4)
+    K_SMEM = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    V_SMEM = gl.SwizzledSharedLayout(4, 2, 4, order=[1, 0])
+    S2_SMEM = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    S1_SMEM = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    CP_W = gl.BlockedLayout([1, 4], [8, 4], [NUM_WARPS, 1], [1, 0])  # payload copies: 16 bytes a thread
+    CP_S2 = gl.BlockedLayout([1, 1], [16, 2], [NUM_WARPS, 1], [1, 0])  # nvfp4 scale words: 4 bytes a thread
+    CP_S1 = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])  # mxfp4 scale words (64: warps 2, 3 repeat 0, 1)
+    # nvfp4 V scale bytes as [64 tokens, 8 blocks, 2 (word bit 0), 2 (half)] for WV2: a block's byte repeated over
+    # the lanes g1 (word bit 0) and g0 (half); the lane g2 and the warps pick the block
+    SV4 = gl.DistributedLinearLayout(reg_bases=[[1, 0, 0, 0], [8, 0, 0, 0], [16, 0, 0, 0], [32, 0, 0, 0]],
+                                     lane_bases=[[2, 0, 0, 0], [4, 0, 0, 0], [0, 0, 0, 1], [0, 0, 1, 0], [0, 1, 0, 0]],
+                                     warp_bases=[[0, 2, 0, 0], [0, 4, 0, 0]], block_bases=[], shape=[TILE, 8, 2, 2])
+    STAGES = gl.constexpr(3)  # shared-memory tiles: copies run STAGES - 1 tiles ahead
+
+    @gluon.jit
+    def _issue(kbuf, ksbuf, vbuf, vsbuf, bid, pg, j, k_ptr, v_ptr, head_k, head_v, stride_kp, stride_vp, pos,
+               E8M0: gl.constexpr):
+        """Tile j's four async copies (K and V payload and scale words) into one stage; a dead tile (-1 id or page,
+        wholly after the query) copies zeros; V's scale words of tokens after the query are zeros too (so that stale
+        bytes there, a NaN scale, cannot reach the output through p = 0)."""
+        SB: gl.constexpr = 4 if E8M0 else 8  # scale bytes per token
+        tok0 = bid * 128 + (j % 2) * T
+        live = (bid >= 0) & (pg >= 0) & (tok0 <= pos)
+        pgl = gl.maximum(pg, 0).to(gl.int64)
+        kt = k_ptr + (pgl * stride_kp + head_k + (j % 2) * T * 64)  # the tile's first payload byte
+        vt = v_ptr + (pgl * stride_vp + head_v + (j % 2) * T * 64)
+        rw = gl.arange(0, T, layout=gl.SliceLayout(1, CP_W))
+        w_off = gl.expand_dims(rw, 1) * 16 + gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, CP_W)), 0)
+        async_copy.async_copy_global_to_shared(kbuf, kt.to(gl.pointer_type(gl.int32), bitcast=True) + w_off,
+                                               mask=live)
+        async_copy.async_copy_global_to_shared(vbuf, vt.to(gl.pointer_type(gl.int32), bitcast=True) + w_off,
+                                               mask=live)
+        # scale words start after the page's 128 x 64 payload bytes; the tile's first token is (j % 2) * 64
+        ks = (kt + (128 * 64 - (j % 2) * T * 64 + (j % 2) * T * SB)).to(gl.pointer_type(gl.int32), bitcast=True)
+        vs = (vt + (128 * 64 - (j % 2) * T * 64 + (j % 2) * T * SB)).to(gl.pointer_type(gl.int32), bitcast=True)
+        if E8M0:
+            rs = gl.arange(0, T, layout=CP_S1)
+            async_copy.async_copy_global_to_shared(ksbuf, ks + rs, mask=live)
+            async_copy.async_copy_global_to_shared(vsbuf, vs + rs, mask=live & (tok0 + rs <= pos))
+        else:
+            rs = gl.arange(0, T, layout=gl.SliceLayout(1, CP_S2))
+            s_off = gl.expand_dims(rs, 1) * 2 + gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(0, CP_S2)), 0)
+            async_copy.async_copy_global_to_shared(ksbuf, ks + s_off, mask=live)
+            async_copy.async_copy_global_to_shared(vsbuf, vs + s_off, mask=gl.expand_dims(live & (tok0 + rs <= pos), 1))
+        async_copy.commit_group()
+
+    @gluon.jit
+    def decode_os_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, ml_ptr, cnt_ptr, table_ptr, ctx_ptr, ids_ptr,
+                         qk_scale, v_scalar, stride_qr, stride_qh, stride_kp, stride_kh, stride_vp, stride_vh,
+                         stride_tb, stride_ir, stride_ih, n_tiles, tiles_per_split, lo3, sign8, G: gl.constexpr,
+                         SPLIT: gl.constexpr, E8M0: gl.constexpr, FUSED: gl.constexpr):
+        """decode_kernel's contract with the accumulator split by head-dim column across the warps: O [16, 128] in MS
+        (16 fp32 registers a thread instead of 64); K and V tiles come in as async copies into a STAGES-deep
+        shared-memory ring (no registers held by loads in flight); every warp's S columns reach every warp through
+        shared memory (P as the A operand [16 heads, 64 tokens]) under one softmax max per tile (a cross-warp max);
+        warp w decodes and multiplies head-dim elements 32 w .. 32 w + 31 of all 64 tokens of V."""
+        SW: gl.constexpr = 1 if E8M0 else 2  # scale words per token
+        row = gl.program_id(0)
+        h = gl.program_id(1)
+        split = gl.program_id(2)
+        n_splits = gl.num_programs(2)
+        pos = gl.load(ctx_ptr + row) - 1
+        hq = gl.arange(0, 16, layout=gl.SliceLayout(1, Q_L))
+        cq = gl.arange(0, 128, layout=gl.SliceLayout(0, Q_L))
+        q = gl.load(q_ptr + row.to(gl.int64) * stride_qr + gl.expand_dims(h * G + hq, 1) * stride_qh
+                    + gl.expand_dims(k_column_element(cq), 0), mask=gl.expand_dims(hq < G, 1), other=0.0)
+        q = q.to(gl.float32)
+        e = ((gl.max(gl.abs(q), axis=1).to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        a = gl.minimum(gl.maximum(14 - e, -126), 126)
+        qa = gl.convert_layout((q * gl.expand_dims(exp2_int(a), 1)).to(gl.float16), AS)
+        down = gl.convert_layout(exp2_int(-a) * qk_scale, gl.SliceLayout(1, MS))
+        kbufs = gl.allocate_shared_memory(gl.int32, [STAGES, T, 16], K_SMEM)
+        vbufs = gl.allocate_shared_memory(gl.int32, [STAGES, T, 16], V_SMEM)
+        if E8M0:
+            ksbufs = gl.allocate_shared_memory(gl.int32, [STAGES, T], S1_SMEM)
+            vsbufs = gl.allocate_shared_memory(gl.int32, [STAGES, T], S1_SMEM)
+        else:
+            ksbufs = gl.allocate_shared_memory(gl.int32, [STAGES, T, 2], S2_SMEM)
+            vsbufs = gl.allocate_shared_memory(gl.int32, [STAGES, T, 2], S2_SMEM)
+        word = gl.expand_dims(gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, WV2))), 0),
+                              2)  # [1, 16, 1]
+        zero3 = gl.full([T, 16, 2], 0, gl.int32, layout=WV2)
+        tok_s = gl.arange(0, T, layout=gl.SliceLayout(0, MS))
+        m_i = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MS))
+        mv_i = m_i
+        l_acc = gl.full([16, T], 0.0, gl.float32, layout=MS)  # lazy per-column sums
+        acc = gl.full([16, 128], 0.0, gl.float32, layout=MS)
+        head_k = h.to(gl.int64) * stride_kh
+        head_v = h.to(gl.int64) * stride_vh
+        ids_row = ids_ptr + row.to(gl.int64) * stride_ir + h * stride_ih
+        table_row = table_ptr + row.to(gl.int64) * stride_tb
+        t0 = split * tiles_per_split
+        j_end = gl.minimum(t0 + tiles_per_split, n_tiles)
+        # pipeline: copies for tiles j + 1, j + 2 in flight while tile j computes; their ids and pages ahead of them
+        b0 = _block(t0, ids_row, j_end)
+        b1 = _block(t0 + 1, ids_row, j_end)
+        b2 = _block(t0 + 2, ids_row, j_end)
+        b3 = _block(t0 + 3, ids_row, j_end)
+        pg0 = _page(b0, table_row, pos)
+        pg1 = _page(b1, table_row, pos)
+        pg2 = _page(b2, table_row, pos)
+        _issue(kbufs.index(0), ksbufs.index(0), vbufs.index(0), vsbufs.index(0), b0, pg0, t0, k_ptr, v_ptr, head_k,
+               head_v, stride_kp, stride_vp, pos, E8M0)
+        _issue(kbufs.index(1), ksbufs.index(1), vbufs.index(1), vsbufs.index(1), b1, pg1, t0 + 1, k_ptr, v_ptr,
+               head_k, head_v, stride_kp, stride_vp, pos, E8M0)
+        for j in range(t0, j_end):
+            st = (j - t0) % STAGES
+            tok0 = b0 * 128 + (j % 2) * T
+            live = (b0 >= 0) & (pg0 >= 0) & (tok0 <= pos)
+            b4 = _block(j + 4, ids_row, j_end)
+            pg3 = _page(b3, table_row, pos)
+            async_copy.wait_group(1)  # this thread's copies of tile j have landed
+            gl.thread_barrier()  # everyone's have, and everyone is done with tile j - 1's stage (refilled next)
+            sn = (j + 2 - t0) % STAGES
+            _issue(kbufs.index(sn), ksbufs.index(sn), vbufs.index(sn), vsbufs.index(sn), b2, pg2, j + 2, k_ptr,
+                   v_ptr, head_k, head_v, stride_kp, stride_vp, pos, E8M0)
+            kw = kbufs.index(st).load(WK)
+            if E8M0:
+                ksw = ksbufs.index(st).load(gl.SliceLayout(1, SK))
+                kc_ = ksbufs.index(st).load(gl.SliceLayout(0, MS))
+                f = block_factors(gl.full([T, 8], 0, gl.int32, layout=SK), ksw, True)
+            else:
+                ksb = ksbufs.index(st)._reinterpret(gl.int8, [T, 8], S2_SMEM).load(SK)
+                kc_ = tok_s
+                f = block_factors(ksb, ksb, False)
+            s = mma_v2(qa, decode_k(kw, f, lo3, sign8), gl.full([16, T], 0.0, gl.float32, layout=MS))
+            if E8M0:
+                s = s * gl.expand_dims(exp2_int(byte_max(kc_) - 127), 0)
+            valid = live & (tok0 + tok_s <= pos)
+            s = gl.where(gl.expand_dims(valid, 0), s * gl.expand_dims(down, 1), float("-inf"))
+            if E8M0:
+                vsw = vsbufs.index(st).load(gl.SliceLayout(1, gl.SliceLayout(2, WV2)))
+                vsw = gl.expand_dims(gl.expand_dims(vsw, 1), 2) + zero3
+                vf = pow2_f16(((vsw >> (8 * (word >> 2))) & 0xFF) - byte_max(vsw))
+                ev = (byte_max(vsbufs.index(st).load(gl.SliceLayout(0, MS))) - 127).to(gl.float32)
+            else:
+                vb = vsbufs.index(st)._reinterpret(gl.int8, [T, 8], S2_SMEM).load(
+                    gl.SliceLayout(2, gl.SliceLayout(3, SV4)))
+                vb = gl.expand_dims(gl.expand_dims(vb.to(gl.float8e4nv, bitcast=True).to(gl.float16), 2), 3)
+                vb = vb + gl.full([T, 8, 2, 2], 0.0, gl.float16, layout=SV4)
+                vf = gl.convert_layout(gl.reshape(vb, [T, 16, 2]), WV2, assert_trivial=True)
+            vw = vbufs.index(st).load(gl.SliceLayout(2, WV2))
+            vw = gl.expand_dims(vw, 2) + zero3
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))  # across the warps
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+            l_acc = l_acc * gl.expand_dims(alpha, 1) + p
+            m_i = m_new
+            if E8M0:
+                # P' = 2**(s + e_v - mv) <= 1: V decoded over each token's largest block, times P', is exact
+                sv = s + gl.expand_dims(ev, 0)
+                mv_new = gl.maximum(mv_i, gl.max(sv, axis=1))
+                mv_safe = gl.where(mv_new == float("-inf"), 0.0, mv_new)
+                alpha = gl.exp2(mv_i - mv_safe)
+                p = gl.exp2(sv - gl.expand_dims(mv_safe, 1))
+                mv_i = mv_new
+            pa = gl.convert_layout(p.to(gl.float16), AS)  # every warp's columns to every warp
+            acc = mma_v2(pa, decode_v2(vw, vf, lo3, sign8), acc * gl.expand_dims(alpha, 1))
+            b0, b1, b2, b3 = b1, b2, b3, b4
+            pg0, pg1, pg2 = pg1, pg2, pg3
+        async_copy.wait_group(0)
+        if E8M0:  # acc from mv_i's reference to m_i's (2**(mv - m) <= 2**127: e_v <= 127)
+            mv_safe = gl.where(mv_i == float("-inf"), 0.0, mv_i)
+            acc = acc * gl.expand_dims(gl.exp2(mv_safe - gl.where(m_i == float("-inf"), 0.0, m_i)), 1)
+        l_tot = gl.sum(l_acc, axis=1)  # [16]
+        o = gl.convert_layout(acc, O_L)  # [16, 128], column n = v2_column_element(n)
+        ho = gl.arange(0, 16, layout=gl.SliceLayout(1, O_L))
+        cols = gl.expand_dims(v2_column_element(gl.arange(0, 128, layout=gl.SliceLayout(0, O_L))), 0)
+        heads = row.to(gl.int64) * (G * gl.num_programs(1)) + h * G + ho  # flat (row, query head)
+        hmask = ho < G
+        if SPLIT:
+            gl.store(part_ptr + gl.expand_dims(heads * n_splits + split, 1) * 128 + cols, o,
+                     mask=gl.expand_dims(hmask, 1))
+            hm = gl.arange(0, 16, layout=ML_L)
+            slot_m = (row.to(gl.int64) * (G * gl.num_programs(1)) + h * G + hm) * n_splits + split
+            gl.store(ml_ptr + slot_m * 2, gl.convert_layout(m_i, ML_L), mask=hm < G)
+            gl.store(ml_ptr + slot_m * 2 + 1, gl.convert_layout(l_tot, ML_L), mask=hm < G)
+            if FUSED:
+                gl.thread_barrier()
+                cnt = cnt_ptr + row * gl.num_programs(1) + h
+                arrived = gl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+                if arrived == n_splits - 1:
+                    gl.store(cnt, 0)
+                    _combine(part_ptr, ml_ptr, out_ptr, row.to(gl.int64) * (G * gl.num_programs(1)) + h * G, G,
+                             n_splits, v_scalar)
+        else:
+            l_o = gl.expand_dims(gl.convert_layout(l_tot, gl.SliceLayout(1, O_L)), 1)
+            empty = l_o == 0.0
+            res = gl.where(empty, 0.0, o / gl.where(empty, 1.0, l_o)) * v_scalar
+            gl.store(out_ptr + gl.expand_dims(heads, 1) * 128 + cols, res.to(out_ptr.dtype.element_ty),
+                     mask=gl.expand_dims(hmask, 1))
+
+
 def device_ok(device: torch.device) -> bool:
     """This path runs on CUDA devices with Gluon and the hardware E4M3 conversion (capability >= 8.9)."""
     return cuda_at_least(device, (8, 9))
@@ -461,11 +720,30 @@ def applies(q: torch.Tensor, k_cache, v_cache, block_size: int) -> bool:
 MIN_PROGRAMS = {"nvfp4": 64, "mxfp4": 64}
 
 
+# The kernel each format's launch takes (H200, M3 TP4 shape, us per layer, layers back to back past L2 in one CUDA
+# graph, 2026-11-29 21:1x UTC, `.scratch/s16_sweep.py`; fp8's portable kernel beside): nvfp4 decode_os_kernel at
+# batch 64 / 128 / 256 18.2 / 26.9 / 44.2 against decode_kernel's 22.1 / 30.6 / 47.1 (fp8 20.1 / 32.3 / 46.7);
+# mxfp4 decode_os_kernel 23.0 / 37.7 / 65.4 against 24.5 / 37.1 / 59.2 (its E8M0 factors cost ~400 more SASS a tile).
+O_SPLIT = {"nvfp4": True, "mxfp4": False}
+
+
+def kernel_for(family: str):
+    """The Gluon decode kernel of a format family (O_SPLIT)."""
+    return decode_os_kernel if O_SPLIT[family] else decode_kernel
+
+
+MIN_TILES_PER_SPLIT = 4  # fewer tiles than this per split lose to the merge and the pipeline fill (batch 16: 8 splits
+# 11.6 us, 16 splits 13.8)
+
+
 def default_splits(rows: int, num_kv_heads: int, n_tiles: int, device: torch.device) -> int:
-    """About two programs per SM (H200, M3 shape, us per layer, 2026-11-29 14:47 UTC, layers back to back past L2:
-    batch 256 with 1 / 2 splits 48.1 / 61.1; batch 128 with 1 / 2: 36.4 / 33.5; batch 64 with 2 / 3 / 4 / 6 / 8:
-    24.3 / 27.0 / 24.6 / 32.4 / 33.5)."""
-    return max(1, min(n_tiles, 2 * num_sms(device) // max(1, rows * num_kv_heads)))
+    """About two programs per SM, at least MIN_TILES_PER_SPLIT tiles each (H200, M3 shape, us per layer, layers back
+    to back past L2; decode_kernel 2026-11-29 14:47 UTC: batch 256 with 1 / 2 splits 48.1 / 61.1, batch 128 with 1 /
+    2: 36.4 / 33.5, batch 64 with 2 / 3 / 4 / 6 / 8: 24.3 / 27.0 / 24.6 / 32.4 / 33.5; decode_os_kernel, 161-167
+    registers, 3 programs per SM, 21:1x UTC: batch 256 with 1 / 2 splits 44.2 / 52.8 (2 splits are 1.3 waves; capped
+    at 128 registers, 4 programs per SM, 43.5), batch 128 with 2 / 3 / 4 26.9 / 26.0 / 34.0, batch 64 with 3 / 4 / 6
+    / 8 20.2 / 18.2 / 19.5 / 24.9)."""
+    return max(1, min(n_tiles // MIN_TILES_PER_SPLIT, 2 * num_sms(device) // max(1, rows * num_kv_heads)))
 
 
 # Split decodes merge their partials in the last program of each (request, KV head) instead of a second launch.
@@ -514,7 +792,7 @@ def sparse_decode(q: torch.Tensor, k_cache, v_cache, block_table: torch.Tensor, 
     else:
         part = ml = out  # unused
     cnt = cnt if fused else out  # unused without the fused merge
-    decode_kernel[(rows, hkv, splits)](
+    kernel_for(k_cache.fmt.family)[(rows, hkv, splits)](
         q, k_cache.data, v_cache.data, out, part, ml, cnt, block_table, context_lens, block_ids, float(qk_scale),
         float(v_scalar), q.stride(0), q.stride(1), k_cache.data.stride(0), k_cache.data.stride(1),
         v_cache.data.stride(0), v_cache.data.stride(1), block_table.stride(0), block_ids.stride(0),

@@ -302,8 +302,11 @@ def test_gluon_dispatch_rules(monkeypatch):
     k8, v8 = caches("fp8-unit")
     with pytest.raises(KernelArgumentError, match="nvfp4 or mxfp4"):
         SA._use_gluon(q, k8, v8, 128, True, {})
-    # about two programs per SM, never more splits than tiles (32 at M3's top-16 x 128 in 64-token tiles)
-    assert [G.default_splits(r, 1, 32, torch.device("cpu")) for r in (256, 128, 64, 16, 1)] == [1, 2, 4, 16, 32]
+    # about two programs per SM, at least 4 of the 32 tiles (M3's top-16 x 128 in 64-token tiles) per split
+    assert [G.default_splits(r, 1, 32, torch.device("cpu")) for r in (256, 128, 64, 16, 1)] == [1, 2, 4, 8, 8]
+    assert G.default_splits(1, 1, 3, torch.device("cpu")) == 1  # fewer tiles than a split's least
+    # each family's kernel: nvfp4 the column-split accumulator, mxfp4 the whole accumulator per warp
+    assert G.kernel_for("nvfp4") is G.decode_os_kernel and G.kernel_for("mxfp4") is G.decode_kernel
 
 
 # --------------------------------------------------------------------------------------------- GPU, real sizes
