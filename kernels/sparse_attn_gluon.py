@@ -154,18 +154,19 @@ if gluon is not None:
 
     @gluon.jit
     def decode_k(words, f, lo3, sign8):
-        """K words int32 [64, 16] (WK), fp16 factors [64, 8] (SK: one per 16 elements) -> K^T fp16 [128, 64] in BS
-        (dim slot c = k_column_element(c)), values * 2**-14 * factor."""
-        f = gl.convert_layout(gl.reshape(gl.join(f, f), [T, 16]), WK, assert_trivial=True)
+        """K words int32 [TT tokens, 16] (WK, or WK2 at 128 tokens), fp16 factors [TT, 8] (SK / SK2: one per 16
+        elements) -> K^T fp16 [128, TT] in BS (dim slot c = k_column_element(c)), values * 2**-14 * factor."""
+        TT: gl.constexpr = words.shape[0]
+        f = gl.convert_layout(gl.reshape(gl.join(f, f), [TT, 16]), words.type.layout, assert_trivial=True)
         p0, p1, p2, p3 = e2m1_pairs(words, lo3, sign8)
         # [64 tokens, 16 w, h, k0, k1]
         x = gl.join(gl.join(pair_join(p0), pair_join(p1)), gl.join(pair_join(p2), pair_join(p3)))
         s = gl.join(f, f)
         s = gl.join(s, s)
         x = x * gl.join(s, s)
-        x = gl.reshape(x, [T, 2, 2, 2, 2, 2, 2, 2])  # token, w3, w2, w1, w0, h, k0, k1
+        x = gl.reshape(x, [TT, 2, 2, 2, 2, 2, 2, 2])  # token, w3, w2, w1, w0, h, k0, k1
         x = gl.permute(x, (3, 4, 7, 6, 1, 2, 5, 0))  # c bits high to low: w1, w0, k1, k0, w3, w2, h; then token
-        return gl.convert_layout(gl.reshape(x, [128, T]), BS, assert_trivial=True)
+        return gl.convert_layout(gl.reshape(x, [128, TT]), BS, assert_trivial=True)
 
     @gluon.jit
     def decode_v(words, f, lo3, sign8):
@@ -477,26 +478,25 @@ if gluon is not None:
 
     @gluon.jit
     def decode_v2(words, f, lo3, sign8):
-        """V words int32 [64, 16, 2] (WV2), fp16 factors of the same shape and layout -> V fp16 [64 tokens, 128 n] in
-        BS, column n = v2_column_element(n), values * 2**-14 * factor."""
-        w3 = gl.permute(gl.reshape(words, [T // 2, 2, 16, 2]), (0, 2, 3, 1))  # [tp, word, half, tb0]
+        """V words int32 [TT tokens, 16, 2] (WV2 / WV22), fp16 factors of the same shape and layout -> V fp16 [TT, 128
+        n] in BS, column n = v2_column_element(n), values * 2**-14 * factor."""
+        TT: gl.constexpr = words.shape[0]
+        w3 = gl.permute(gl.reshape(words, [TT // 2, 2, 16, 2]), (0, 2, 3, 1))  # [tp, word, half, tb0]
         wa, wb = gl.split(w3)
         half = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(0, wa.type.layout)))
         sel = gl.expand_dims(gl.expand_dims(0x5410 + 0x2222 * half, 0), 0)
         z = prmt(wa, wb, sel)  # nibbles 0-3: the half's four elements of the even token; 4-7: of the odd token
         p0, p1, p2, p3 = e2m1_pairs(z, lo3, sign8)
         x = gl.join(gl.join(pair_join(p0), pair_join(p1)), gl.join(pair_join(p2), pair_join(p3)))
-        f3 = gl.permute(gl.reshape(f, [T // 2, 2, 16, 2]), (0, 2, 3, 1))
+        f3 = gl.permute(gl.reshape(f, [TT // 2, 2, 16, 2]), (0, 2, 3, 1))
         fa, fb = gl.split(f3)
         fab = gl.join(fa, fb)  # [tp, word, half, tb0]
         fab = gl.join(fab, fab)
         fab = gl.join(fab, fab)
         x = x * gl.convert_layout(fab, x.type.layout, assert_trivial=True)
-        # x: [tp, word, half, tb0, r0, r1] -> bits: 0 tb5 1 tb4 2 tb3 3 tb2 4 tb1 | 5 wd3 6 wd2 7 wd1 8 wd0 | 9 half |
-        # 10 tb0 | 11 r0 | 12 r1; target [k5 .. k0 | n6 .. n0] = [tb5 .. tb1 tb0 | r1 r0 wd3 wd2 wd1 wd0 half]
-        x = gl.reshape(x, [2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2])
-        x = gl.permute(x, (0, 1, 2, 3, 4, 10, 12, 11, 5, 6, 7, 8, 9))
-        return gl.convert_layout(gl.reshape(x, [T, 128]), BS, assert_trivial=True)
+        # x: [tp, word, half, tb0, r0, r1] -> [k = 2 tp + tb0, n = 64 r1 + 32 r0 + 2 word + half]
+        x = gl.permute(x, (0, 3, 5, 4, 1, 2))
+        return gl.convert_layout(gl.reshape(x, [TT, 128]), BS, assert_trivial=True)
 
     # shared-memory tiles of the O-split kernel: payload words [64 tokens, 16] (K plain: a thread's four words are one
     # LDS.128 over 8 rows x 4 chunks; V swizzled by token bits 1, 2 so that the four rows a V load instruction reads
@@ -508,6 +508,21 @@ if gluon is not None:
     CP_W = gl.BlockedLayout([1, 4], [8, 4], [NUM_WARPS, 1], [1, 0])  # payload copies: 16 bytes a thread
     CP_S2 = gl.BlockedLayout([1, 1], [16, 2], [NUM_WARPS, 1], [1, 0])  # nvfp4 scale words: 4 bytes a thread
     CP_S1 = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])  # mxfp4 scale words (64: warps 2, 3 repeat 0, 1)
+    # the same at 128-token tiles (a page a tile): one more token bit (6) in registers
+    WK2 = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [32, 0], [64, 0]],
+                                     lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+                                     warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[2 * TILE, 16])
+    SK2 = gl.DistributedLinearLayout(reg_bases=[[0, 1], [32, 0], [64, 0]],
+                                     lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+                                     warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[2 * TILE, 8])
+    WV22 = gl.DistributedLinearLayout(reg_bases=[[1, 0, 0], [8, 0, 0], [16, 0, 0], [32, 0, 0], [64, 0, 0]],
+                                      lane_bases=[[2, 0, 0], [4, 0, 0], [0, 0, 1], [0, 1, 0], [0, 2, 0]],
+                                      warp_bases=[[0, 4, 0], [0, 8, 0]], block_bases=[], shape=[2 * TILE, 16, 2])
+    SV42 = gl.DistributedLinearLayout(reg_bases=[[1, 0, 0, 0], [8, 0, 0, 0], [16, 0, 0, 0], [32, 0, 0, 0],
+                                                 [64, 0, 0, 0]],
+                                      lane_bases=[[2, 0, 0, 0], [4, 0, 0, 0], [0, 0, 0, 1], [0, 0, 1, 0],
+                                                  [0, 1, 0, 0]],
+                                      warp_bases=[[0, 2, 0, 0], [0, 4, 0, 0]], block_bases=[], shape=[2 * TILE, 8, 2, 2])
     # nvfp4 V scale bytes as [64 tokens, 8 blocks, 2 (word bit 0), 2 (half)] for WV2: a block's byte repeated over
     # the lanes g1 (word bit 0) and g0 (half); the lane g2 and the warps pick the block
     SV4 = gl.DistributedLinearLayout(reg_bases=[[1, 0, 0, 0], [8, 0, 0, 0], [16, 0, 0, 0], [32, 0, 0, 0]],
@@ -516,32 +531,39 @@ if gluon is not None:
     STAGES = gl.constexpr(3)  # shared-memory tiles: copies run STAGES - 1 tiles ahead
 
     @gluon.jit
+    def _tile_block(j, ids_row, j_end, TPB: gl.constexpr):
+        """Tile j's selected block id at TPB tiles per block (-1 at or past j_end)."""
+        return gl.load(ids_row + j // TPB, mask=j < j_end, other=-1)
+
+    @gluon.jit
     def _issue(kbuf, ksbuf, vbuf, vsbuf, bid, pg, j, k_ptr, v_ptr, head_k, head_v, stride_kp, stride_vp, pos,
-               E8M0: gl.constexpr):
+               E8M0: gl.constexpr, OT: gl.constexpr):
         """Tile j's four async copies (K and V payload and scale words) into one stage; a dead tile (-1 id or page,
         wholly after the query) copies zeros; V's scale words of tokens after the query are zeros too (so that stale
         bytes there, a NaN scale, cannot reach the output through p = 0)."""
         SB: gl.constexpr = 4 if E8M0 else 8  # scale bytes per token
-        tok0 = bid * 128 + (j % 2) * T
+        TPB: gl.constexpr = 128 // OT  # tiles per 128-token block
+        first = (j % TPB) * OT  # the tile's first token in its page
+        tok0 = bid * 128 + first
         live = (bid >= 0) & (pg >= 0) & (tok0 <= pos)
         pgl = gl.maximum(pg, 0).to(gl.int64)
-        kt = k_ptr + (pgl * stride_kp + head_k + (j % 2) * T * 64)  # the tile's first payload byte
-        vt = v_ptr + (pgl * stride_vp + head_v + (j % 2) * T * 64)
-        rw = gl.arange(0, T, layout=gl.SliceLayout(1, CP_W))
+        kt = k_ptr + (pgl * stride_kp + head_k + first * 64)  # the tile's first payload byte
+        vt = v_ptr + (pgl * stride_vp + head_v + first * 64)
+        rw = gl.arange(0, OT, layout=gl.SliceLayout(1, CP_W))
         w_off = gl.expand_dims(rw, 1) * 16 + gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, CP_W)), 0)
         async_copy.async_copy_global_to_shared(kbuf, kt.to(gl.pointer_type(gl.int32), bitcast=True) + w_off,
                                                mask=live)
         async_copy.async_copy_global_to_shared(vbuf, vt.to(gl.pointer_type(gl.int32), bitcast=True) + w_off,
                                                mask=live)
         # scale words start after the page's 128 x 64 payload bytes; the tile's first token is (j % 2) * 64
-        ks = (kt + (128 * 64 - (j % 2) * T * 64 + (j % 2) * T * SB)).to(gl.pointer_type(gl.int32), bitcast=True)
-        vs = (vt + (128 * 64 - (j % 2) * T * 64 + (j % 2) * T * SB)).to(gl.pointer_type(gl.int32), bitcast=True)
+        ks = (kt + (128 * 64 - first * 64 + first * SB)).to(gl.pointer_type(gl.int32), bitcast=True)
+        vs = (vt + (128 * 64 - first * 64 + first * SB)).to(gl.pointer_type(gl.int32), bitcast=True)
         if E8M0:
-            rs = gl.arange(0, T, layout=CP_S1)
+            rs = gl.arange(0, OT, layout=CP_S1)
             async_copy.async_copy_global_to_shared(ksbuf, ks + rs, mask=live)
             async_copy.async_copy_global_to_shared(vsbuf, vs + rs, mask=live & (tok0 + rs <= pos))
         else:
-            rs = gl.arange(0, T, layout=gl.SliceLayout(1, CP_S2))
+            rs = gl.arange(0, OT, layout=gl.SliceLayout(1, CP_S2))
             s_off = gl.expand_dims(rs, 1) * 2 + gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(0, CP_S2)), 0)
             async_copy.async_copy_global_to_shared(ksbuf, ks + s_off, mask=live)
             async_copy.async_copy_global_to_shared(vsbuf, vs + s_off, mask=gl.expand_dims(live & (tok0 + rs <= pos), 1))
@@ -551,13 +573,24 @@ if gluon is not None:
     def decode_os_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, ml_ptr, cnt_ptr, table_ptr, ctx_ptr, ids_ptr,
                          qk_scale, v_scalar, stride_qr, stride_qh, stride_kp, stride_kh, stride_vp, stride_vh,
                          stride_tb, stride_ir, stride_ih, n_tiles, tiles_per_split, lo3, sign8, G: gl.constexpr,
-                         SPLIT: gl.constexpr, E8M0: gl.constexpr, FUSED: gl.constexpr):
+                         SPLIT: gl.constexpr, E8M0: gl.constexpr, FUSED: gl.constexpr, OT: gl.constexpr):
         """decode_kernel's contract with the accumulator split by head-dim column across the warps: O [16, 128] in MS
         (16 fp32 registers a thread instead of 64); K and V tiles come in as async copies into a STAGES-deep
         shared-memory ring (no registers held by loads in flight); every warp's S columns reach every warp through
         shared memory (P as the A operand [16 heads, 64 tokens]) under one softmax max per tile (a cross-warp max);
-        warp w decodes and multiplies head-dim elements 32 w .. 32 w + 31 of all 64 tokens of V."""
-        SW: gl.constexpr = 1 if E8M0 else 2  # scale words per token
+        warp w decodes and multiplies head-dim elements 32 w .. 32 w + 31 of all OT tokens of V. OT: tokens per tile,
+        64 (half a page) or 128 (a page: half the per-tile softmax exchanges and barriers per token)."""
+        TPB: gl.constexpr = 128 // OT  # tiles per 128-token selected block
+        if OT == 128:
+            WKL: gl.constexpr = WK2
+            SKL: gl.constexpr = SK2
+            WVL: gl.constexpr = WV22
+            SVL: gl.constexpr = SV42
+        else:
+            WKL: gl.constexpr = WK
+            SKL: gl.constexpr = SK
+            WVL: gl.constexpr = WV2
+            SVL: gl.constexpr = SV4
         row = gl.program_id(0)
         h = gl.program_id(1)
         split = gl.program_id(2)
@@ -572,21 +605,21 @@ if gluon is not None:
         a = gl.minimum(gl.maximum(14 - e, -126), 126)
         qa = gl.convert_layout((q * gl.expand_dims(exp2_int(a), 1)).to(gl.float16), AS)
         down = gl.convert_layout(exp2_int(-a) * qk_scale, gl.SliceLayout(1, MS))
-        kbufs = gl.allocate_shared_memory(gl.int32, [STAGES, T, 16], K_SMEM)
-        vbufs = gl.allocate_shared_memory(gl.int32, [STAGES, T, 16], V_SMEM)
+        kbufs = gl.allocate_shared_memory(gl.int32, [STAGES, OT, 16], K_SMEM)
+        vbufs = gl.allocate_shared_memory(gl.int32, [STAGES, OT, 16], V_SMEM)
         if E8M0:
-            ksbufs = gl.allocate_shared_memory(gl.int32, [STAGES, T], S1_SMEM)
-            vsbufs = gl.allocate_shared_memory(gl.int32, [STAGES, T], S1_SMEM)
+            ksbufs = gl.allocate_shared_memory(gl.int32, [STAGES, OT], S1_SMEM)
+            vsbufs = gl.allocate_shared_memory(gl.int32, [STAGES, OT], S1_SMEM)
         else:
-            ksbufs = gl.allocate_shared_memory(gl.int32, [STAGES, T, 2], S2_SMEM)
-            vsbufs = gl.allocate_shared_memory(gl.int32, [STAGES, T, 2], S2_SMEM)
-        word = gl.expand_dims(gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, WV2))), 0),
+            ksbufs = gl.allocate_shared_memory(gl.int32, [STAGES, OT, 2], S2_SMEM)
+            vsbufs = gl.allocate_shared_memory(gl.int32, [STAGES, OT, 2], S2_SMEM)
+        word = gl.expand_dims(gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, WVL))), 0),
                               2)  # [1, 16, 1]
-        zero3 = gl.full([T, 16, 2], 0, gl.int32, layout=WV2)
-        tok_s = gl.arange(0, T, layout=gl.SliceLayout(0, MS))
+        zero3 = gl.full([OT, 16, 2], 0, gl.int32, layout=WVL)
+        tok_s = gl.arange(0, OT, layout=gl.SliceLayout(0, MS))
         m_i = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MS))
         mv_i = m_i
-        l_acc = gl.full([16, T], 0.0, gl.float32, layout=MS)  # lazy per-column sums
+        l_acc = gl.full([16, OT], 0.0, gl.float32, layout=MS)  # lazy per-column sums
         acc = gl.full([16, 128], 0.0, gl.float32, layout=MS)
         head_k = h.to(gl.int64) * stride_kh
         head_v = h.to(gl.int64) * stride_vh
@@ -595,54 +628,54 @@ if gluon is not None:
         t0 = split * tiles_per_split
         j_end = gl.minimum(t0 + tiles_per_split, n_tiles)
         # pipeline: copies for tiles j + 1, j + 2 in flight while tile j computes; their ids and pages ahead of them
-        b0 = _block(t0, ids_row, j_end)
-        b1 = _block(t0 + 1, ids_row, j_end)
-        b2 = _block(t0 + 2, ids_row, j_end)
-        b3 = _block(t0 + 3, ids_row, j_end)
+        b0 = _tile_block(t0, ids_row, j_end, TPB)
+        b1 = _tile_block(t0 + 1, ids_row, j_end, TPB)
+        b2 = _tile_block(t0 + 2, ids_row, j_end, TPB)
+        b3 = _tile_block(t0 + 3, ids_row, j_end, TPB)
         pg0 = _page(b0, table_row, pos)
         pg1 = _page(b1, table_row, pos)
         pg2 = _page(b2, table_row, pos)
         _issue(kbufs.index(0), ksbufs.index(0), vbufs.index(0), vsbufs.index(0), b0, pg0, t0, k_ptr, v_ptr, head_k,
-               head_v, stride_kp, stride_vp, pos, E8M0)
+               head_v, stride_kp, stride_vp, pos, E8M0, OT)
         _issue(kbufs.index(1), ksbufs.index(1), vbufs.index(1), vsbufs.index(1), b1, pg1, t0 + 1, k_ptr, v_ptr,
-               head_k, head_v, stride_kp, stride_vp, pos, E8M0)
+               head_k, head_v, stride_kp, stride_vp, pos, E8M0, OT)
         for j in range(t0, j_end):
             st = (j - t0) % STAGES
-            tok0 = b0 * 128 + (j % 2) * T
+            tok0 = b0 * 128 + (j % TPB) * OT
             live = (b0 >= 0) & (pg0 >= 0) & (tok0 <= pos)
-            b4 = _block(j + 4, ids_row, j_end)
+            b4 = _tile_block(j + 4, ids_row, j_end, TPB)
             pg3 = _page(b3, table_row, pos)
             async_copy.wait_group(1)  # this thread's copies of tile j have landed
             gl.thread_barrier()  # everyone's have, and everyone is done with tile j - 1's stage (refilled next)
             sn = (j + 2 - t0) % STAGES
             _issue(kbufs.index(sn), ksbufs.index(sn), vbufs.index(sn), vsbufs.index(sn), b2, pg2, j + 2, k_ptr,
-                   v_ptr, head_k, head_v, stride_kp, stride_vp, pos, E8M0)
-            kw = kbufs.index(st).load(WK)
+                   v_ptr, head_k, head_v, stride_kp, stride_vp, pos, E8M0, OT)
+            kw = kbufs.index(st).load(WKL)
             if E8M0:
-                ksw = ksbufs.index(st).load(gl.SliceLayout(1, SK))
+                ksw = ksbufs.index(st).load(gl.SliceLayout(1, SKL))
                 kc_ = ksbufs.index(st).load(gl.SliceLayout(0, MS))
-                f = block_factors(gl.full([T, 8], 0, gl.int32, layout=SK), ksw, True)
+                f = block_factors(gl.full([OT, 8], 0, gl.int32, layout=SKL), ksw, True)
             else:
-                ksb = ksbufs.index(st)._reinterpret(gl.int8, [T, 8], S2_SMEM).load(SK)
+                ksb = ksbufs.index(st)._reinterpret(gl.int8, [OT, 8], S2_SMEM).load(SKL)
                 kc_ = tok_s
                 f = block_factors(ksb, ksb, False)
-            s = mma_v2(qa, decode_k(kw, f, lo3, sign8), gl.full([16, T], 0.0, gl.float32, layout=MS))
+            s = mma_v2(qa, decode_k(kw, f, lo3, sign8), gl.full([16, OT], 0.0, gl.float32, layout=MS))
             if E8M0:
                 s = s * gl.expand_dims(exp2_int(byte_max(kc_) - 127), 0)
             valid = live & (tok0 + tok_s <= pos)
             s = gl.where(gl.expand_dims(valid, 0), s * gl.expand_dims(down, 1), float("-inf"))
             if E8M0:
-                vsw = vsbufs.index(st).load(gl.SliceLayout(1, gl.SliceLayout(2, WV2)))
+                vsw = vsbufs.index(st).load(gl.SliceLayout(1, gl.SliceLayout(2, WVL)))
                 vsw = gl.expand_dims(gl.expand_dims(vsw, 1), 2) + zero3
                 vf = pow2_f16(((vsw >> (8 * (word >> 2))) & 0xFF) - byte_max(vsw))
                 ev = (byte_max(vsbufs.index(st).load(gl.SliceLayout(0, MS))) - 127).to(gl.float32)
             else:
-                vb = vsbufs.index(st)._reinterpret(gl.int8, [T, 8], S2_SMEM).load(
-                    gl.SliceLayout(2, gl.SliceLayout(3, SV4)))
+                vb = vsbufs.index(st)._reinterpret(gl.int8, [OT, 8], S2_SMEM).load(
+                    gl.SliceLayout(2, gl.SliceLayout(3, SVL)))
                 vb = gl.expand_dims(gl.expand_dims(vb.to(gl.float8e4nv, bitcast=True).to(gl.float16), 2), 3)
-                vb = vb + gl.full([T, 8, 2, 2], 0.0, gl.float16, layout=SV4)
-                vf = gl.convert_layout(gl.reshape(vb, [T, 16, 2]), WV2, assert_trivial=True)
-            vw = vbufs.index(st).load(gl.SliceLayout(2, WV2))
+                vb = vb + gl.full([OT, 8, 2, 2], 0.0, gl.float16, layout=SVL)
+                vf = gl.convert_layout(gl.reshape(vb, [OT, 16, 2]), WVL, assert_trivial=True)
+            vw = vbufs.index(st).load(gl.SliceLayout(2, WVL))
             vw = gl.expand_dims(vw, 2) + zero3
             m_new = gl.maximum(m_i, gl.max(s, axis=1))  # across the warps
             m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -725,6 +758,7 @@ MIN_PROGRAMS = {"nvfp4": 64, "mxfp4": 64}
 # batch 64 / 128 / 256 18.2 / 26.9 / 44.2 against decode_kernel's 22.1 / 30.6 / 47.1 (fp8 20.1 / 32.3 / 46.7);
 # mxfp4 decode_os_kernel 23.0 / 37.7 / 65.4 against 24.5 / 37.1 / 59.2 (its E8M0 factors cost ~400 more SASS a tile).
 O_SPLIT = {"nvfp4": True, "mxfp4": False}
+OS_TILE = 128  # decode_os_kernel's tokens per tile
 
 
 def kernel_for(family: str):
@@ -732,18 +766,29 @@ def kernel_for(family: str):
     return decode_os_kernel if O_SPLIT[family] else decode_kernel
 
 
-MIN_TILES_PER_SPLIT = 4  # fewer tiles than this per split lose to the merge and the pipeline fill (batch 16: 8 splits
+MIN_SPLIT_TOKENS = 256  # splits of fewer selected tokens lose to the merge and the pipeline fill (batch 16: 8 splits
 # 11.6 us, 16 splits 13.8)
 
 
-def default_splits(rows: int, num_kv_heads: int, n_tiles: int, device: torch.device) -> int:
-    """About two programs per SM, at least MIN_TILES_PER_SPLIT tiles each (H200, M3 shape, us per layer, layers back
+def default_splits(rows: int, num_kv_heads: int, n_tiles: int, device: torch.device, tile: int = TILE) -> int:
+    """About two programs per SM, at least MIN_SPLIT_TOKENS of the n_tiles x tile selected tokens each (H200, M3 shape, us per layer, layers back
     to back past L2; decode_kernel 2026-11-29 14:47 UTC: batch 256 with 1 / 2 splits 48.1 / 61.1, batch 128 with 1 /
     2: 36.4 / 33.5, batch 64 with 2 / 3 / 4 / 6 / 8: 24.3 / 27.0 / 24.6 / 32.4 / 33.5; decode_os_kernel, 161-167
     registers, 3 programs per SM, 21:1x UTC: batch 256 with 1 / 2 splits 44.2 / 52.8 (2 splits are 1.3 waves; capped
     at 128 registers, 4 programs per SM, 43.5), batch 128 with 2 / 3 / 4 26.9 / 26.0 / 34.0, batch 64 with 3 / 4 / 6
     / 8 20.2 / 18.2 / 19.5 / 24.9)."""
-    return max(1, min(n_tiles // MIN_TILES_PER_SPLIT, 2 * num_sms(device) // max(1, rows * num_kv_heads)))
+    return max(1, min(n_tiles * tile // MIN_SPLIT_TOKENS, 2 * num_sms(device) // max(1, rows * num_kv_heads)))
+
+
+def plan(rows: int, num_kv_heads: int, topk: int, family: str, device: torch.device,
+         num_splits: int | None = None) -> tuple[int, int, int]:
+    """A launch's (tokens per tile, tiles, splits): the family's kernel's tile, the default splits unless num_splits,
+    never an empty trailing split."""
+    tile = OS_TILE if O_SPLIT[family] else TILE
+    n_tiles = topk * (BLOCK // tile)
+    splits = int(num_splits) if num_splits else default_splits(rows, num_kv_heads, n_tiles, device, tile)
+    per = max(1, math.ceil(n_tiles / splits))
+    return tile, n_tiles, max(1, math.ceil(n_tiles / per))
 
 
 # Split decodes merge their partials in the last program of each (request, KV head) instead of a second launch.
@@ -776,13 +821,12 @@ def sparse_decode(q: torch.Tensor, k_cache, v_cache, block_table: torch.Tensor, 
     FUSED_COMBINE)."""
     rows, hq, d = q.shape
     hkv, topk = k_cache.num_heads, block_ids.shape[-1]
-    n_tiles = topk * (BLOCK // TILE)
+    family = k_cache.fmt.family
     out = torch.empty(rows, hq, d, dtype=out_dtype, device=q.device)
     if rows == 0:
         return out
-    splits = int(num_splits) if num_splits else default_splits(rows, hkv, n_tiles, q.device)
-    per = max(1, math.ceil(n_tiles / splits))
-    splits = max(1, math.ceil(n_tiles / per))  # no empty trailing splits
+    tile, n_tiles, splits = plan(rows, hkv, topk, family, q.device, num_splits)
+    per = math.ceil(n_tiles / splits)
     fused = splits > 1 and (FUSED_COMBINE if fused_combine is None else fused_combine)
     cnt = split_counters(q.device, rows * hkv) if fused else None
     fused = fused and cnt is not None
@@ -792,12 +836,12 @@ def sparse_decode(q: torch.Tensor, k_cache, v_cache, block_table: torch.Tensor, 
     else:
         part = ml = out  # unused
     cnt = cnt if fused else out  # unused without the fused merge
-    kernel_for(k_cache.fmt.family)[(rows, hkv, splits)](
+    kernel_for(family)[(rows, hkv, splits)](
         q, k_cache.data, v_cache.data, out, part, ml, cnt, block_table, context_lens, block_ids, float(qk_scale),
         float(v_scalar), q.stride(0), q.stride(1), k_cache.data.stride(0), k_cache.data.stride(1),
         v_cache.data.stride(0), v_cache.data.stride(1), block_table.stride(0), block_ids.stride(0),
         block_ids.stride(1), n_tiles, per, 0x07070707, -0x7F7F7F80, G=hq // hkv, SPLIT=splits > 1,
-        E8M0=k_cache.fmt.scale_element == "e8m0", FUSED=fused,
+        E8M0=k_cache.fmt.scale_element == "e8m0", FUSED=fused, **({"OT": tile} if O_SPLIT[family] else {}),
         num_warps=NUM_WARPS)
     if splits > 1 and not fused:
         combine[(rows * hq,)](part, ml, out, float(v_scalar), splits, BLOCK_S=triton.next_power_of_2(splits), D=d,

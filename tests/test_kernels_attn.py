@@ -397,6 +397,32 @@ def test_gpu_decode_gluon(fmt, heads):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("heads", [(16, 1), (5, 1)], ids=["g16", "g5"])
+@pytest.mark.parametrize("kernel", ["columns-128", "columns-64", "whole"])
+@pytest.mark.parametrize("fmt", ["nvfp4-rcp", "mxfp4-rceil"])
+def test_gpu_decode_gluon_each_kernel(fmt, kernel, heads, monkeypatch):
+    """Both Gluon decode kernels for both families, whichever the default takes (attn_gluon.O_SPLIT): the column-
+    split kernel at 128- and 64-token tiles and the whole-accumulator kernel, against the reference and the portable
+    kernel, at the page-edge contexts, split counts 1, 3 and the default."""
+    from kvtool.kernels import sparse_attn_gluon as attn_gluon
+
+    family = get_format(fmt).family
+    monkeypatch.setitem(attn_gluon.O_SPLIT, family, kernel != "whole")
+    if kernel != "whole":
+        monkeypatch.setattr(attn_gluon, "OS_TILE", int(kernel.split("-")[1]))
+    hq, hkv = heads
+    lens = [1, 63, 64, 65, 127, 128, 129, 4097, 150000]
+    q, kc, vc, table, ctx, ids = make_decode(fmt, lens, hq, hkv, 128, 128, 128, 16, seed=25)
+    ids[1, 0, 2] = -1
+    ref = paged_sparse_decode_ref(q, kc, vc, table, ctx, ids, 128)
+    port = sparse_decode(q, kc, vc, table, ctx, ids, 128, gluon=False, out_dtype=torch.float32)
+    for splits in (None, 1, 3):
+        out = sparse_decode(q, kc, vc, table, ctx, ids, 128, num_splits=splits, gluon=True, out_dtype=torch.float32)
+        check_close(out, ref, 2e-3)
+        check_close(out, port, 2e-3)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_gpu_decode_gluon_fused_merge(fmt, monkeypatch):
     """Split decodes merge in their last program (attn_gluon.FUSED_COMBINE): equal to the combine-kernel launch up
