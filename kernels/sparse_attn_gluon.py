@@ -1,70 +1,48 @@
 """NVIDIA fast path of sparse-attention decode for FP4 K/V (nvfp4, mxfp4), written in Gluon (Triton's explicit-layout
-dialect), so that the decoded K and V tiles are born in the tensor-core operand registers: no shared memory in the
-loop.
+dialect), so that decoded K and V are born in the tensor-core operand registers.
 
 Why a second kernel: the portable kernel (`kernels/sparse_attn.py`) decodes E2M1 into blocked layouts that Triton
-moves into the dot operand layouts through shared memory; its per-tile time did not depend on the bytes it loads
-(0 of 16 selected blocks took as long as 16, H200 2026-11-29) and ncu found it bound by shared-memory round trips
-(see that module's docstring). Here, per 64-token tile of one page (4 warps, 16 tokens per warp):
+moves into the dot operand layouts through shared memory; its per-tile time did not depend on the bytes it loads and
+ncu found it bound by those shared-memory round trips (see that module's docstring). Here, per tile of TOKENS_PER_TILE
+tokens (128, one page; 64 also compiles) of one (request, KV head), 4 warps:
 - S = Q K^T: Q [16 query heads, 128] is the mma.sync A operand (scaled per head by 2**a into fp16's range), K^T
-  [128 dim slots, 64 tokens] the B operand, decoded in place from the 16 bytes of each token row that a thread's
-  B registers need (dim slot c holds element `k_column_element(c)`; Q is loaded in the same order);
-- each warp keeps its own online-softmax state for its 16 tokens (max per head, lazy per-column sums), so the
-  softmax needs no cross-warp exchange inside the loop;
-- O_w = P_w V_w is a batched mma (batch = warp): V [16 tokens, 128] is the B operand, its fp16 token pairs built
-  from two token rows' words (`decode_v`) by `kc.e2m1_pairs`; the output columns come out in `v_column_element`
-  order and are stored in element order;
+  [128 dim slots, tile] the B operand, decoded in place from the 16 bytes of each token row that a thread's B
+  registers need (dim slot c holds element `k_column_element(c)`; Q is loaded in the same order); warp w owns token
+  columns 8 w .. 8 w + 7 of every 32;
+- O [16, 128] is split by head-dim column across the warps: warp w owns elements 32 w .. 32 w + 31 (one E8M0 block,
+  two E4M3 blocks; 16 fp32 registers a thread), so the softmax takes one max per tile across the warps and P [16,
+  tile] reaches every warp through shared memory (the A operand of O += P V);
+- V [tile, 128] is the B operand: a thread reads one word per token and keeps one half (lanes g0 = 0, 1 share the
+  word), the two tokens of a B register pair are joined by one PRMT, then `kc.e2m1_pairs`; output column n holds
+  element `v_column_element(n)` and is stored in element order;
 - block scales as fp16 factors, one HMUL2 per register pair (`block_factors`): nvfp4 the E4M3 bytes (hardware
   conversion; code x scale is exact in fp16); mxfp4 the portable kernel's normalization, 2**(e - e_tok) with e_tok
   the token's largest E8M0 exponent, and 2**e_tok applied in fp32 to the score column (K) or through P (V: P' =
-  2**(s + e_v - mv) with mv the running max of s + e_v, the portable kernel's JOINT form);
-- software pipeline over tiles: block ids 4 tiles ahead, pages 3, K words 2, V words 1, and the S tile of j + 1 is
-  computed in iteration j beside tile j's softmax and P V;
-- after the loop the warps' states merge through shared memory once; one split writes the bf16 (or fp32) output
-  itself; several write the portable kernel's fp32 partials (acc, m, l), and the last program of each (request, KV
-  head) to arrive (an int32 arrival counter per pair: barrier, acq_rel atomic at GPU scope; the last one resets it)
-  merges them as the portable `_combine_kernel` does and writes the output: no second launch (FUSED_COMBINE).
+  2**(s + e_v - mv) with mv the running max of s + e_v, the portable kernel's JOINT form). mxfp4's V factors are
+  computed once per token (a thread a token) into shared memory, not by each of the 8 lanes that hold the token;
+- K and V tiles come in as async copies (cp.async) into a 3-stage shared-memory ring (copies 2 tiles ahead, their
+  block ids and pages ahead of them), so loads in flight hold no registers; V's ring is swizzled by token bits 1,
+  2 so that the four token rows one V load instruction reads sit in four different 16-byte chunks;
+- one split writes the bf16 (or fp32) output itself; several write the portable kernel's fp32 partials (acc, m, l),
+  and the last program of each (request, KV head) to arrive (an int32 arrival counter per pair: barrier, acq_rel
+  atomic at GPU scope; the last one resets it) merges them as the portable `_combine_kernel` does and writes the
+  output: no second launch (FUSED_COMBINE).
 Semantics are the portable kernel's (SPEC section 3): tokens after the query, -1 selection slots, selected blocks
-wholly after the query and -1 pages are never read (score -inf, V scales read as 0), a row with no visible token
-gives zeros, whole-tensor factors (the nvfp4 outer scale, E2M1's 2**-14 unit) fold into the softmax scale and the
-final normalization. P is rounded once to fp16 (as the portable kernel's default for fp16 dots).
+wholly after the query and -1 pages are never read (score -inf; copies of zeros, V scales of tokens after the query
+read as 0), a row with no visible token gives zeros, whole-tensor factors (the nvfp4 outer scale, E2M1's 2**-14
+unit) fold into the softmax scale and the final normalization. P is rounded once to fp16 (as the portable kernel's
+default for fp16 dots).
 
-Measured (H200, M3 TP4 shape, us per layer, layers back to back past L2 in one CUDA graph; bench/RESULTS.md has
-every run; final call 2026-11-29 15:16 UTC): nvfp4 batch 256 46.9 against the portable kernel's 68.7 (38.6 % of
-copy), 128 31.6 against 43.0, 64 24.4 against 25.6; mxfp4 batch 256 59.1 against 75.1 (28.9 %), 128 37.9 against
-47.3, and at batch 64 28.7 against 27.0 (14:55 UTC). With the fused split merge (16:36 UTC, same conditions, fused
-against the combine launch at the same split count): nvfp4 batch 64 22.2 against 24.3 (4 splits; fp8's portable
-kernel 20.3), 128 30.6 against 31.6 (2 splits; fp8 31.9), 256 46.6 (one split: no merge; fp8 47.6); mxfp4 batch 64
-25.0 against 26.8 (the portable kernel 26.8: the default takes this kernel from `MIN_PROGRAMS` requests x KV
-heads), 128 36.6 against 37.7. The merge cost the last program ~2 us (fence, atomic, partial reads: the same launch
-without any merge took 20.1 at nvfp4 batch 64, 16:31 UTC); loading four splits' m, l and partials at once and
-merging online (session 14, 18:07 UTC) took it to 21.5-21.9 at batch 64 (fp8 20.3-20.4), 30.4 at 128 (fp8 32.2).
-What the time is (batch 256, one layer, 14:39 UTC ablations): with nothing loaded (no selected ids) 45.9 us, and
-without any E2M1 decode too 34.8: the mma / softmax / rescale structure and its latency are most of the time, not
-the loads or the decode; without the whole softmax bookkeeping (rescales, exp2, row max) the integrated kernel took
-41.4 instead of 46.9 (15:05 UTC). ncu (15:07 UTC): 47.5 % issue slots busy at 7.3 warps per SM, 3.5 cycles per
-issued instruction, DRAM 34 %. The register-split fp16 pairs (`pair_join`: 10 % fewer SASS, 20 fewer registers) are
-kept although the time did not change. Tried and not faster (same day): Q kept in shared memory (168 registers), one
-shared softmax max across the warps with the accumulator rescaled only when a max grows by > 2**8 (3 barriers per
-tile: slower), loads one more tile ahead (+3 % at batch 256, -2 % at 128), the S dot as two independent mma chains.
-
-The column-split kernel (`decode_os_kernel`, session 16; nvfp4's default, `O_SPLIT`): the kernel above keeps a whole
-O [16, 128] per warp (64 fp32 registers a thread), so it held 2 programs per SM. Here O is split by head-dim column
-across the warps (warp w owns elements 32 w .. 32 w + 31: 16 registers a thread), which costs one softmax max per
-tile across the warps and P through shared memory (every warp multiplies all 64 tokens' P by its own V columns):
-- K and V tiles come in as async copies (cp.async) into a 3-stage shared-memory ring, so loads in flight hold no
-  registers; V's ring is swizzled by token bits 1, 2, so the four token rows one V load instruction reads sit in
-  four different 16-byte chunks (no bank conflicts);
-- a V thread reads one word per token and keeps one half (lanes g0 = 0, 1 share the word), the two tokens of a
-  B register pair joined by one PRMT, then `kc.e2m1_pairs`: the same decode cost as the kernel above;
-- S, its decode of K and Q's scaling are the kernel above's; nothing is merged across warps after the loop.
-Measured (H200, same conditions, 21:1x UTC): nvfp4 batch 64 / 128 / 256 18.2 / 26.9 / 44.2 us per layer against 22.1
-/ 30.6 / 47.1 (fp8's portable kernel 20.1 / 32.3 / 46.7). It is issue-bound, not latency-bound: ~650 SASS per warp
-and tile (as the kernel above), ~2.9 instructions per cycle per SM in the loop at 2 programs per SM; capped at 128
-registers (4 programs per SM instead of 3, no spills) it was no faster at any batch. mxfp4 keeps the kernel above
-(65.4 against 59.2 us at batch 256): its per-token E8M0 factors, recomputed by each of the 16 tokens' lanes, put
-~400 more SASS in each tile. Both kernels also pay ~10 us per layer outside the loop (launch, the dependent loads
-before the first tile, the output): batch 128 with 2 splits and batch 256 with 1 differ by 16 tiles a program.
+History (H200, M3 TP4 shape, us per layer, layers back to back past L2 in one CUDA graph; bench/RESULTS.md has every
+run). Sessions 12-15 ran a first form that kept a whole O per warp (64 fp32 registers a thread, 2 programs per SM),
+each warp its own softmax state over its 16 of 64 tokens, register-pipelined loads: nvfp4 batch 64 / 128 / 256 21.5 /
+30.7 / 47.1, mxfp4 24.5 / 37.1 / 59.9 (fp8's portable kernel 20.1-21.1 / 32.2-32.4 / 46.6-47.1). Session 16
+(2026-11-29 21:0x-21:3x UTC) replaced it: the column split at 64-token tiles gave nvfp4 18.2-18.9 / 26.1-27.1 /
+44.2-45.0; 128-token tiles 19.4-19.6 / 26.8-27.5 / 40.7-41.1; mxfp4's factors once per token through shared memory
+(1876 -> 1346 SASS a tile) 20.3 / 29.8 / 49.7. The loop is issue-bound, not latency-bound: ~2.9 instructions per
+cycle per SM at 2 programs per SM; capped at 128 registers (4 programs per SM instead of 3, no spills) it was no
+faster at any batch. Every layer also pays ~10 us outside the loop (launch, the dependent loads before the first
+tile, the output): batch 128 with 2 splits and batch 256 with 1 differ by 16 tiles a program and 17 us.
 
 Where it runs: CUDA devices with Gluon and the hardware E4M3 conversion (capability >= 8.9); decode; nvfp4 or mxfp4
 K and V; head dim 128; at most 16 query heads per KV head; 128-token selection blocks and pages. Elsewhere (gfx950
@@ -89,36 +67,24 @@ try:  # Gluon ships with Triton >= 3.5; without it the portable kernel runs ever
 except ImportError:  # pragma: no cover - the pinned Triton has it
     gluon = None
 
-TILE = 64  # tokens per tile (half a 128-token page)
+TILE = 64  # the layouts' base token count (half a page); TOKENS_PER_TILE picks 64- or 128-token tiles
 BLOCK = 128  # selection block = page (tokens)
 DIM = 128  # head dim
 MAX_GROUP = 16  # query heads per KV head (the mma's M)
-NUM_WARPS = 4  # 16 tokens of a tile per warp
+NUM_WARPS = 4  # each: 8 of every 32 token columns of S, 32 head-dim columns of O
 PAYLOAD = DIM // 2  # nvfp4 payload bytes per token
 SCALE_BYTES = {"nvfp4": DIM // 16, "mxfp4": DIM // 32}  # scale bytes per token (E4M3 per 16, E8M0 per 32 elements)
 
 if gluon is not None:
-    NW = gl.constexpr(NUM_WARPS)
-    T = gl.constexpr(TILE)
     MS = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NUM_WARPS], instr_shape=[16, 8])
     AS = gl.DotOperandLayout(operand_index=0, parent=MS, k_width=2)
     BS = gl.DotOperandLayout(operand_index=1, parent=MS, k_width=2)
-    MO = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1, 1], instr_shape=[1, 16, 8])
-    AO = gl.DotOperandLayout(operand_index=0, parent=MO, k_width=2)
-    BO = gl.DotOperandLayout(operand_index=1, parent=MO, k_width=2)
     # K words [64 tokens, 16 words]: BS's tokens (registers: token bit 5; lanes g: bits 0-2; warps: bits 3, 4), word
     # bits 0, 1 in registers, 2, 3 on the lanes t (BS's k bits 1, 2); scale bytes [64, 8] alike (block = word // 2)
     WK = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [32, 0]],
                                     lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
                                     warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[TILE, 16])
     SK = gl.DistributedLinearLayout(reg_bases=[[0, 1], [32, 0]], lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
-                                    warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[TILE, 8])
-    # V words [64 tokens, 16 words]: BO's tokens kk (registers: token bits 0, 5; lanes t: bits 1, 2; warps: bits 3,
-    # 4), words 2 g, 2 g + 1 (register: word bit 0; lanes g: word bits 1-3); scale bytes [64, 8] alike
-    WV = gl.DistributedLinearLayout(reg_bases=[[1, 0], [32, 0], [0, 1]],
-                                    lane_bases=[[2, 0], [4, 0], [0, 2], [0, 4], [0, 8]],
-                                    warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[TILE, 16])
-    SV = gl.DistributedLinearLayout(reg_bases=[[1, 0], [32, 0]], lane_bases=[[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]],
                                     warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[TILE, 8])
     Q_L = gl.BlockedLayout([1, 4], [4, 8], [NUM_WARPS, 1], [1, 0])
     O_L = gl.BlockedLayout([1, 4], [2, 16], [NUM_WARPS, 1], [1, 0])
@@ -143,16 +109,6 @@ if gluon is not None:
         return 8 * w + ((c >> 3) & 3) + 4 * (c & 1)
 
     @gluon.jit
-    def v_column_element(n):
-        """Output column n of the P V dot -> head-dim element: n bits 0-2 (lanes g) = word bits 1-3; n bits 3-6
-        (registers) = k0, k1, xy, word bit 0 (see decode_v); element = 8 word + 4 xy + k."""
-        g = n & 7
-        k = (n >> 3) & 3
-        xy = (n >> 5) & 1
-        w0 = (n >> 6) & 1
-        return 8 * (2 * g + w0) + 4 * xy + k
-
-    @gluon.jit
     def decode_k(words, f, lo3, sign8):
         """K words int32 [TT tokens, 16] (WK, or WK2 at 128 tokens), fp16 factors [TT, 8] (SK / SK2: one per 16
         elements) -> K^T fp16 [128, TT] in BS (dim slot c = k_column_element(c)), values * 2**-14 * factor."""
@@ -167,35 +123,6 @@ if gluon is not None:
         x = gl.reshape(x, [TT, 2, 2, 2, 2, 2, 2, 2])  # token, w3, w2, w1, w0, h, k0, k1
         x = gl.permute(x, (3, 4, 7, 6, 1, 2, 5, 0))  # c bits high to low: w1, w0, k1, k0, w3, w2, h; then token
         return gl.convert_layout(gl.reshape(x, [128, TT]), BS, assert_trivial=True)
-
-    @gluon.jit
-    def decode_v(words, f, lo3, sign8):
-        """V words int32 [64, 16] (WV), fp16 factors [64, 8] (SV: one per 16 elements) -> fp16 [4 warps, 16 kk, 128 n]
-        in BO: token (kk & 7) + 8 w + 32 (kk >> 3), dim v_column_element(n), values * 2**-14 * factor."""
-        # token pairs (token bit 0 in registers): wa = even token, wb = odd token; x / y = nibbles 0-3 / 4-7 of both
-        w3 = gl.permute(gl.reshape(words, [T // 2, 2, 16]), (0, 2, 1))  # [32 tp, 16 wd, 2 tb0]
-        wa, wb = gl.split(w3)
-        x = (wa & 0xFFFF) | (wb << 16)
-        y = ((wa >> 16) & 0xFFFF) | (wb & -65536)
-        px0, px1, px2, px3 = e2m1_pairs(x, lo3, sign8)
-        py0, py1, py2, py3 = e2m1_pairs(y, lo3, sign8)
-        xa = gl.join(gl.join(pair_join(px0), pair_join(px1)), gl.join(pair_join(px2), pair_join(px3)))
-        xb = gl.join(gl.join(pair_join(py0), pair_join(py1)), gl.join(pair_join(py2), pair_join(py3)))
-        v = gl.join(xa, xb)  # [32 tp, 16 wd, tb0, k0, k1, xy]
-        # factors: a token's 16-element block = word // 2
-        f = gl.permute(gl.reshape(f, [T // 2, 2, 8]), (0, 2, 1))  # [32, 8 blk, 2 tb0]
-        f = gl.join(f, f)  # [32, 8, tb0, wd0]
-        f = gl.permute(f, (0, 1, 3, 2))  # [32, 8, wd0, tb0]
-        f = gl.reshape(f, [T // 2, 16, 2])  # [32, 16 wd, tb0]
-        f = gl.join(f, f)
-        f = gl.join(f, f)
-        v = v * gl.convert_layout(gl.join(f, f), v.type.layout, assert_trivial=True)
-        # [tp (token bits 1-5), wd (w0, g0, g1, g2 from low), tb0, k0, k1, xy] -> [w, kk, n]; dims after the
-        # reshape: 0 tb5, 1 tb4, 2 tb3, 3 tb2, 4 tb1, 5 g2, 6 g1, 7 g0, 8 wd0, 9 tb0, 10 k0, 11 k1, 12 xy; target
-        # [w1 w0 | kk3 kk2 kk1 kk0 | n6 .. n0] = [tb4 tb3 | tb5 tb2 tb1 tb0 | wd0 xy k1 k0 g2 g1 g0]
-        v = gl.reshape(v, [2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2])
-        v = gl.permute(v, (1, 2, 0, 3, 4, 9, 8, 12, 11, 10, 5, 6, 7))
-        return gl.convert_layout(gl.reshape(v, [NW, 16, 128]), BO, assert_trivial=True)
 
     @gluon.jit
     def byte_max(w):
@@ -216,65 +143,9 @@ if gluon is not None:
             return sb.to(gl.float8e4nv, bitcast=True).to(gl.float16)
 
     @gluon.jit
-    def _block(j, ids_row, j_end):
-        """Tile j's selected block id (-1 at or past j_end)."""
-        return gl.load(ids_row + j // 2, mask=j < j_end, other=-1)
-
-    @gluon.jit
     def _page(bid, table_row, pos):
         """A block's page; -1 for a -1 id or a block wholly after the query (never looked up)."""
         return gl.load(table_row + gl.maximum(bid, 0), mask=(bid >= 0) & (bid * 128 <= pos), other=-1)
-
-    @gluon.jit
-    def _fetch(j, bid, pg, words_ptr, bytes_ptr, head, stride_p, w_off, s_off, s_tok, sw_tok, sc_tok, pos,
-               E8M0: gl.constexpr, TOKEN_MASK: gl.constexpr):
-        """Tile j's K or V loads as loaded: words; nvfp4 scale bytes [64, 8] (s_off's layout), or mxfp4 scale words
-        [64] in s_off's rows (sw_tok) and in S's columns (sc_tok); live; first token. No load for a dead tile.
-        TOKEN_MASK (V): the scales of tokens after the query read as 0, so stale bytes there (a NaN scale) cannot
-        reach the output through p = 0 (K needs no such mask: those scores are -inf whatever they read). Nothing
-        here uses the loaded values: they are converted in the iteration that consumes them (`_scores`,
-        `_v_factors`), so no load is waited for in the iteration that issues it."""
-        tok0 = bid * 128 + (j % 2) * T
-        live = (bid >= 0) & (pg >= 0) & (tok0 <= pos)
-        base = gl.maximum(pg, 0).to(gl.int64) * stride_p + head
-        words = gl.load(words_ptr + (base + (j % 2) * T * 64) // 4 + w_off, mask=live, other=0)
-        if E8M0:
-            sw_base = (base + 128 * 64 + (j % 2) * T * 4) // 4
-            if TOKEN_MASK:
-                sc = gl.load(words_ptr + sw_base + sw_tok, mask=live & (tok0 + sw_tok <= pos), other=0)
-                col = gl.load(words_ptr + sw_base + sc_tok, mask=live & (tok0 + sc_tok <= pos), other=0)
-            else:
-                sc = gl.load(words_ptr + sw_base + sw_tok, mask=live, other=0)
-                col = gl.load(words_ptr + sw_base + sc_tok, mask=live, other=0)
-        else:
-            if TOKEN_MASK:
-                sc = gl.load(bytes_ptr + base + (j % 2) * T * 8 + s_off, mask=live & (tok0 + s_tok <= pos), other=0)
-            else:
-                sc = gl.load(bytes_ptr + base + (j % 2) * T * 8 + s_off, mask=live, other=0)
-            col = sc_tok  # unused
-        return words, sc, col, live, tok0
-
-    @gluon.jit
-    def _v_factors(vs, vc_, sv_off, E8M0: gl.constexpr):
-        """V's block factors (fp16 [64, 8] in SV) and, for mxfp4, its tokens' exponents e_tok per S column (nvfp4:
-        an unused float of vc_, which `_fetch` fills with the column indices, so that both branches return alike)."""
-        if E8M0:
-            return block_factors(sv_off, vs, True), (byte_max(vc_) - 127).to(gl.float32)
-        else:
-            return block_factors(vs, vs, False), vc_.to(gl.float32)
-
-    @gluon.jit
-    def _scores(qa, kw, ks, kc_, live, tok0, tok_s, pos, down, sk_off, lo3, sign8, E8M0: gl.constexpr):
-        """Masked, scaled S tile [16 heads, 64 tokens] in log2 units (mxfp4: times 2**e_tok per token column)."""
-        if E8M0:
-            f = block_factors(sk_off, ks, True)
-        else:
-            f = block_factors(ks, ks, False)
-        s = mma_v2(qa, decode_k(kw, f, lo3, sign8), gl.full([16, T], 0.0, gl.float32, layout=MS))
-        if E8M0:
-            s = s * gl.expand_dims(exp2_int(byte_max(kc_) - 127), 0)
-        valid = live & (tok0 + tok_s <= pos)
-        return gl.where(gl.expand_dims(valid, 0), s * gl.expand_dims(down, 1), float("-inf"))
 
     @gluon.jit
     def _combine(part_ptr, ml_ptr, out_ptr, head0, G: gl.constexpr, n_splits, v_scalar):
@@ -314,148 +185,6 @@ if gluon is not None:
         gl.store(out_ptr + gl.expand_dims(head0 + ho, 1) * 128 + gl.expand_dims(cols, 0),
                  res.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(ho < G, 1))
 
-    @gluon.jit
-    def decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, ml_ptr, cnt_ptr, table_ptr, ctx_ptr, ids_ptr, qk_scale,
-                      v_scalar, stride_qr, stride_qh, stride_kp, stride_kh, stride_vp, stride_vh, stride_tb,
-                      stride_ir, stride_ih, n_tiles, tiles_per_split, lo3, sign8, G: gl.constexpr,
-                      SPLIT: gl.constexpr, E8M0: gl.constexpr, FUSED: gl.constexpr):
-        """Grid (requests, KV heads, splits). Scale bytes sit after the page's 128 x 64 payload bytes: nvfp4 8 E4M3
-        bytes per token, mxfp4 (E8M0) 4 E8M0 bytes per token, read as one word. FUSED (with SPLIT): the last split
-        of a (request, KV head) to finish merges the partials (`cnt_ptr`: one int32 arrival counter per (request,
-        KV head), zero before the launch and left zero after it)."""
-        row = gl.program_id(0)
-        h = gl.program_id(1)
-        split = gl.program_id(2)
-        n_splits = gl.num_programs(2)
-        pos = gl.load(ctx_ptr + row) - 1
-        # Q as the S dot's A operand [16 heads, 128 dim slots] (heads >= G are zero), times 2**a per head
-        hq = gl.arange(0, 16, layout=gl.SliceLayout(1, Q_L))
-        cq = gl.arange(0, 128, layout=gl.SliceLayout(0, Q_L))
-        q = gl.load(q_ptr + row.to(gl.int64) * stride_qr + gl.expand_dims(h * G + hq, 1) * stride_qh
-                    + gl.expand_dims(k_column_element(cq), 0), mask=gl.expand_dims(hq < G, 1), other=0.0)
-        q = q.to(gl.float32)
-        e = ((gl.max(gl.abs(q), axis=1).to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
-        a = gl.minimum(gl.maximum(14 - e, -126), 126)
-        qa = gl.convert_layout((q * gl.expand_dims(exp2_int(a), 1)).to(gl.float16), AS)
-        down = gl.convert_layout(exp2_int(-a) * qk_scale, gl.SliceLayout(1, MS))  # per head: the score scale
-        # per-thread offsets of the tile loads
-        tk = gl.arange(0, T, layout=gl.SliceLayout(1, WK))
-        wk_off = gl.expand_dims(tk, 1) * 16 + gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, WK)), 0)
-        tks = gl.arange(0, T, layout=gl.SliceLayout(1, SK))
-        sk_off = 128 * 64 + gl.expand_dims(tks, 1) * 8 + gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, SK)),
-                                                                         0)
-        tv = gl.arange(0, T, layout=gl.SliceLayout(1, WV))
-        wv_off = gl.expand_dims(tv, 1) * 16 + gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, WV)), 0)
-        tvs = gl.arange(0, T, layout=gl.SliceLayout(1, SV))
-        sv_tok = gl.expand_dims(tvs, 1)
-        sv_off = 128 * 64 + sv_tok * 8 + gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, SV)), 0)
-        tok_s = gl.arange(0, T, layout=gl.SliceLayout(0, MS))  # the S tile's token columns
-        # per-warp online softmax state, in the layouts of the per-warp reductions of [16, 2, NW, 8] views of S
-        ninf = gl.full([16, T], float("-inf"), gl.float32, layout=MS)
-        m_i = gl.max(gl.max(gl.reshape(ninf, [16, 2, NW, 8]), axis=3), axis=1)  # [16 heads, NW warps]
-        mv_i = m_i  # mxfp4: running max of s + e_v (the V tokens' exponents go into P through it, as JOINT does)
-        l4 = gl.reshape(gl.full([16, T], 0.0, gl.float32, layout=MS), [16, 2, NW, 8])  # lazy per-column sums
-        acc = gl.full([NW, 16, 128], 0.0, gl.float32, layout=MO)
-        kq = k_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-        vq = v_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-        head_k = h.to(gl.int64) * stride_kh
-        head_v = h.to(gl.int64) * stride_vh
-        ids_row = ids_ptr + row.to(gl.int64) * stride_ir + h * stride_ih
-        table_row = table_ptr + row.to(gl.int64) * stride_tb
-        t0 = split * tiles_per_split
-        j_end = gl.minimum(t0 + tiles_per_split, n_tiles)
-        # software pipeline: block ids 4 tiles ahead, pages 3, K words 2, V words 1; S of tile j + 1 in iteration j
-        b0 = _block(t0, ids_row, j_end)
-        b1 = _block(t0 + 1, ids_row, j_end)
-        b2 = _block(t0 + 2, ids_row, j_end)
-        b3 = _block(t0 + 3, ids_row, j_end)
-        pg0 = _page(b0, table_row, pos)
-        pg1 = _page(b1, table_row, pos)
-        pg2 = _page(b2, table_row, pos)
-        kw, ks, kc0, live, tok0 = _fetch(t0, b0, pg0, kq, k_ptr, head_k, stride_kp, wk_off, sk_off, tks, tks, tok_s,
-                                         pos, E8M0, False)
-        kw1, ks1, kc1, live1, tok01 = _fetch(t0 + 1, b1, pg1, kq, k_ptr, head_k, stride_kp, wk_off, sk_off, tks, tks,
-                                             tok_s, pos, E8M0, False)
-        vw, vs, vc0, _, _ = _fetch(t0, b0, pg0, vq, v_ptr, head_v, stride_vp, wv_off, sv_off, sv_tok, tvs, tok_s, pos,
-                                   E8M0, True)
-        s = _scores(qa, kw, ks, kc0, live, tok0, tok_s, pos, down, sk_off, lo3, sign8, E8M0)
-        for j in range(t0, j_end):
-            b4 = _block(j + 4, ids_row, j_end)
-            pg3 = _page(b3, table_row, pos)
-            kw2, ks2, kc2, live2, tok02 = _fetch(j + 2, b2, pg2, kq, k_ptr, head_k, stride_kp, wk_off, sk_off, tks,
-                                                 tks, tok_s, pos, E8M0, False)
-            vw1, vs1, vc1, _, _ = _fetch(j + 1, b1, pg1, vq, v_ptr, head_v, stride_vp, wv_off, sv_off, sv_tok, tvs,
-                                         tok_s, pos, E8M0, True)
-            s_next = _scores(qa, kw1, ks1, kc1, live1, tok01, tok_s, pos, down, sk_off, lo3, sign8, E8M0)
-            vf, ev = _v_factors(vs, vc0, sv_off, E8M0)
-            s4 = gl.reshape(s, [16, 2, NW, 8])  # head, token bit 5, warp (token bits 3, 4), token bits 0-2
-            m_new = gl.maximum(m_i, gl.max(gl.max(s4, axis=3), axis=1))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_safe)  # [16, NW]
-            p4 = gl.exp2(s4 - gl.expand_dims(gl.expand_dims(m_safe, 1), 3))
-            l4 = l4 * gl.expand_dims(gl.expand_dims(alpha, 1), 3) + p4
-            m_i = m_new
-            if E8M0:
-                # P' = 2**(s + e_v - mv) <= 1: V decoded over each token's largest block, times P', is exact
-                sv4 = gl.reshape(s + gl.expand_dims(ev, 0), [16, 2, NW, 8])
-                mv_new = gl.maximum(mv_i, gl.max(gl.max(sv4, axis=3), axis=1))
-                mv_safe = gl.where(mv_new == float("-inf"), 0.0, mv_new)
-                alpha = gl.exp2(mv_i - mv_safe)
-                p4 = gl.exp2(sv4 - gl.expand_dims(gl.expand_dims(mv_safe, 1), 3))
-                mv_i = mv_new
-            p3 = gl.reshape(gl.permute(p4, (2, 0, 1, 3)), [NW, 16, 16]).to(gl.float16)  # [warp, head, kk]
-            a3 = gl.expand_dims(gl.convert_layout(gl.permute(alpha, (1, 0)), gl.SliceLayout(2, MO)), 2)
-            acc = mma_v2(gl.convert_layout(p3, AO, assert_trivial=True), decode_v(vw, vf, lo3, sign8), acc * a3)
-            s = s_next
-            vw, vs, vc0 = vw1, vs1, vc1
-            kw1, ks1, kc1, live1, tok01 = kw2, ks2, kc2, live2, tok02
-            b1 = b2
-            b2 = b3
-            b3 = b4
-            pg1 = pg2
-            pg2 = pg3
-        if E8M0:  # acc from mv_i's reference to m_i's (2**(mv - m) <= 2**127: e_v <= 127)
-            mv_safe = gl.where(mv_i == float("-inf"), 0.0, mv_i)
-            to_m = gl.exp2(mv_safe - gl.where(m_i == float("-inf"), 0.0, m_i))
-            acc = acc * gl.expand_dims(gl.convert_layout(gl.permute(to_m, (1, 0)), gl.SliceLayout(2, MO)), 2)
-        # merge the warps' states (once, through shared memory)
-        l_w = gl.sum(gl.sum(l4, axis=3), axis=1)  # [16, NW]
-        m_tot = gl.max(m_i, axis=1)  # [16]
-        m_tsafe = gl.where(m_tot == float("-inf"), 0.0, m_tot)
-        wgt = gl.exp2(m_i - gl.expand_dims(m_tsafe, 1))  # [16, NW]
-        l_tot = gl.sum(l_w * wgt, axis=1)
-        w3 = gl.expand_dims(gl.convert_layout(gl.permute(wgt, (1, 0)), gl.SliceLayout(2, MO)), 2)
-        o = gl.convert_layout(gl.sum(acc * w3, axis=0), O_L)  # [16, 128], column n = v_column_element(n)
-        ho = gl.arange(0, 16, layout=gl.SliceLayout(1, O_L))
-        cols = gl.expand_dims(v_column_element(gl.arange(0, 128, layout=gl.SliceLayout(0, O_L))), 0)
-        heads = row.to(gl.int64) * (G * gl.num_programs(1)) + h * G + ho  # flat (row, query head)
-        hmask = ho < G
-        if SPLIT:
-            gl.store(part_ptr + gl.expand_dims(heads * n_splits + split, 1) * 128 + cols, o,
-                     mask=gl.expand_dims(hmask, 1))
-            hm = gl.arange(0, 16, layout=ML_L)
-            slot_m = (row.to(gl.int64) * (G * gl.num_programs(1)) + h * G + hm) * n_splits + split
-            gl.store(ml_ptr + slot_m * 2, gl.convert_layout(m_tot, ML_L), mask=hm < G)
-            gl.store(ml_ptr + slot_m * 2 + 1, gl.convert_layout(l_tot, ML_L), mask=hm < G)
-            if FUSED:
-                # arrive: every thread's partial stores come before thread 0's release (the barrier orders them),
-                # and the program that brings the count to n_splits merges (its acquire sees every split's stores)
-                gl.thread_barrier()
-                cnt = cnt_ptr + row * gl.num_programs(1) + h
-                arrived = gl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-                if arrived == n_splits - 1:
-                    gl.store(cnt, 0)  # the last arrival: no other program of this launch touches it again
-                    _combine(part_ptr, ml_ptr, out_ptr, row.to(gl.int64) * (G * gl.num_programs(1)) + h * G, G,
-                             n_splits, v_scalar)
-        else:
-            l_o = gl.expand_dims(gl.convert_layout(l_tot, gl.SliceLayout(1, O_L)), 1)
-            empty = l_o == 0.0  # nothing visible: zeros (a NaN sum stays NaN)
-            res = gl.where(empty, 0.0, o / gl.where(empty, 1.0, l_o)) * v_scalar
-            gl.store(out_ptr + gl.expand_dims(heads, 1) * 128 + cols, res.to(out_ptr.dtype.element_ty),
-                     mask=gl.expand_dims(hmask, 1))
-
-
-    # ---- O split by head-dim column across the warps (decode_os_kernel) ----
     # V words [64 tokens, 16 words, 2 halves] for BS at [64 k, 128 n]: token bit 0 and bits 3-5 in registers, bits
     # 1, 2 on the lanes t; word bits 0, 1 on the lanes g1, g2, bits 2, 3 on the warps; the half on the lane g0. Each
     # thread loads one word per token (lanes g0 = 0, 1 read the same word and keep one half each), so warp w holds
@@ -471,15 +200,15 @@ if gluon is not None:
                                          is_pure=True, pack=1)
 
     @gluon.jit
-    def v2_column_element(n):
-        """Output column n of the O-split P V dot -> head-dim element: B's n = g + 8 w + 32 r holds nibble r of
+    def v_column_element(n):
+        """Output column n of the P V dot -> head-dim element: B's n = g + 8 w + 32 r holds nibble r of
         half-word 8 w + g, element 32 w + 4 g + r."""
         return 32 * ((n >> 3) & 3) + 4 * (n & 7) + (n >> 5)
 
     @gluon.jit
-    def decode_v2(words, f, lo3, sign8):
+    def decode_v(words, f, lo3, sign8):
         """V words int32 [TT tokens, 16, 2] (WV2 / WV22), fp16 factors of the same shape and layout -> V fp16 [TT, 128
-        n] in BS, column n = v2_column_element(n), values * 2**-14 * factor."""
+        n] in BS, column n = v_column_element(n), values * 2**-14 * factor."""
         TT: gl.constexpr = words.shape[0]
         w3 = gl.permute(gl.reshape(words, [TT // 2, 2, 16, 2]), (0, 2, 3, 1))  # [tp, word, half, tb0]
         wa, wb = gl.split(w3)
@@ -498,17 +227,17 @@ if gluon is not None:
         x = gl.permute(x, (0, 3, 5, 4, 1, 2))
         return gl.convert_layout(gl.reshape(x, [TT, 128]), BS, assert_trivial=True)
 
-    # shared-memory tiles of the O-split kernel: payload words [64 tokens, 16] (K plain: a thread's four words are one
-    # LDS.128 over 8 rows x 4 chunks; V swizzled by token bits 1, 2 so that the four rows a V load instruction reads
-    # land in four different 16-byte chunks), scale words [64, 2] (nvfp4) or [64] (mxfp4)
+    # shared-memory tiles: payload words [tokens, 16] (K plain: a thread's four words are one LDS.128 over 8 rows x 4
+    # chunks; V swizzled by token bits 1, 2 so that the four rows a V load instruction reads land in four different
+    # 16-byte chunks), scale words [tokens, 2] (nvfp4) or [tokens] (mxfp4)
     K_SMEM = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
     V_SMEM = gl.SwizzledSharedLayout(4, 2, 4, order=[1, 0])
     S2_SMEM = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
     S1_SMEM = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
     CP_W = gl.BlockedLayout([1, 4], [8, 4], [NUM_WARPS, 1], [1, 0])  # payload copies: 16 bytes a thread
     CP_S2 = gl.BlockedLayout([1, 1], [16, 2], [NUM_WARPS, 1], [1, 0])  # nvfp4 scale words: 4 bytes a thread
-    CP_S1 = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])  # mxfp4 scale words (64: warps 2, 3 repeat 0, 1)
-    # the same at 128-token tiles (a page a tile): one more token bit (6) in registers
+    CP_S1 = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])  # mxfp4 scale words (64 tokens: warps 2, 3 repeat 0, 1)
+    # WK, SK, WV2 and SV4 at 128-token tiles (a page a tile): one more token bit (6) in registers
     WK2 = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [32, 0], [64, 0]],
                                      lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
                                      warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[2 * TILE, 16])
@@ -528,6 +257,19 @@ if gluon is not None:
     SV4 = gl.DistributedLinearLayout(reg_bases=[[1, 0, 0, 0], [8, 0, 0, 0], [16, 0, 0, 0], [32, 0, 0, 0]],
                                      lane_bases=[[2, 0, 0, 0], [4, 0, 0, 0], [0, 0, 0, 1], [0, 0, 1, 0], [0, 1, 0, 0]],
                                      warp_bases=[[0, 2, 0, 0], [0, 4, 0, 0]], block_bases=[], shape=[TILE, 8, 2, 2])
+    # mxfp4 V factors through shared memory: each thread computes one token's four block factors 2**(e - e_tok) and
+    # e_tok (FC: thread i, token i), stored as [4 blocks, tokens] fp16 and [tokens] fp32; warp w then reads its block's
+    # factors of its lanes' tokens (F4 / F42, 128-token tiles: [4 blocks, tokens, 4 (word bits 0, 1), 2 (half)], the
+    # lanes g broadcast), two tokens a 32-bit load
+    FC = gl.BlockedLayout([4, 1], [1, 32], [1, NUM_WARPS], [0, 1])  # [4 blocks, tokens]: a thread, a token
+    FAC_SMEM = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    F4 = gl.DistributedLinearLayout(reg_bases=[[0, 1, 0, 0], [0, 8, 0, 0], [0, 16, 0, 0], [0, 32, 0, 0]],
+                                    lane_bases=[[0, 2, 0, 0], [0, 4, 0, 0], [0, 0, 0, 1], [0, 0, 1, 0], [0, 0, 2, 0]],
+                                    warp_bases=[[1, 0, 0, 0], [2, 0, 0, 0]], block_bases=[], shape=[4, TILE, 4, 2])
+    F42 = gl.DistributedLinearLayout(reg_bases=[[0, 1, 0, 0], [0, 8, 0, 0], [0, 16, 0, 0], [0, 32, 0, 0],
+                                                [0, 64, 0, 0]],
+                                     lane_bases=[[0, 2, 0, 0], [0, 4, 0, 0], [0, 0, 0, 1], [0, 0, 1, 0], [0, 0, 2, 0]],
+                                     warp_bases=[[1, 0, 0, 0], [2, 0, 0, 0]], block_bases=[], shape=[4, 2 * TILE, 4, 2])
     STAGES = gl.constexpr(3)  # shared-memory tiles: copies run STAGES - 1 tiles ahead
 
     @gluon.jit
@@ -570,27 +312,32 @@ if gluon is not None:
         async_copy.commit_group()
 
     @gluon.jit
-    def decode_os_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, ml_ptr, cnt_ptr, table_ptr, ctx_ptr, ids_ptr,
+    def decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, ml_ptr, cnt_ptr, table_ptr, ctx_ptr, ids_ptr,
                          qk_scale, v_scalar, stride_qr, stride_qh, stride_kp, stride_kh, stride_vp, stride_vh,
                          stride_tb, stride_ir, stride_ih, n_tiles, tiles_per_split, lo3, sign8, G: gl.constexpr,
                          SPLIT: gl.constexpr, E8M0: gl.constexpr, FUSED: gl.constexpr, OT: gl.constexpr):
-        """decode_kernel's contract with the accumulator split by head-dim column across the warps: O [16, 128] in MS
-        (16 fp32 registers a thread instead of 64); K and V tiles come in as async copies into a STAGES-deep
-        shared-memory ring (no registers held by loads in flight); every warp's S columns reach every warp through
-        shared memory (P as the A operand [16 heads, 64 tokens]) under one softmax max per tile (a cross-warp max);
-        warp w decodes and multiplies head-dim elements 32 w .. 32 w + 31 of all OT tokens of V. OT: tokens per tile,
-        64 (half a page) or 128 (a page: half the per-tile softmax exchanges and barriers per token)."""
+        """Grid (requests, KV heads, splits); split s takes tiles s * tiles_per_split onward. O [16, 128] in MS, split
+        by head-dim column across the warps; K and V tiles as async copies into a STAGES-deep shared-memory ring;
+        every warp's S columns reach every warp through shared memory (P as the A operand [16 heads, OT tokens])
+        under one softmax max per tile (a cross-warp max); warp w decodes and multiplies head-dim elements 32 w .. 32
+        w + 31 of all OT tokens of V. OT: tokens per tile, 64 (half a page) or 128 (a page: half the per-tile
+        exchanges and barriers per token). Scale bytes sit after the page's 128 x 64 payload bytes: nvfp4 8 E4M3
+        bytes per token, mxfp4 4 E8M0 bytes per token (one word). FUSED (with SPLIT): the last split of a (request,
+        KV head) to finish merges the partials (`cnt_ptr`: one int32 arrival counter per (request, KV head), zero
+        before the launch and left zero after it)."""
         TPB: gl.constexpr = 128 // OT  # tiles per 128-token selected block
         if OT == 128:
             WKL: gl.constexpr = WK2
             SKL: gl.constexpr = SK2
             WVL: gl.constexpr = WV22
             SVL: gl.constexpr = SV42
+            FL: gl.constexpr = F42
         else:
             WKL: gl.constexpr = WK
             SKL: gl.constexpr = SK
             WVL: gl.constexpr = WV2
             SVL: gl.constexpr = SV4
+            FL: gl.constexpr = F4
         row = gl.program_id(0)
         h = gl.program_id(1)
         split = gl.program_id(2)
@@ -610,6 +357,8 @@ if gluon is not None:
         if E8M0:
             ksbufs = gl.allocate_shared_memory(gl.int32, [STAGES, OT], S1_SMEM)
             vsbufs = gl.allocate_shared_memory(gl.int32, [STAGES, OT], S1_SMEM)
+            fac_smem = gl.allocate_shared_memory(gl.float16, [4, OT], FAC_SMEM)
+            ev_smem = gl.allocate_shared_memory(gl.float32, [OT], S1_SMEM)
         else:
             ksbufs = gl.allocate_shared_memory(gl.int32, [STAGES, OT, 2], S2_SMEM)
             vsbufs = gl.allocate_shared_memory(gl.int32, [STAGES, OT, 2], S2_SMEM)
@@ -659,16 +408,23 @@ if gluon is not None:
                 ksb = ksbufs.index(st)._reinterpret(gl.int8, [OT, 8], S2_SMEM).load(SKL)
                 kc_ = tok_s
                 f = block_factors(ksb, ksb, False)
+            if E8M0:  # the V factors of the tile, once per token (read after the barrier below)
+                vtok = vsbufs.index(st).load(gl.SliceLayout(0, FC))
+                e_tok = byte_max(vtok)
+                blk = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(1, FC)), 1)
+                fac_smem.store(pow2_f16(((gl.expand_dims(vtok, 0) >> (8 * blk)) & 0xFF) - gl.expand_dims(e_tok, 0)))
+                ev_smem.store((e_tok - 127).to(gl.float32))
             s = mma_v2(qa, decode_k(kw, f, lo3, sign8), gl.full([16, OT], 0.0, gl.float32, layout=MS))
             if E8M0:
                 s = s * gl.expand_dims(exp2_int(byte_max(kc_) - 127), 0)
             valid = live & (tok0 + tok_s <= pos)
             s = gl.where(gl.expand_dims(valid, 0), s * gl.expand_dims(down, 1), float("-inf"))
             if E8M0:
-                vsw = vsbufs.index(st).load(gl.SliceLayout(1, gl.SliceLayout(2, WVL)))
-                vsw = gl.expand_dims(gl.expand_dims(vsw, 1), 2) + zero3
-                vf = pow2_f16(((vsw >> (8 * (word >> 2))) & 0xFF) - byte_max(vsw))
-                ev = (byte_max(vsbufs.index(st).load(gl.SliceLayout(0, MS))) - 127).to(gl.float32)
+                gl.thread_barrier()  # every thread's factors are stored
+                fb = fac_smem.load(gl.SliceLayout(2, gl.SliceLayout(3, FL)))  # [4 blocks, OT]: warp w's block w
+                fb = gl.expand_dims(gl.expand_dims(fb, 2), 3) + gl.full([4, OT, 4, 2], 0.0, gl.float16, layout=FL)
+                vf = gl.convert_layout(gl.reshape(gl.permute(fb, (1, 0, 2, 3)), [OT, 16, 2]), WVL, assert_trivial=True)
+                ev = ev_smem.load(gl.SliceLayout(0, MS))
             else:
                 vb = vsbufs.index(st)._reinterpret(gl.int8, [OT, 8], S2_SMEM).load(
                     gl.SliceLayout(2, gl.SliceLayout(3, SVL)))
@@ -692,7 +448,7 @@ if gluon is not None:
                 p = gl.exp2(sv - gl.expand_dims(mv_safe, 1))
                 mv_i = mv_new
             pa = gl.convert_layout(p.to(gl.float16), AS)  # every warp's columns to every warp
-            acc = mma_v2(pa, decode_v2(vw, vf, lo3, sign8), acc * gl.expand_dims(alpha, 1))
+            acc = mma_v2(pa, decode_v(vw, vf, lo3, sign8), acc * gl.expand_dims(alpha, 1))
             b0, b1, b2, b3 = b1, b2, b3, b4
             pg0, pg1, pg2 = pg1, pg2, pg3
         async_copy.wait_group(0)
@@ -700,9 +456,9 @@ if gluon is not None:
             mv_safe = gl.where(mv_i == float("-inf"), 0.0, mv_i)
             acc = acc * gl.expand_dims(gl.exp2(mv_safe - gl.where(m_i == float("-inf"), 0.0, m_i)), 1)
         l_tot = gl.sum(l_acc, axis=1)  # [16]
-        o = gl.convert_layout(acc, O_L)  # [16, 128], column n = v2_column_element(n)
+        o = gl.convert_layout(acc, O_L)  # [16, 128], column n = v_column_element(n)
         ho = gl.arange(0, 16, layout=gl.SliceLayout(1, O_L))
-        cols = gl.expand_dims(v2_column_element(gl.arange(0, 128, layout=gl.SliceLayout(0, O_L))), 0)
+        cols = gl.expand_dims(v_column_element(gl.arange(0, 128, layout=gl.SliceLayout(0, O_L))), 0)
         heads = row.to(gl.int64) * (G * gl.num_programs(1)) + h * G + ho  # flat (row, query head)
         hmask = ho < G
         if SPLIT:
@@ -747,44 +503,30 @@ def applies(q: torch.Tensor, k_cache, v_cache, block_size: int) -> bool:
 
 
 # rows x KV heads from which the default launch takes this kernel, per format (H200, M3 shape, us per layer, layers
-# back to back past L2, 2026-11-29): nvfp4 batch 16 13.1 (8 splits) / 15.7 (16) against the portable 11.3, batch 64
-# 24.3 against 26.0 (14:47 UTC); mxfp4 batch 64 28.7 against 27.0 with the combine launch (14:55 UTC), 25.0 against
-# 26.8 with the fused merge (16:36 UTC), 128 36.6 against 45.7, 256 59.1 against 74.8
+# back to back past L2, 2026-11-29; below it the portable kernel's splits: batch 16 nvfp4 11.3 against this kernel's
+# first form's 13.1, 14:47 UTC)
 MIN_PROGRAMS = {"nvfp4": 64, "mxfp4": 64}
 
-
-# The kernel each format's launch takes (H200, M3 TP4 shape, us per layer, layers back to back past L2 in one CUDA
-# graph, 2026-11-29 21:1x UTC, `.scratch/s16_sweep.py`; fp8's portable kernel beside): nvfp4 decode_os_kernel at
-# batch 64 / 128 / 256 18.2 / 26.9 / 44.2 against decode_kernel's 22.1 / 30.6 / 47.1 (fp8 20.1 / 32.3 / 46.7);
-# mxfp4 decode_os_kernel 23.0 / 37.7 / 65.4 against 24.5 / 37.1 / 59.2 (its E8M0 factors cost ~400 more SASS a tile).
-O_SPLIT = {"nvfp4": True, "mxfp4": False}
-OS_TILE = 128  # decode_os_kernel's tokens per tile
-
-
-def kernel_for(family: str):
-    """The Gluon decode kernel of a format family (O_SPLIT)."""
-    return decode_os_kernel if O_SPLIT[family] else decode_kernel
-
-
-MIN_SPLIT_TOKENS = 256  # splits of fewer selected tokens lose to the merge and the pipeline fill (batch 16: 8 splits
-# 11.6 us, 16 splits 13.8)
+TOKENS_PER_TILE = 128  # a page a tile (64: half a page, also compiled and tested; see default_splits for both)
+MIN_SPLIT_TOKENS = 256  # splits of fewer selected tokens lose to the merge and the pipeline fill (batch 16, 64-token
+# tiles: 8 splits 11.6 us, 16 splits 13.8)
 
 
 def default_splits(rows: int, num_kv_heads: int, n_tiles: int, device: torch.device, tile: int = TILE) -> int:
-    """About two programs per SM, at least MIN_SPLIT_TOKENS of the n_tiles x tile selected tokens each (H200, M3 shape, us per layer, layers back
-    to back past L2; decode_kernel 2026-11-29 14:47 UTC: batch 256 with 1 / 2 splits 48.1 / 61.1, batch 128 with 1 /
-    2: 36.4 / 33.5, batch 64 with 2 / 3 / 4 / 6 / 8: 24.3 / 27.0 / 24.6 / 32.4 / 33.5; decode_os_kernel, 161-167
-    registers, 3 programs per SM, 21:1x UTC: batch 256 with 1 / 2 splits 44.2 / 52.8 (2 splits are 1.3 waves; capped
-    at 128 registers, 4 programs per SM, 43.5), batch 128 with 2 / 3 / 4 26.9 / 26.0 / 34.0, batch 64 with 3 / 4 / 6
-    / 8 20.2 / 18.2 / 19.5 / 24.9)."""
+    """About two programs per SM, at least MIN_SPLIT_TOKENS of the n_tiles x tile selected tokens each. H200, M3 shape,
+    us per layer, layers back to back past L2, nvfp4 (`.scratch/s16_sweep.py`, `s16_ab.py`, 2026-11-29 21:0x-21:2x
+    UTC; 161-168 registers: 3 programs per SM): 64-token tiles, batch 256 with 1 / 2 splits 44.2 / 52.8 (2 splits are
+    1.3 waves; capped at 128 registers, 4 programs per SM and no spills, 43.5), batch 128 with 2 / 3 / 4 26.9 / 26.0
+    / 34.0, batch 64 with 3 / 4 / 6 / 8 20.2 / 18.2 / 19.5 / 24.9; 128-token tiles, batch 256 (1 split) 41.1 against
+    45.0, batch 128 with 2 / 3 26.8 / 27.5 (64: 27.1 / 26.1), batch 64 with 2 / 4 20.7 / 19.4 (64: 21.7 / 18.9)."""
     return max(1, min(n_tiles * tile // MIN_SPLIT_TOKENS, 2 * num_sms(device) // max(1, rows * num_kv_heads)))
 
 
-def plan(rows: int, num_kv_heads: int, topk: int, family: str, device: torch.device,
+def plan(rows: int, num_kv_heads: int, topk: int, device: torch.device,
          num_splits: int | None = None) -> tuple[int, int, int]:
-    """A launch's (tokens per tile, tiles, splits): the family's kernel's tile, the default splits unless num_splits,
-    never an empty trailing split."""
-    tile = OS_TILE if O_SPLIT[family] else TILE
+    """A launch's (tokens per tile, tiles, splits): TOKENS_PER_TILE, the default splits unless num_splits, never an
+    empty trailing split."""
+    tile = TOKENS_PER_TILE
     n_tiles = topk * (BLOCK // tile)
     splits = int(num_splits) if num_splits else default_splits(rows, num_kv_heads, n_tiles, device, tile)
     per = max(1, math.ceil(n_tiles / splits))
@@ -821,11 +563,10 @@ def sparse_decode(q: torch.Tensor, k_cache, v_cache, block_table: torch.Tensor, 
     FUSED_COMBINE)."""
     rows, hq, d = q.shape
     hkv, topk = k_cache.num_heads, block_ids.shape[-1]
-    family = k_cache.fmt.family
     out = torch.empty(rows, hq, d, dtype=out_dtype, device=q.device)
     if rows == 0:
         return out
-    tile, n_tiles, splits = plan(rows, hkv, topk, family, q.device, num_splits)
+    tile, n_tiles, splits = plan(rows, hkv, topk, q.device, num_splits)
     per = math.ceil(n_tiles / splits)
     fused = splits > 1 and (FUSED_COMBINE if fused_combine is None else fused_combine)
     cnt = split_counters(q.device, rows * hkv) if fused else None
@@ -836,13 +577,12 @@ def sparse_decode(q: torch.Tensor, k_cache, v_cache, block_table: torch.Tensor, 
     else:
         part = ml = out  # unused
     cnt = cnt if fused else out  # unused without the fused merge
-    kernel_for(family)[(rows, hkv, splits)](
+    decode_kernel[(rows, hkv, splits)](
         q, k_cache.data, v_cache.data, out, part, ml, cnt, block_table, context_lens, block_ids, float(qk_scale),
         float(v_scalar), q.stride(0), q.stride(1), k_cache.data.stride(0), k_cache.data.stride(1),
         v_cache.data.stride(0), v_cache.data.stride(1), block_table.stride(0), block_ids.stride(0),
         block_ids.stride(1), n_tiles, per, 0x07070707, -0x7F7F7F80, G=hq // hkv, SPLIT=splits > 1,
-        E8M0=k_cache.fmt.scale_element == "e8m0", FUSED=fused, **({"OT": tile} if O_SPLIT[family] else {}),
-        num_warps=NUM_WARPS)
+        E8M0=k_cache.fmt.scale_element == "e8m0", FUSED=fused, OT=tile, num_warps=NUM_WARPS)
     if splits > 1 and not fused:
         combine[(rows * hq,)](part, ml, out, float(v_scalar), splits, BLOCK_S=triton.next_power_of_2(splits), D=d,
                               num_warps=4)

@@ -196,8 +196,7 @@ for _case in PORTABLE_FP8:
 # scorer: autotuned, or its fixed launch (FP4 top-k on CUDA: index_score.FP4_PAIR_LAUNCH)
 SCORER = ("index_score._tuned_kernel", "index_score._index_score_kernel", "index_gluon.decode_block_parts_kernel")
 # sparse-attention decode: the portable kernel, or (FP4 on CUDA) the Gluon fast path (kernels/sparse_attn_gluon.py)
-ATTN_DECODE = ("sparse_attn._sparse_attn_kernel", "sparse_attn_gluon.decode_kernel",
-               "sparse_attn_gluon.decode_os_kernel")
+ATTN_DECODE = ("sparse_attn._sparse_attn_kernel", "sparse_attn_gluon.decode_kernel")
 # the store: the portable kernel, or (bf16 rows of 128 into FP4 on CUDA) the Gluon TMA store (kernels/store_gluon.py)
 STORE = ("store._store_kernel", "store_gluon.store_tma_kernel")
 EXPECT = {
@@ -211,8 +210,7 @@ EXPECT = {
     "attn-decode-splits-portable": {"sparse_attn._sparse_attn_kernel", "sparse_attn._combine_kernel"},
     "attn-decode-nosplit": {ATTN_DECODE},
     "attn-decode-small": {ATTN_DECODE, "sparse_attn._combine_kernel"},
-    # (nvfp4: the column-split kernel; mxfp4: the whole-accumulator kernel, as attn_gluon.kernel_for picks)
-    "attn-decode-gluon": {("sparse_attn_gluon.decode_kernel", "sparse_attn_gluon.decode_os_kernel")},
+    "attn-decode-gluon": {"sparse_attn_gluon.decode_kernel"},
     "attn-prefill": {"sparse_attn._sparse_attn_kernel"},
     "index-decode-topk-inkernel": {"index_score._tuned_kernel", "topk._merge_kernel"},
     "index-decode-topk-split256": {SCORER, "topk._select_kernel", "topk._merge_packed_kernel"},

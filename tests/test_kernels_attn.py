@@ -302,11 +302,14 @@ def test_gluon_dispatch_rules(monkeypatch):
     k8, v8 = caches("fp8-unit")
     with pytest.raises(KernelArgumentError, match="nvfp4 or mxfp4"):
         SA._use_gluon(q, k8, v8, 128, True, {})
-    # about two programs per SM, at least 4 of the 32 tiles (M3's top-16 x 128 in 64-token tiles) per split
-    assert [G.default_splits(r, 1, 32, torch.device("cpu")) for r in (256, 128, 64, 16, 1)] == [1, 2, 4, 8, 8]
-    assert G.default_splits(1, 1, 3, torch.device("cpu")) == 1  # fewer tiles than a split's least
-    # each family's kernel: nvfp4 the column-split accumulator, mxfp4 the whole accumulator per warp
-    assert G.kernel_for("nvfp4") is G.decode_os_kernel and G.kernel_for("mxfp4") is G.decode_kernel
+    # about two programs per SM, at least 256 of the 2048 selected tokens (M3's top-16 x 128) per split, whatever
+    # the tile; a launch plan: (tokens per tile, tiles, splits), no empty trailing split
+    cpu = torch.device("cpu")
+    for tile in (64, 128):
+        assert [G.default_splits(r, 1, 2048 // tile, cpu, tile) for r in (256, 128, 64, 16, 1)] == [1, 2, 4, 8, 8]
+    assert G.default_splits(1, 1, 3, cpu, 64) == 1  # fewer tokens than a split's least
+    assert G.plan(64, 1, 16, cpu) == (G.TOKENS_PER_TILE, 16 * 128 // G.TOKENS_PER_TILE, 4)
+    assert G.plan(1, 1, 16, cpu, num_splits=5)[2] == (4 if G.TOKENS_PER_TILE == 128 else 5)  # 16 tiles: 4 a split
 
 
 # --------------------------------------------------------------------------------------------- GPU, real sizes
@@ -398,18 +401,14 @@ def test_gpu_decode_gluon(fmt, heads):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [(16, 1), (5, 1)], ids=["g16", "g5"])
-@pytest.mark.parametrize("kernel", ["columns-128", "columns-64", "whole"])
+@pytest.mark.parametrize("tile", [128, 64])
 @pytest.mark.parametrize("fmt", ["nvfp4-rcp", "mxfp4-rceil"])
-def test_gpu_decode_gluon_each_kernel(fmt, kernel, heads, monkeypatch):
-    """Both Gluon decode kernels for both families, whichever the default takes (attn_gluon.O_SPLIT): the column-
-    split kernel at 128- and 64-token tiles and the whole-accumulator kernel, against the reference and the portable
-    kernel, at the page-edge contexts, split counts 1, 3 and the default."""
+def test_gpu_decode_gluon_each_tile(fmt, tile, heads, monkeypatch):
+    """The Gluon decode at both tile sizes (attn_gluon.TOKENS_PER_TILE: a page, or half a page) against the reference
+    and the portable kernel, at the page-edge contexts, a -1 selection, split counts 1, 3 and the default."""
     from kvtool.kernels import sparse_attn_gluon as attn_gluon
 
-    family = get_format(fmt).family
-    monkeypatch.setitem(attn_gluon.O_SPLIT, family, kernel != "whole")
-    if kernel != "whole":
-        monkeypatch.setattr(attn_gluon, "OS_TILE", int(kernel.split("-")[1]))
+    monkeypatch.setattr(attn_gluon, "TOKENS_PER_TILE", tile)
     hq, hkv = heads
     lens = [1, 63, 64, 65, 127, 128, 129, 4097, 150000]
     q, kc, vc, table, ctx, ids = make_decode(fmt, lens, hq, hkv, 128, 128, 128, 16, seed=25)

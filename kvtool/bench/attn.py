@@ -204,11 +204,9 @@ def run_attn_bench(batches=DEFAULT_BATCHES, formats=DEFAULT_FORMATS, context: in
                 fast = uses_gluon(step.q, step.k[0], step.v[0], GEOMETRY["block_size"])
                 note = portable
                 if fast:
-                    family = step.fmt.family
-                    gtile, _, gsplits = attn_gluon.plan(batch, GEOMETRY["num_kv_heads"], GEOMETRY["topk"], family,
+                    gtile, _, gsplits = attn_gluon.plan(batch, GEOMETRY["num_kv_heads"], GEOMETRY["topk"],
                                                         torch.device(device))
-                    note = (f"{how} x {layers} layers; Gluon {attn_gluon.kernel_for(family).fn.__name__}, tile "
-                            f"{gtile}, splits {gsplits}")
+                    note = f"{how} x {layers} layers; Gluon fast path, tile {gtile}, splits {gsplits}"
                 cases.append(BenchCase(f"triton {label}", step.kernel(), step.bytes, group, note,
                                        cuda_graph=device.startswith("cuda")))
                 if fast:
