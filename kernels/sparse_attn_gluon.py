@@ -399,56 +399,58 @@ if gluon is not None:
             sn = (j + 2 - t0) % STAGES
             _issue(kbufs.index(sn), ksbufs.index(sn), vbufs.index(sn), vsbufs.index(sn), b2, pg2, j + 2, k_ptr,
                    v_ptr, head_k, head_v, stride_kp, stride_vp, pos, E8M0, OT)
-            kw = kbufs.index(st).load(WKL)
-            if E8M0:
-                ksw = ksbufs.index(st).load(gl.SliceLayout(1, SKL))
-                kc_ = ksbufs.index(st).load(gl.SliceLayout(0, MS))
-                f = block_factors(gl.full([OT, 8], 0, gl.int32, layout=SKL), ksw, True)
-            else:
-                ksb = ksbufs.index(st)._reinterpret(gl.int8, [OT, 8], S2_SMEM).load(SKL)
-                kc_ = tok_s
-                f = block_factors(ksb, ksb, False)
-            if E8M0:  # the V factors of the tile, once per token (read after the barrier below)
-                vtok = vsbufs.index(st).load(gl.SliceLayout(0, FC))
-                e_tok = byte_max(vtok)
-                blk = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(1, FC)), 1)
-                fac_smem.store(pow2_f16(((gl.expand_dims(vtok, 0) >> (8 * blk)) & 0xFF) - gl.expand_dims(e_tok, 0)))
-                ev_smem.store((e_tok - 127).to(gl.float32))
-            s = mma_v2(qa, decode_k(kw, f, lo3, sign8), gl.full([16, OT], 0.0, gl.float32, layout=MS))
-            if E8M0:
-                s = s * gl.expand_dims(exp2_int(byte_max(kc_) - 127), 0)
-            valid = live & (tok0 + tok_s <= pos)
-            s = gl.where(gl.expand_dims(valid, 0), s * gl.expand_dims(down, 1), float("-inf"))
-            if E8M0:
-                gl.thread_barrier()  # every thread's factors are stored
-                fb = fac_smem.load(gl.SliceLayout(2, gl.SliceLayout(3, FL)))  # [4 blocks, OT]: warp w's block w
-                fb = gl.expand_dims(gl.expand_dims(fb, 2), 3) + gl.full([4, OT, 4, 2], 0.0, gl.float16, layout=FL)
-                vf = gl.convert_layout(gl.reshape(gl.permute(fb, (1, 0, 2, 3)), [OT, 16, 2]), WVL, assert_trivial=True)
-                ev = ev_smem.load(gl.SliceLayout(0, MS))
-            else:
-                vb = vsbufs.index(st)._reinterpret(gl.int8, [OT, 8], S2_SMEM).load(
-                    gl.SliceLayout(2, gl.SliceLayout(3, SVL)))
-                vb = gl.expand_dims(gl.expand_dims(vb.to(gl.float8e4nv, bitcast=True).to(gl.float16), 2), 3)
-                vb = vb + gl.full([OT, 8, 2, 2], 0.0, gl.float16, layout=SVL)
-                vf = gl.convert_layout(gl.reshape(vb, [OT, 16, 2]), WVL, assert_trivial=True)
-            vw = vbufs.index(st).load(gl.SliceLayout(2, WVL))
-            vw = gl.expand_dims(vw, 2) + zero3
-            m_new = gl.maximum(m_i, gl.max(s, axis=1))  # across the warps
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(s - gl.expand_dims(m_safe, 1))
-            l_acc = l_acc * gl.expand_dims(alpha, 1) + p
-            m_i = m_new
-            if E8M0:
-                # P' = 2**(s + e_v - mv) <= 1: V decoded over each token's largest block, times P', is exact
-                sv = s + gl.expand_dims(ev, 0)
-                mv_new = gl.maximum(mv_i, gl.max(sv, axis=1))
-                mv_safe = gl.where(mv_new == float("-inf"), 0.0, mv_new)
-                alpha = gl.exp2(mv_i - mv_safe)
-                p = gl.exp2(sv - gl.expand_dims(mv_safe, 1))
-                mv_i = mv_new
-            pa = gl.convert_layout(p.to(gl.float16), AS)  # every warp's columns to every warp
-            acc = mma_v2(pa, decode_v(vw, vf, lo3, sign8), acc * gl.expand_dims(alpha, 1))
+            if live:  # a dead tile (-1 id or page, wholly after the query) adds nothing: skipped (CTA-uniform)
+                kw = kbufs.index(st).load(WKL)
+                if E8M0:
+                    ksw = ksbufs.index(st).load(gl.SliceLayout(1, SKL))
+                    kc_ = ksbufs.index(st).load(gl.SliceLayout(0, MS))
+                    f = block_factors(gl.full([OT, 8], 0, gl.int32, layout=SKL), ksw, True)
+                else:
+                    ksb = ksbufs.index(st)._reinterpret(gl.int8, [OT, 8], S2_SMEM).load(SKL)
+                    kc_ = tok_s
+                    f = block_factors(ksb, ksb, False)
+                if E8M0:  # the V factors of the tile, once per token (read after the barrier below)
+                    vtok = vsbufs.index(st).load(gl.SliceLayout(0, FC))
+                    e_tok = byte_max(vtok)
+                    blk = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(1, FC)), 1)
+                    fac_smem.store(pow2_f16(((gl.expand_dims(vtok, 0) >> (8 * blk)) & 0xFF) - gl.expand_dims(e_tok, 0)))
+                    ev_smem.store((e_tok - 127).to(gl.float32))
+                s = mma_v2(qa, decode_k(kw, f, lo3, sign8), gl.full([16, OT], 0.0, gl.float32, layout=MS))
+                if E8M0:
+                    s = s * gl.expand_dims(exp2_int(byte_max(kc_) - 127), 0)
+                valid = live & (tok0 + tok_s <= pos)
+                s = gl.where(gl.expand_dims(valid, 0), s * gl.expand_dims(down, 1), float("-inf"))
+                if E8M0:
+                    gl.thread_barrier()  # every thread's factors are stored
+                    fb = fac_smem.load(gl.SliceLayout(2, gl.SliceLayout(3, FL)))  # [4 blocks, OT]: warp w's block w
+                    fb = gl.expand_dims(gl.expand_dims(fb, 2), 3) + gl.full([4, OT, 4, 2], 0.0, gl.float16, layout=FL)
+                    fb = gl.reshape(gl.permute(fb, (1, 0, 2, 3)), [OT, 16, 2])
+                    vf = gl.convert_layout(fb, WVL, assert_trivial=True)
+                    ev = ev_smem.load(gl.SliceLayout(0, MS))
+                else:
+                    vb = vsbufs.index(st)._reinterpret(gl.int8, [OT, 8], S2_SMEM).load(
+                        gl.SliceLayout(2, gl.SliceLayout(3, SVL)))
+                    vb = gl.expand_dims(gl.expand_dims(vb.to(gl.float8e4nv, bitcast=True).to(gl.float16), 2), 3)
+                    vb = vb + gl.full([OT, 8, 2, 2], 0.0, gl.float16, layout=SVL)
+                    vf = gl.convert_layout(gl.reshape(vb, [OT, 16, 2]), WVL, assert_trivial=True)
+                vw = vbufs.index(st).load(gl.SliceLayout(2, WVL))
+                vw = gl.expand_dims(vw, 2) + zero3
+                m_new = gl.maximum(m_i, gl.max(s, axis=1))  # across the warps
+                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = gl.exp2(m_i - m_safe)
+                p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+                l_acc = l_acc * gl.expand_dims(alpha, 1) + p
+                m_i = m_new
+                if E8M0:
+                    # P' = 2**(s + e_v - mv) <= 1: V decoded over each token's largest block, times P', is exact
+                    sv = s + gl.expand_dims(ev, 0)
+                    mv_new = gl.maximum(mv_i, gl.max(sv, axis=1))
+                    mv_safe = gl.where(mv_new == float("-inf"), 0.0, mv_new)
+                    alpha = gl.exp2(mv_i - mv_safe)
+                    p = gl.exp2(sv - gl.expand_dims(mv_safe, 1))
+                    mv_i = mv_new
+                pa = gl.convert_layout(p.to(gl.float16), AS)  # every warp's columns to every warp
+                acc = mma_v2(pa, decode_v(vw, vf, lo3, sign8), acc * gl.expand_dims(alpha, 1))
             b0, b1, b2, b3 = b1, b2, b3, b4
             pg0, pg1, pg2 = pg1, pg2, pg3
         async_copy.wait_group(0)
