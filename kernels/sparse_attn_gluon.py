@@ -505,8 +505,8 @@ def applies(q: torch.Tensor, k_cache, v_cache, block_size: int) -> bool:
 
 
 # rows x KV heads from which the default launch takes this kernel, per format (H200, M3 shape, us per layer, layers
-# back to back past L2, 2026-11-29; below it the portable kernel's splits: batch 16 nvfp4 11.3 against this kernel's
-# first form's 13.1, 14:47 UTC)
+# back to back past L2, 2026-11-29 21:2x-21:3x UTC): batch 16 the portable kernel's splits nvfp4 11.3 against this
+# kernel's 12.0-12.3, mxfp4 12.2 against 12.6-12.9; batch 64 nvfp4 25.6-25.9 against 18.9-19.1
 MIN_PROGRAMS = {"nvfp4": 64, "mxfp4": 64}
 
 TOKENS_PER_TILE = 128  # a page a tile (64: half a page, also compiled and tested; see default_splits for both)
