@@ -251,7 +251,8 @@ if gluon is not None:
                                                  [64, 0, 0, 0]],
                                       lane_bases=[[2, 0, 0, 0], [4, 0, 0, 0], [0, 0, 0, 1], [0, 0, 1, 0],
                                                   [0, 1, 0, 0]],
-                                      warp_bases=[[0, 2, 0, 0], [0, 4, 0, 0]], block_bases=[], shape=[2 * TILE, 8, 2, 2])
+                                      warp_bases=[[0, 2, 0, 0], [0, 4, 0, 0]], block_bases=[],
+                                      shape=[2 * TILE, 8, 2, 2])
     # nvfp4 V scale bytes as [64 tokens, 8 blocks, 2 (word bit 0), 2 (half)] for WV2: a block's byte repeated over
     # the lanes g1 (word bit 0) and g0 (half); the lane g2 and the warps pick the block
     SV4 = gl.DistributedLinearLayout(reg_bases=[[1, 0, 0, 0], [8, 0, 0, 0], [16, 0, 0, 0], [32, 0, 0, 0]],
@@ -297,7 +298,7 @@ if gluon is not None:
                                                mask=live)
         async_copy.async_copy_global_to_shared(vbuf, vt.to(gl.pointer_type(gl.int32), bitcast=True) + w_off,
                                                mask=live)
-        # scale words start after the page's 128 x 64 payload bytes; the tile's first token is (j % 2) * 64
+        # scale words start after the page's 128 x 64 payload bytes; the tile's first token is `first`
         ks = (kt + (128 * 64 - first * 64 + first * SB)).to(gl.pointer_type(gl.int32), bitcast=True)
         vs = (vt + (128 * 64 - first * 64 + first * SB)).to(gl.pointer_type(gl.int32), bitcast=True)
         if E8M0:
@@ -312,10 +313,10 @@ if gluon is not None:
         async_copy.commit_group()
 
     @gluon.jit
-    def decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, ml_ptr, cnt_ptr, table_ptr, ctx_ptr, ids_ptr,
-                         qk_scale, v_scalar, stride_qr, stride_qh, stride_kp, stride_kh, stride_vp, stride_vh,
-                         stride_tb, stride_ir, stride_ih, n_tiles, tiles_per_split, lo3, sign8, G: gl.constexpr,
-                         SPLIT: gl.constexpr, E8M0: gl.constexpr, FUSED: gl.constexpr, OT: gl.constexpr):
+    def decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, ml_ptr, cnt_ptr, table_ptr, ctx_ptr, ids_ptr, qk_scale,
+                      v_scalar, stride_qr, stride_qh, stride_kp, stride_kh, stride_vp, stride_vh, stride_tb,
+                      stride_ir, stride_ih, n_tiles, tiles_per_split, lo3, sign8, G: gl.constexpr,
+                      SPLIT: gl.constexpr, E8M0: gl.constexpr, FUSED: gl.constexpr, OT: gl.constexpr):
         """Grid (requests, KV heads, splits); split s takes tiles s * tiles_per_split onward. O [16, 128] in MS, split
         by head-dim column across the warps; K and V tiles as async copies into a STAGES-deep shared-memory ring;
         every warp's S columns reach every warp through shared memory (P as the A operand [16 heads, OT tokens])
