@@ -75,6 +75,16 @@ NUM_WARPS = 4  # each: 8 of every 32 token columns of S, 32 head-dim columns of 
 PAYLOAD = DIM // 2  # nvfp4 payload bytes per token
 SCALE_BYTES = {"nvfp4": DIM // 16, "mxfp4": DIM // 32}  # scale bytes per token (E4M3 per 16, E8M0 per 32 elements)
 
+
+def twice_the_tokens(layout, dim: int):
+    """A linear layout at twice the tokens along `dim`: token bit 6 in one more register (64- -> 128-token tiles)."""
+    reg = [list(b) for b in layout.reg_bases] + [[64 if i == dim else 0 for i in range(len(layout.shape))]]
+    shape = list(layout.shape)
+    shape[dim] *= 2
+    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=layout.lane_bases, warp_bases=layout.warp_bases,
+                                      block_bases=layout.block_bases, shape=shape)
+
+
 if gluon is not None:
     MS = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NUM_WARPS], instr_shape=[16, 8])
     AS = gl.DotOperandLayout(operand_index=0, parent=MS, k_width=2)
@@ -237,22 +247,6 @@ if gluon is not None:
     CP_W = gl.BlockedLayout([1, 4], [8, 4], [NUM_WARPS, 1], [1, 0])  # payload copies: 16 bytes a thread
     CP_S2 = gl.BlockedLayout([1, 1], [16, 2], [NUM_WARPS, 1], [1, 0])  # nvfp4 scale words: 4 bytes a thread
     CP_S1 = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])  # mxfp4 scale words (64 tokens: warps 2, 3 repeat 0, 1)
-    # WK, SK, WV2 and SV4 at 128-token tiles (a page a tile): one more token bit (6) in registers
-    WK2 = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [32, 0], [64, 0]],
-                                     lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
-                                     warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[2 * TILE, 16])
-    SK2 = gl.DistributedLinearLayout(reg_bases=[[0, 1], [32, 0], [64, 0]],
-                                     lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
-                                     warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[2 * TILE, 8])
-    WV22 = gl.DistributedLinearLayout(reg_bases=[[1, 0, 0], [8, 0, 0], [16, 0, 0], [32, 0, 0], [64, 0, 0]],
-                                      lane_bases=[[2, 0, 0], [4, 0, 0], [0, 0, 1], [0, 1, 0], [0, 2, 0]],
-                                      warp_bases=[[0, 4, 0], [0, 8, 0]], block_bases=[], shape=[2 * TILE, 16, 2])
-    SV42 = gl.DistributedLinearLayout(reg_bases=[[1, 0, 0, 0], [8, 0, 0, 0], [16, 0, 0, 0], [32, 0, 0, 0],
-                                                 [64, 0, 0, 0]],
-                                      lane_bases=[[2, 0, 0, 0], [4, 0, 0, 0], [0, 0, 0, 1], [0, 0, 1, 0],
-                                                  [0, 1, 0, 0]],
-                                      warp_bases=[[0, 2, 0, 0], [0, 4, 0, 0]], block_bases=[],
-                                      shape=[2 * TILE, 8, 2, 2])
     # nvfp4 V scale bytes as [64 tokens, 8 blocks, 2 (word bit 0), 2 (half)] for WV2: a block's byte repeated over
     # the lanes g1 (word bit 0) and g0 (half); the lane g2 and the warps pick the block
     SV4 = gl.DistributedLinearLayout(reg_bases=[[1, 0, 0, 0], [8, 0, 0, 0], [16, 0, 0, 0], [32, 0, 0, 0]],
@@ -267,10 +261,9 @@ if gluon is not None:
     F4 = gl.DistributedLinearLayout(reg_bases=[[0, 1, 0, 0], [0, 8, 0, 0], [0, 16, 0, 0], [0, 32, 0, 0]],
                                     lane_bases=[[0, 2, 0, 0], [0, 4, 0, 0], [0, 0, 0, 1], [0, 0, 1, 0], [0, 0, 2, 0]],
                                     warp_bases=[[1, 0, 0, 0], [2, 0, 0, 0]], block_bases=[], shape=[4, TILE, 4, 2])
-    F42 = gl.DistributedLinearLayout(reg_bases=[[0, 1, 0, 0], [0, 8, 0, 0], [0, 16, 0, 0], [0, 32, 0, 0],
-                                                [0, 64, 0, 0]],
-                                     lane_bases=[[0, 2, 0, 0], [0, 4, 0, 0], [0, 0, 0, 1], [0, 0, 1, 0], [0, 0, 2, 0]],
-                                     warp_bases=[[1, 0, 0, 0], [2, 0, 0, 0]], block_bases=[], shape=[4, 2 * TILE, 4, 2])
+    # the token layouts at 128-token tiles (a page a tile): one more token bit (6) in registers
+    WK2, SK2, WV22, SV42 = (twice_the_tokens(lay, 0) for lay in (WK, SK, WV2, SV4))
+    F42 = twice_the_tokens(F4, 1)
     STAGES = gl.constexpr(3)  # shared-memory tiles: copies run STAGES - 1 tiles ahead
 
     @gluon.jit
@@ -363,8 +356,6 @@ if gluon is not None:
         else:
             ksbufs = gl.allocate_shared_memory(gl.int32, [STAGES, OT, 2], S2_SMEM)
             vsbufs = gl.allocate_shared_memory(gl.int32, [STAGES, OT, 2], S2_SMEM)
-        word = gl.expand_dims(gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, WVL))), 0),
-                              2)  # [1, 16, 1]
         zero3 = gl.full([OT, 16, 2], 0, gl.int32, layout=WVL)
         tok_s = gl.arange(0, OT, layout=gl.SliceLayout(0, MS))
         m_i = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MS))
@@ -515,7 +506,7 @@ MIN_SPLIT_TOKENS = 256  # splits of fewer selected tokens lose to the merge and 
 # tiles: 8 splits 11.6 us, 16 splits 13.8)
 
 
-def default_splits(rows: int, num_kv_heads: int, n_tiles: int, device: torch.device, tile: int = TILE) -> int:
+def default_splits(rows: int, num_kv_heads: int, n_tiles: int, device: torch.device, tile: int) -> int:
     """About two programs per SM, at least MIN_SPLIT_TOKENS of the n_tiles x tile selected tokens each. H200, M3 shape,
     us per layer, layers back to back past L2, nvfp4 (`.scratch/s16_sweep.py`, `s16_ab.py`, 2026-11-29 21:0x-21:2x
     UTC; 161-168 registers: 3 programs per SM): 64-token tiles, batch 256 with 1 / 2 splits 44.2 / 52.8 (2 splits are
