@@ -264,6 +264,7 @@ if gluon is not None:
     # the token layouts at 128-token tiles (a page a tile): one more token bit (6) in registers
     WK2, SK2, WV22, SV42 = (twice_the_tokens(lay, 0) for lay in (WK, SK, WV2, SV4))
     F42 = twice_the_tokens(F4, 1)
+    P_SMEM = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0])  # P [16, tile] fp16: ldmatrix rows without conflicts
     STAGES = gl.constexpr(3)  # shared-memory tiles: copies run STAGES - 1 tiles ahead
 
     @gluon.jit
@@ -357,6 +358,9 @@ if gluon is not None:
             ksbufs = gl.allocate_shared_memory(gl.int32, [STAGES, OT, 2], S2_SMEM)
             vsbufs = gl.allocate_shared_memory(gl.int32, [STAGES, OT, 2], S2_SMEM)
         zero3 = gl.full([OT, 16, 2], 0, gl.int32, layout=WVL)
+        zero_sv = gl.full([OT, 8, 2, 2], 0.0, gl.float16, layout=SVL)  # shapes for broadcasts
+        zero_fl = gl.full([4, OT, 4, 2], 0.0, gl.float16, layout=FL)
+        p_smem = gl.allocate_shared_memory(gl.float16, [16, OT], P_SMEM)
         tok_s = gl.arange(0, OT, layout=gl.SliceLayout(0, MS))
         m_i = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MS))
         mv_i = m_i
@@ -410,12 +414,12 @@ if gluon is not None:
                 s = mma_v2(qa, decode_k(kw, f, lo3, sign8), gl.full([16, OT], 0.0, gl.float32, layout=MS))
                 if E8M0:
                     s = s * gl.expand_dims(exp2_int(byte_max(kc_) - 127), 0)
-                valid = live & (tok0 + tok_s <= pos)
-                s = gl.where(gl.expand_dims(valid, 0), s * gl.expand_dims(down, 1), float("-inf"))
+                if tok0 + (OT - 1) > pos:  # the tile holds tokens after the query (CTA-uniform)
+                    s = gl.where(gl.expand_dims(tok0 + tok_s <= pos, 0), s, float("-inf"))
                 if E8M0:
                     gl.thread_barrier()  # every thread's factors are stored
                     fb = fac_smem.load(gl.SliceLayout(2, gl.SliceLayout(3, FL)))  # [4 blocks, OT]: warp w's block w
-                    fb = gl.expand_dims(gl.expand_dims(fb, 2), 3) + gl.full([4, OT, 4, 2], 0.0, gl.float16, layout=FL)
+                    fb = gl.broadcast(gl.expand_dims(gl.expand_dims(fb, 2), 3), zero_fl)[0]  # no zero adds
                     fb = gl.reshape(gl.permute(fb, (1, 0, 2, 3)), [OT, 16, 2])
                     vf = gl.convert_layout(fb, WVL, assert_trivial=True)
                     ev = ev_smem.load(gl.SliceLayout(0, MS))
@@ -423,25 +427,32 @@ if gluon is not None:
                     vb = vsbufs.index(st)._reinterpret(gl.int8, [OT, 8], S2_SMEM).load(
                         gl.SliceLayout(2, gl.SliceLayout(3, SVL)))
                     vb = gl.expand_dims(gl.expand_dims(vb.to(gl.float8e4nv, bitcast=True).to(gl.float16), 2), 3)
-                    vb = vb + gl.full([OT, 8, 2, 2], 0.0, gl.float16, layout=SVL)
+                    vb = gl.broadcast(vb, zero_sv)[0]  # a broadcast, not an add of +0.0 (HADD2s: -0.0 + 0.0)
                     vf = gl.convert_layout(gl.reshape(vb, [OT, 16, 2]), WVL, assert_trivial=True)
                 vw = vbufs.index(st).load(gl.SliceLayout(2, WVL))
                 vw = gl.expand_dims(vw, 2) + zero3
-                m_new = gl.maximum(m_i, gl.max(s, axis=1))  # across the warps
+                # scores in log2 units are s * down (down > 0 per head: the row max of s times down is theirs), so
+                # the factor rides in exp2's argument as one FFMA
+                down2 = gl.expand_dims(down, 1)
+                m_new = gl.maximum(m_i, gl.max(s, axis=1) * down)  # across the warps
                 m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
                 alpha = gl.exp2(m_i - m_safe)
-                p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+                p = gl.exp2(gl.fma(s, down2, -gl.expand_dims(m_safe, 1)))
                 l_acc = l_acc * gl.expand_dims(alpha, 1) + p
                 m_i = m_new
                 if E8M0:
                     # P' = 2**(s + e_v - mv) <= 1: V decoded over each token's largest block, times P', is exact
-                    sv = s + gl.expand_dims(ev, 0)
+                    sv = gl.fma(s, down2, gl.expand_dims(ev, 0))
                     mv_new = gl.maximum(mv_i, gl.max(sv, axis=1))
                     mv_safe = gl.where(mv_new == float("-inf"), 0.0, mv_new)
                     alpha = gl.exp2(mv_i - mv_safe)
                     p = gl.exp2(sv - gl.expand_dims(mv_safe, 1))
                     mv_i = mv_new
-                pa = gl.convert_layout(p.to(gl.float16), AS)  # every warp's columns to every warp
+                # every warp's columns to every warp: stored, then read as ldmatrix A fragments (a convert_layout
+                # read 16-byte rows whose halves the mma then copied into register quads: ~70 moves a tile)
+                p_smem.store(p.to(gl.float16))
+                gl.thread_barrier()
+                pa = p_smem.load(AS)
                 acc = mma_v2(pa, decode_v(vw, vf, lo3, sign8), acc * gl.expand_dims(alpha, 1))
             b0, b1, b2, b3 = b1, b2, b3, b4
             pg0, pg1, pg2 = pg1, pg2, pg3
