@@ -310,7 +310,8 @@ if gluon is not None:
     def decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, ml_ptr, cnt_ptr, table_ptr, ctx_ptr, ids_ptr, qk_scale,
                       v_scalar, stride_qr, stride_qh, stride_kp, stride_kh, stride_vp, stride_vh, stride_tb,
                       stride_ir, stride_ih, n_tiles, tiles_per_split, lo3, sign8, G: gl.constexpr,
-                      SPLIT: gl.constexpr, E8M0: gl.constexpr, FUSED: gl.constexpr, OT: gl.constexpr):
+                      SPLIT: gl.constexpr, E8M0: gl.constexpr, FUSED: gl.constexpr, OT: gl.constexpr,
+                      NSEL: gl.constexpr):
         """Grid (requests, KV heads, splits); split s takes tiles s * tiles_per_split onward. O [16, 128] in MS, split
         by head-dim column across the warps; K and V tiles as async copies into a STAGES-deep shared-memory ring;
         every warp's S columns reach every warp through shared memory (P as the A operand [16 heads, OT tokens])
@@ -371,7 +372,13 @@ if gluon is not None:
         ids_row = ids_ptr + row.to(gl.int64) * stride_ir + h * stride_ih
         table_row = table_ptr + row.to(gl.int64) * stride_tb
         t0 = split * tiles_per_split
-        j_end = gl.minimum(t0 + tiles_per_split, n_tiles)
+        # the loop ends after the row's last live selection slot (SPEC pads selections with -1 at the end, and short
+        # contexts select fewer than top-k blocks): trailing dead tiles cost nothing, not a dependent id -> page
+        # load chain each. NSEL: the selection slots rounded up to a power of two
+        sel = gl.arange(0, NSEL, layout=ML_L)
+        sid = gl.load(ids_row + sel, mask=sel < n_tiles // TPB, other=-1)
+        last = gl.max(gl.where((sid >= 0) & (sid * 128 <= pos), sel, -1), axis=0)
+        j_end = gl.minimum(gl.minimum(t0 + tiles_per_split, n_tiles), (last + 1) * TPB)
         # pipeline: copies for tiles j + 1, j + 2 in flight while tile j computes; their ids and pages ahead of them
         b0 = _tile_block(t0, ids_row, j_end, TPB)
         b1 = _tile_block(t0 + 1, ids_row, j_end, TPB)
@@ -587,7 +594,8 @@ def sparse_decode(q: torch.Tensor, k_cache, v_cache, block_table: torch.Tensor, 
         float(v_scalar), q.stride(0), q.stride(1), k_cache.data.stride(0), k_cache.data.stride(1),
         v_cache.data.stride(0), v_cache.data.stride(1), block_table.stride(0), block_ids.stride(0),
         block_ids.stride(1), n_tiles, per, 0x07070707, -0x7F7F7F80, G=hq // hkv, SPLIT=splits > 1,
-        E8M0=k_cache.fmt.scale_element == "e8m0", FUSED=fused, OT=tile, num_warps=NUM_WARPS)
+        E8M0=k_cache.fmt.scale_element == "e8m0", FUSED=fused, OT=tile, NSEL=triton.next_power_of_2(topk),
+        num_warps=NUM_WARPS)
     if splits > 1 and not fused:
         combine[(rows * hq,)](part, ml, out, float(v_scalar), splits, BLOCK_S=triton.next_power_of_2(splits), D=d,
                               num_warps=4)
