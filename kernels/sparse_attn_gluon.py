@@ -519,6 +519,7 @@ def applies(q: torch.Tensor, k_cache, v_cache, block_size: int) -> bool:
 # kernel's 12.0-12.3, mxfp4 12.2 against 12.6-12.9; batch 64 nvfp4 25.6-25.9 against 18.9-19.1
 MIN_PROGRAMS = {"nvfp4": 64, "mxfp4": 64}
 
+MAXNREG = None  # a register cap for sweeps (None: the compiler's choice)
 TOKENS_PER_TILE = 128  # a page a tile (64: half a page, also compiled and tested; see default_splits for both)
 MIN_SPLIT_TOKENS = 256  # splits of fewer selected tokens lose to the merge and the pipeline fill (batch 16, 64-token
 # tiles: 8 splits 11.6 us, 16 splits 13.8)
@@ -595,7 +596,7 @@ def sparse_decode(q: torch.Tensor, k_cache, v_cache, block_table: torch.Tensor, 
         v_cache.data.stride(0), v_cache.data.stride(1), block_table.stride(0), block_ids.stride(0),
         block_ids.stride(1), n_tiles, per, 0x07070707, -0x7F7F7F80, G=hq // hkv, SPLIT=splits > 1,
         E8M0=k_cache.fmt.scale_element == "e8m0", FUSED=fused, OT=tile, NSEL=triton.next_power_of_2(topk),
-        num_warps=NUM_WARPS)
+        num_warps=NUM_WARPS, **({"maxnreg": MAXNREG} if MAXNREG else {}))
     if splits > 1 and not fused:
         combine[(rows * hq,)](part, ml, out, float(v_scalar), splits, BLOCK_S=triton.next_power_of_2(splits), D=d,
                               num_warps=4)
