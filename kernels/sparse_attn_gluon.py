@@ -11,7 +11,11 @@ tokens (128, one page; 64 also compiles) of one (request, KV head), 4 warps:
   columns 8 w .. 8 w + 7 of every 32;
 - O [16, 128] is split by head-dim column across the warps: warp w owns elements 32 w .. 32 w + 31 (one E8M0 block,
   two E4M3 blocks; 16 fp32 registers a thread), so the softmax takes one max per tile across the warps and P [16,
-  tile] reaches every warp through shared memory (the A operand of O += P V);
+  tile] reaches every warp through shared memory (the A operand of O += P V: stored with stmatrix, read back as
+  ldmatrix fragments, so that every A register quad arrives whole);
+- the per-head factor (2**-a times the softmax scale) rides in exp2's argument (one FFMA a score: the row maximum of
+  the raw scores times a positive factor is the maximum of the scaled ones), and the causal mask runs only on a tile
+  that holds tokens after the query;
 - V [tile, 128] is the B operand: a thread reads one word per token and keeps one half (lanes g0 = 0, 1 share the
   word), the two tokens of a B register pair are joined by one PRMT, then `kc.e2m1_pairs`; output column n holds
   element `v_column_element(n)` and is stored in element order;
@@ -22,7 +26,9 @@ tokens (128, one page; 64 also compiles) of one (request, KV head), 4 warps:
   computed once per token (a thread a token) into shared memory, not by each of the 8 lanes that hold the token;
 - K and V tiles come in as async copies (cp.async) into a 3-stage shared-memory ring (copies 2 tiles ahead, their
   block ids and pages ahead of them), so loads in flight hold no registers; V's ring is swizzled by token bits 1,
-  2 so that the four token rows one V load instruction reads sit in four different 16-byte chunks;
+  2 so that the four token rows one V load instruction reads sit in four different 16-byte chunks; the loop ends
+  after the row's last live selection slot (one vector load of the row's ids first), so that -1 padding and short
+  contexts cost no tiles;
 - one split writes the bf16 (or fp32) output itself; several write the portable kernel's fp32 partials (acc, m, l),
   and the last program of each (request, KV head) to arrive (an int32 arrival counter per pair: barrier, acq_rel
   atomic at GPU scope; the last one resets it) merges them as the portable `_combine_kernel` does and writes the
@@ -39,10 +45,15 @@ each warp its own softmax state over its 16 of 64 tokens, register-pipelined loa
 30.7 / 47.1, mxfp4 24.5 / 37.1 / 59.9 (fp8's portable kernel 20.1-21.1 / 32.2-32.4 / 46.6-47.1). Session 16
 (2026-11-29 21:0x-21:3x UTC) replaced it: the column split at 64-token tiles gave nvfp4 18.2-18.9 / 26.1-27.1 /
 44.2-45.0; 128-token tiles 19.4-19.6 / 26.8-27.5 / 40.7-41.1; mxfp4's factors once per token through shared memory
-(1876 -> 1346 SASS a tile) 20.3 / 29.8 / 49.7. The loop is issue-bound, not latency-bound: ~2.9 instructions per
-cycle per SM at 2 programs per SM; capped at 128 registers (4 programs per SM instead of 3, no spills) it was no
-faster at any batch. Every layer also pays ~10 us outside the loop (launch, the dependent loads before the first
-tile, the output): batch 128 with 2 splits and batch 256 with 1 differ by 16 tiles a program and 17 us.
+(1876 -> 1346 SASS a tile) 20.3 / 29.8 / 49.7. Session 17 (22:3x-22:5x UTC): P through stmatrix / ldmatrix (the
+convert_layout read rows whose halves the mma copied into register quads: ~70 moves a tile), broadcasts instead of
++0.0 adds, the factor in exp2's FFMA and the mask only on the query's tile: 1076 -> 974 SASS a tile (nvfp4; mxfp4
+1300 -> 1205), nvfp4 41.2 -> 37.7 at batch 256, mxfp4 49.2 -> 43.9; the loop's end at the last live slot: 36.3 /
+42.8, and with no live block 9.4 -> 5.8 us. Tried and not kept (bench/RESULTS.md): TMA tiles (one thread issues a
+tile's copies: ~16 instructions a copy, more than cp.async's per-thread share), V decoded before the softmax
+(register-quad copies return), copies 3 tiles ahead (slower at every batch), more programs per SM (64-token tiles
+at 128 registers, 4 programs per SM: slower at every batch). ncu at batch 256 (2 programs per SM): IPC 2.0, the
+ALU pipe the busiest at 34 %, stalls mostly fixed-latency waits (27 %) on the decode's dependent integer chains.
 
 Where it runs: CUDA devices with Gluon and the hardware E4M3 conversion (capability >= 8.9); decode; nvfp4 or mxfp4
 K and V; head dim 128; at most 16 query heads per KV head; 128-token selection blocks and pages. Elsewhere (gfx950
