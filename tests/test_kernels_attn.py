@@ -465,8 +465,9 @@ def test_gpu_decode_gluon_fused_merge(fmt, monkeypatch):
 @pytest.mark.gpu
 def test_gpu_decode_gluon_dead_tiles():
     """Rows with nothing selected give zeros; a selected block wholly after the query, a -1 page in the block table
-    and a block whose second half lies after the query are skipped exactly as the portable kernel skips them. At 64
-    requests (attn_gluon.MIN_PROGRAMS) the default launch is this kernel."""
+    and a block whose second half lies after the query are skipped exactly as the portable kernel skips them; a
+    selection with no slots at all (top-k 0) gives zeros. At 64 requests (attn_gluon.MIN_PROGRAMS) the default launch
+    is this kernel."""
     g = torch.Generator().manual_seed(22)
     lens = [300, 5000, 70, 9000] + [int(n) for n in torch.randint(1, 12000, (60,), generator=g)]
     q, kc, vc, table, ctx, ids = make_decode("nvfp4", lens, 16, 1, 128, 128, 128, 16, seed=22)
@@ -481,6 +482,10 @@ def test_gpu_decode_gluon_dead_tiles():
         check_close(out, port, 2e-3)
         default = sparse_decode(q, kc, vc, table, ctx, ids, 128, num_splits=splits, out_dtype=torch.float32)
         assert torch.equal(default, out)
+    empty = ids[:, :, :0].contiguous()  # no selection slots at all (top-k 0): zeros on both paths
+    for fast in (False, True):
+        out = sparse_decode(q, kc, vc, table, ctx, empty, 128, gluon=fast, out_dtype=torch.float32)
+        assert torch.equal(out, torch.zeros_like(out))
 
 
 @pytest.mark.gpu
