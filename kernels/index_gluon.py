@@ -19,7 +19,9 @@ loads the 16 bytes of each of its token rows that its mma.sync A-operand registe
   register); mxfp4 post-scaled like the portable kernel's default (POST_SCALE): the query is block-diagonal (dot
   column 4 b + h holds head h's elements of MX block b, 16 columns), so the undecorated E2M1 tile gives every
   (token, block, head) partial score, each multiplied by its fp32 block factor 2**e and the 4 blocks summed;
-- the next tile's loads are issued before this tile's decode (register double buffer); each warp's 32 tokens of a
+- the next tile's loads are issued before this tile's decode (register double buffer), and thread 0 asks the bytes
+  of the block L2_AHEAD blocks ahead into L2 (`cp.async.bulk.prefetch.L2`, sm_90: two instructions a block), so that
+  those loads find them in L2 rather than wait on DRAM; each warp's 32 tokens of a
   block reduce to a partial maximum per head inside the warp (no shared memory, no barrier; the thread's register
   rows first, so the lane shuffles carry half as many values) and the select pass maxes the 4 parts
   (`topk.select_from_block_scores`, as for the portable kernel's warp partials);
@@ -40,7 +42,9 @@ Session 15 (19:20 UTC): a TMA-ring variant (tiles copied into a 2-6 stage shared
 taking equal shares of all (request, block) tiles) gave the same partial maxima bit for bit but no speed (nvfp4 222
 -236 us, mxfp4 298-336: 137 registers) and was removed. Its probes at batch 64 x 150K, event-timed: loads alone
 (no math) ~192 us, math alone (no loads) ~200 us, both ~235: the loop is bound by both at once, so neither deeper
-prefetch nor fewer instructions alone reaches the 191 us goal.
+prefetch nor fewer instructions alone reaches the 191 us goal. Session 17 (23:0x UTC): the L2 prefetch two blocks
+ahead, with the partial maxima unchanged bit for bit: nvfp4 batch 64 x 150K 218-234 -> 207-210 us (bench: 218.7 ->
+208.3, 1.246x the byte floor), 16 x 150K 69.7 -> 62.1, 64 x 32K 56.2 -> 54.5; mxfp4 (bound by its math) unchanged.
 
 Where it runs: CUDA devices with the hardware E4M3 conversion (capability >= 8.9) and Gluon; decode (one query per
 request), head dim 128, 128-token blocks within pages of a multiple of 128 tokens, at most 8 (nvfp4) or 4 (mxfp4)
@@ -107,6 +111,7 @@ if gluon is not None:
                                     warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[TOKENS, 4, 4])
     F_L = gl.SliceLayout(2, L3)
     Q_L = gl.BlockedLayout([1, HEADS_PAD], [32, 1], [NUM_WARPS, 1], [1, 0])  # the query, once per program
+    LEAD_L = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])  # one element a thread: thread 0 leads the L2 prefetches
 
     TOK = gl.constexpr(TOKENS)
     DIMC = gl.constexpr(DIM)
@@ -184,6 +189,24 @@ if gluon is not None:
                         mask=pg >= 0, other=0)
         sb = gl.load(tile + (row0 * SB + s_off), mask=pg >= 0, other=0)
         return pg, words, sb
+
+    @gluon.jit
+    def _prefetch_l2(data_ptr, bt_row, blk, n_blk, num_pages, page_bytes, lead, PAGE: gl.constexpr, PB: gl.constexpr,
+                     SB: gl.constexpr):
+        """Block blk's payload and scale bytes asked into L2 (cp.async.bulk.prefetch, one thread: `lead` is true in
+        thread 0 only), so that the register double buffer's loads of it later hit L2."""
+        pg = gl.load(bt_row + (blk * TOK) // PAGE, mask=blk < n_blk, other=-1)
+        ok = (pg >= 0) & (pg < num_pages) & lead
+        row0 = (blk * TOK) % PAGE
+        base = data_ptr + gl.maximum(pg, 0).to(gl.int64) * page_bytes
+        pay = (base + row0 * PB).to(gl.int64, bitcast=True)
+        sc = (base + (PAGE * PB + row0 * SB)).to(gl.int64, bitcast=True)
+        n_pay = gl.full(ok.shape, TOK * PB, gl.int32, layout=ok.type.layout)
+        n_sc = gl.full(ok.shape, TOK * SB, gl.int32, layout=ok.type.layout)
+        gl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $1, 0; @p cp.async.bulk.prefetch.L2.global [$2], $4;"
+            " @p cp.async.bulk.prefetch.L2.global [$3], $5; mov.b32 $0, 0; }",
+            "=r,r,l,l,r,r", [ok.to(gl.int32), pay, sc, n_pay, n_sc], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _query_operand(q_ptr, b, stride_qb, stride_qh, gscale, HI: gl.constexpr, E8M0: gl.constexpr):
@@ -285,6 +308,7 @@ if gluon is not None:
         E8M0: gl.constexpr,  # mxfp4 (E8M0 scales of 32 elements), else nvfp4 (E4M3 of 16)
         INIT: gl.constexpr,  # forced init blocks
         LOCAL: gl.constexpr,  # forced local blocks
+        L2_AHEAD: gl.constexpr = 0,  # blocks ahead whose bytes thread 0 prefetches into L2 (0: none)
     ):
         b = gl.program_id(0)
         split = gl.program_id(1)
@@ -310,8 +334,15 @@ if gluon is not None:
         bt_row = bt_ptr + b.to(gl.int64) * stride_bt
         pg, words, sb = _fetch(data_ptr, bt_row, blk0, blk0 + n_blk, num_pages, page_bytes, w_off, s_off, PAGE,
                               PB, SB)
+        if L2_AHEAD > 0:
+            lead = gl.arange(0, 32 * NW, layout=LEAD_L) == 0
+            for i in gl.static_range(1, L2_AHEAD):
+                _prefetch_l2(data_ptr, bt_row, blk0 + i, blk0 + n_blk, num_pages, page_bytes, lead, PAGE, PB, SB)
         for j in range(0, n_blk):
             blk = blk0 + j
+            if L2_AHEAD > 0:
+                _prefetch_l2(data_ptr, bt_row, blk + L2_AHEAD, blk0 + n_blk, num_pages, page_bytes, lead, PAGE, PB,
+                             SB)
             pg_n, words_n, sb_n = _fetch(data_ptr, bt_row, blk + 1, blk0 + n_blk, num_pages, page_bytes, w_off,
                                          s_off, PAGE, PB, SB)
             acc = _tile_dot(words, sb, qt, lo3, sign8, E8M0)
@@ -319,9 +350,21 @@ if gluon is not None:
             pg, words, sb = pg_n, words_n, sb_n
 
 
+# blocks ahead whose bytes one thread prefetches into L2 (cp.async.bulk.prefetch, capability >= 9.0; 0: none).
+# H200, score + top-k, us, 0 / 2 / 3 / 4 ahead (two runs, `.scratch/s17_l2.py`): nvfp4 batch 64 x 150K 234.5, 218.0 /
+# 209.8, 207.3 / 207.3, 207.3 / 216.6, 217.1; 16 x 150K 69.7 / 62.1 / 62.9 / 64.8; 64 x 32K 56.2 / 54.5 / 55.4 / 57.9;
+# 1 x 150K (14 layers) 224 / 209-212 / 208-212 / 215-219; mxfp4 (bound by its math) within 1 % either way
+L2_AHEAD = 2
+
+
 def device_ok(device: torch.device) -> bool:
     """This path runs on CUDA devices with Gluon and the hardware E4M3 conversion (capability >= 8.9)."""
     return cuda_at_least(device, (8, 9))
+
+
+def l2_prefetch_ok(device: torch.device) -> bool:
+    """The L2 prefetch (cp.async.bulk.prefetch) needs capability >= 9.0; on 8.9 the kernel runs without it."""
+    return cuda_at_least(device, (9, 0))
 
 
 # Formats (by scale element) the launcher sends here by default: both. H200, batch 64 x 150K top-k (13:32 UTC):
@@ -376,5 +419,7 @@ def decode_block_parts(iq4: torch.Tensor, cache, block_table: torch.Tensor, cont
         q, cache.data, block_table, context_lens, out, pos, float(gscale), cache.num_pages, cache.page_bytes,
         nb * NUM_WARPS, ch, 0x07070707, -0x7F7F7F80, q.stride(0), q.stride(1), block_table.stride(0),
         HI=hi, PAGE=cache.page_size, PB=cache.payload_bytes, SB=cache.scale_bytes,
-        E8M0=cache.fmt.scale_element == "e8m0", INIT=cfg.init_blocks, LOCAL=cfg.local_blocks, num_warps=NUM_WARPS)
+        E8M0=cache.fmt.scale_element == "e8m0", INIT=cfg.init_blocks, LOCAL=cfg.local_blocks,
+        L2_AHEAD=L2_AHEAD if l2_prefetch_ok(iq4.device) else 0,
+        num_warps=NUM_WARPS)
     return out.view(bsz, 1, hi, nb, NUM_WARPS), pos
