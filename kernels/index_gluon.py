@@ -21,10 +21,10 @@ loads the 16 bytes of each of its token rows that its mma.sync A-operand registe
   (token, block, head) partial score, each multiplied by its fp32 block factor 2**e and the 4 blocks summed;
 - the next tile's loads are issued before this tile's decode (register double buffer), and thread 0 asks the bytes
   of the block L2_AHEAD blocks ahead into L2 (`cp.async.bulk.prefetch.L2`, sm_90: two instructions a block), so that
-  those loads find them in L2 rather than wait on DRAM; each warp's 32 tokens of a
-  block reduce to a partial maximum per head inside the warp (no shared memory, no barrier; the thread's register
-  rows first, so the lane shuffles carry half as many values) and the select pass maxes the 4 parts
-  (`topk.select_from_block_scores`, as for the portable kernel's warp partials);
+  those loads find them in L2 rather than wait on DRAM;
+- each warp's 32 tokens of a block reduce to a partial maximum per head inside the warp (no shared memory, no
+  barrier; the thread's register rows first, so the lane shuffles carry half as many values) and the select pass
+  maxes the 4 parts (`topk.select_from_block_scores`, as for the portable kernel's warp partials);
 - programs take `chunk_blocks_for` blocks of one request each: few per program where the batch and context are
   small (every SM busy), up to 32 where there are many (less per-program setup).
 Semantics are the portable kernel's (SPEC section 3, LEAN block scores): tokens at or past the context and tiles of
