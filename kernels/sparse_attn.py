@@ -570,7 +570,11 @@ def sparse_decode(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, blo
     portable = {"tile_tokens": tile_tokens, "num_warps": num_warps, "num_stages": num_stages, "native_fp8": native_fp8,
                 "precise_p": precise_p, "prefetch": prefetch, "paired": paired, "maxnreg": maxnreg, "lazy_l": lazy_l,
                 "joint_max": joint_max}
-    if _use_gluon(q, k_cache, v_cache, block_size, gluon, portable):
+    # the fast path folds the softmax scale into exp2's FFMA after the row maximum: it needs a positive scale
+    positive = scale is None or float(scale) > 0
+    if gluon and not positive:
+        raise KernelArgumentError(f"sparse_decode: gluon=True needs a positive softmax scale, got {scale}")
+    if positive and _use_gluon(q, k_cache, v_cache, block_size, gluon, portable):
         _check_out_dtype(out_dtype)
         if num_splits is not None and int(num_splits) < 1:
             raise KernelArgumentError(f"num_splits must be >= 1, got {num_splits}")
