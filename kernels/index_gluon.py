@@ -362,10 +362,10 @@ def device_ok(device: torch.device) -> bool:
     return cuda_at_least(device, (8, 9))
 
 
-def l2_prefetch_ok(device: torch.device) -> bool:
-    """The L2 prefetch (cp.async.bulk.prefetch) needs capability >= 9.0 (and 16-byte aligned addresses: the launch
-    checks the cache's base; page and block offsets are multiples of 16); on 8.9 the kernel runs without it."""
-    return cuda_at_least(device, (9, 0))
+def l2_prefetch_ok(cache) -> bool:
+    """The L2 prefetch (cp.async.bulk.prefetch) needs capability >= 9.0 and 16-byte aligned addresses (the cache's
+    base here; page and block offsets are multiples of 16); elsewhere the kernel runs without it."""
+    return cuda_at_least(cache.data.device, (9, 0)) and cache.data.data_ptr() % 16 == 0
 
 
 # Formats (by scale element) the launcher sends here by default: both. H200, batch 64 x 150K top-k (13:32 UTC):
@@ -421,6 +421,6 @@ def decode_block_parts(iq4: torch.Tensor, cache, block_table: torch.Tensor, cont
         nb * NUM_WARPS, ch, 0x07070707, -0x7F7F7F80, q.stride(0), q.stride(1), block_table.stride(0),
         HI=hi, PAGE=cache.page_size, PB=cache.payload_bytes, SB=cache.scale_bytes,
         E8M0=cache.fmt.scale_element == "e8m0", INIT=cfg.init_blocks, LOCAL=cfg.local_blocks,
-        L2_AHEAD=L2_AHEAD if l2_prefetch_ok(iq4.device) and cache.data.data_ptr() % 16 == 0 else 0,
+        L2_AHEAD=L2_AHEAD if l2_prefetch_ok(cache) else 0,
         num_warps=NUM_WARPS)
     return out.view(bsz, 1, hi, nb, NUM_WARPS), pos

@@ -502,14 +502,20 @@ def uses_gluon(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, block_
     return _use_gluon(q, k_cache, v_cache, block_size, None, {})
 
 
-def _use_gluon(q, k_cache, v_cache, block_size: int, want: bool | None, portable: dict) -> bool:
+def _use_gluon(q, k_cache, v_cache, block_size: int, want: bool | None, portable: dict,
+               scale: float | None = None) -> bool:
     """The NVIDIA fast path (`kernels/sparse_attn_gluon.py`) for FP4 decode: gluon=True requires it, False keeps
     the portable kernel; by default it runs where it applies, from `attn_gluon.MIN_PROGRAMS` requests x KV heads,
-    unless a portable-kernel option is given."""
+    unless a portable-kernel option is given or the softmax scale is not positive (the fast path folds the scale in
+    after the row maximum)."""
     given = sorted(k for k, v in portable.items() if v is not None)
     if want and given:
         raise KernelArgumentError(f"sparse_decode: gluon=True does not take the portable kernel's options {given}")
     if want is False or given:
+        return False
+    if scale is not None and not float(scale) > 0:
+        if want:
+            raise KernelArgumentError(f"sparse_decode: gluon=True needs a positive softmax scale, got {scale}")
         return False
     ok = attn_gluon.device_ok(q.device) and attn_gluon.applies(q, k_cache, v_cache, block_size)
     if want is None and ok and q.shape[0] * k_cache.num_heads < attn_gluon.MIN_PROGRAMS[k_cache.fmt.family]:
@@ -570,11 +576,7 @@ def sparse_decode(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, blo
     portable = {"tile_tokens": tile_tokens, "num_warps": num_warps, "num_stages": num_stages, "native_fp8": native_fp8,
                 "precise_p": precise_p, "prefetch": prefetch, "paired": paired, "maxnreg": maxnreg, "lazy_l": lazy_l,
                 "joint_max": joint_max}
-    # the fast path folds the softmax scale into exp2's FFMA after the row maximum: it needs a positive scale
-    positive = scale is None or float(scale) > 0
-    if gluon and not positive:
-        raise KernelArgumentError(f"sparse_decode: gluon=True needs a positive softmax scale, got {scale}")
-    if positive and _use_gluon(q, k_cache, v_cache, block_size, gluon, portable):
+    if _use_gluon(q, k_cache, v_cache, block_size, gluon, portable, scale):
         _check_out_dtype(out_dtype)
         if num_splits is not None and int(num_splits) < 1:
             raise KernelArgumentError(f"num_splits must be >= 1, got {num_splits}")
