@@ -19,12 +19,16 @@ loads the 16 bytes of each of its token rows that its mma.sync A-operand registe
   register); mxfp4 post-scaled like the portable kernel's default (POST_SCALE): the query is block-diagonal (dot
   column 4 b + h holds head h's elements of MX block b, 16 columns), so the undecorated E2M1 tile gives every
   (token, block, head) partial score, each multiplied by its fp32 block factor 2**e and the 4 blocks summed;
-- the next tile's loads are issued before this tile's decode (register double buffer), and thread 0 asks the bytes
-  of the block L2_AHEAD blocks ahead into L2 (`cp.async.bulk.prefetch.L2`, sm_90: two instructions a block), so that
-  those loads find them in L2 rather than wait on DRAM;
+- the next tile's loads are issued before this tile's decode (register double buffer). nvfp4's are one inline-asm
+  block per tile (`_fetch`): four 16-byte loads and four 2-byte scale loads at constant offsets from one address,
+  predicated on the page, with no zero fill of the destinations (Triton's masked loads compute an address per
+  load and zero every destination register first: ~30 instructions a tile); a tile without a page leaves stale
+  registers, whose scores `_emit` discards. Page-table entries are read a block earlier still;
 - each warp's 32 tokens of a block reduce to a partial maximum per head inside the warp (no shared memory, no
   barrier; the thread's register rows first, so the lane shuffles carry half as many values) and the select pass
   maxes the 4 parts (`topk.select_from_block_scores`, as for the portable kernel's warp partials);
+  only the row's partial last block masks its tokens (the blocks before it only check their page, on the partial
+  maxima);
 - programs take `chunk_blocks_for` blocks of one request each: few per program where the batch and context are
   small (every SM busy), up to 32 where there are many (less per-program setup).
 Semantics are the portable kernel's (SPEC section 3, LEAN block scores): tokens at or past the context and tiles of
@@ -35,8 +39,8 @@ in fp16, the query times 2**a), fp32 accumulation in another order.
 Measured (H200, batch 64 x 150K, score + top-k; bench/RESULTS.md has every run): nvfp4 240 us at 13:13 UTC
 against the portable kernel's 256 us; with `kc.e2m1_pairs` (11 integer ops per word instead of 16), the positions
 written by the kernel and no -inf fill, 224.0 us against 254.0 (13:32 UTC); mxfp4 (post-scaled) 264.8 against 289.7.
-Offline sm_90 loop per thread and 128-token tile, common path: nvfp4 ~400 SASS (102 registers, 5 programs per SM),
-mxfp4 ~383 (123 registers, 4 per SM); no shared memory in the loop. ncu (13:19 UTC, before e2m1_pairs): issue slots
+Offline sm_90 loop per thread and 128-token tile, common path, then: nvfp4 ~400 SASS (102 registers, 5 programs per
+SM), mxfp4 ~383 (123 registers, 4 per SM); no shared memory in the loop. ncu (13:19 UTC, before e2m1_pairs): issue slots
 77 % busy, DRAM 67 %: still issue-bound, about two thirds of the loop is the E2M1 decode and the nvfp4 HMUL2s.
 Session 15 (19:20 UTC): a TMA-ring variant (tiles copied into a 2-6 stage shared-memory ring, persistent programs
 taking equal shares of all (request, block) tiles) gave the same partial maxima bit for bit but no speed (nvfp4 222
@@ -45,6 +49,14 @@ taking equal shares of all (request, block) tiles) gave the same partial maxima 
 prefetch nor fewer instructions alone reaches the 191 us goal. Session 17 (23:0x UTC): the L2 prefetch two blocks
 ahead, with the partial maxima unchanged bit for bit: nvfp4 batch 64 x 150K 218-234 -> 207-210 us (bench: 218.7 ->
 208.3, 1.246x the byte floor), 16 x 150K 69.7 -> 62.1, 64 x 32K 56.2 -> 54.5; mxfp4 (bound by its math) unchanged.
+Session 18 (2026-11-30 00:0x-00:4x UTC, `.scratch/s18_*.py`): the asm loads, the page lookups a block ahead and the
+token mask only on the partial last block took nvfp4 from 424 to 361 SASS a tile (mxfp4 533 -> 479 at 128
+registers); with them the L2 prefetch lost at every shape and was removed. nvfp4 batch 64 x 150K 207-214 -> 197-199
+us, 16 x 150K 63.0 -> 61.3, 64 x 32K 56.0 -> 54.7, 1 x 150K 214 -> 206; mxfp4 264.5 -> 260.2. Probes of the new
+kernel at batch 64 x 150K: loads alone 184-187 us, math alone 160: the loop is now mostly bound by its loads. Tried
+and not kept: two blocks a loop iteration (fewer moves; 125 registers), a register triple buffer (three blocks an
+iteration, two in flight; 128 registers: batch 64 x 32K 52.4 against 54.7, 64 x 150K 198 against 197-199, 1 x 150K
+228 against 206), per-thread L2 prefetches 2-6 blocks ahead (slower at every shape).
 
 Where it runs: CUDA devices with the hardware E4M3 conversion (capability >= 8.9) and Gluon; decode (one query per
 request), head dim 128, 128-token blocks within pages of a multiple of 128 tokens, at most 8 (nvfp4) or 4 (mxfp4)
@@ -104,6 +116,9 @@ if gluon is not None:
     # nvfp4 block scales [128, 8] (block = word // 2): block bit 0 in a register, bits 1, 2 on those lanes
     S16_L = gl.DistributedLinearLayout(reg_bases=[[0, 1]] + _ROWS_REG, lane_bases=[[0, 2], [0, 4]] + _ROWS_LANE,
                                        warp_bases=_ROWS_WARP, block_bases=[], shape=[TOKENS, 8])
+    # nvfp4 block-scale byte pairs [128, 4] (a row's blocks 2 t, 2 t + 1: one u16): the rows in registers as in W_L
+    S8_L = gl.DistributedLinearLayout(reg_bases=_ROWS_REG, lane_bases=[[0, 1], [0, 2]] + _ROWS_LANE,
+                                      warp_bases=_ROWS_WARP, block_bases=[], shape=[TOKENS, 4])
     # mxfp4 post-scaled dot: its [128, 16] accumulator (column n = 4 block + head; MMA registers -> cols 1, 8, lanes
     # -> cols 2, 4) seen as [128 tokens, 4 blocks, 4 heads], and the [128, 4] block factors as its slice
     L3 = gl.DistributedLinearLayout(reg_bases=[[0, 0, 1], [8, 0, 0], [0, 2, 0], [64, 0, 0]],
@@ -111,8 +126,7 @@ if gluon is not None:
                                     warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[TOKENS, 4, 4])
     F_L = gl.SliceLayout(2, L3)
     Q_L = gl.BlockedLayout([1, HEADS_PAD], [32, 1], [NUM_WARPS, 1], [1, 0])  # the query, once per program
-    LEAD_L = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])  # one element a thread: thread 0 leads the L2 prefetches
-
+    
     TOK = gl.constexpr(TOKENS)
     DIMC = gl.constexpr(DIM)
     HP = gl.constexpr(HEADS_PAD)
@@ -170,43 +184,57 @@ if gluon is not None:
 
     @gluon.jit
     def nv_factors(sb):
-        """nvfp4 E4M3 block-scale bytes uint8 [128, 8] (S16_L) -> fp16 [128, 16] (W_L): word w gets block w // 2
-        (hardware E4M3 -> fp16, exact; NaN codes give NaN)."""
-        f = sb.to(gl.float8e4nv, bitcast=True).to(gl.float16)
+        """nvfp4 E4M3 block-scale byte pairs int16 [128, 4] (S8_L: blocks 2 i, 2 i + 1) -> fp16 [128, 16] (W_L): word
+        w gets block w // 2 (hardware E4M3 -> fp16, exact; NaN codes give NaN)."""
+        sb2 = gl.convert_layout(gl.reshape(gl.join(sb, sb), [TOK, 8]), S16_L, assert_trivial=True)
+        f = gl.inline_asm_elementwise("{ .reg .b16 t; cvt.u16.u32 t, $1; cvt.rn.f16x2.e4m3x2 $0, t; }", "=r,r,r",
+                                      [sb2], dtype=gl.float16, is_pure=True, pack=2)
         return gl.convert_layout(gl.reshape(gl.join(f, f), [TOK, 16]), W_L, assert_trivial=True)
 
     @gluon.jit
-    def _fetch(data_ptr, bt_row, blk, n_blk, num_pages, page_bytes, w_off, s_off, PAGE: gl.constexpr,
-               PB: gl.constexpr, SB: gl.constexpr):
-        """Block blk's page (-1 if blk >= n_blk or the table entry is -1 / out of range) and its word and scale
-        loads (masked off for page -1)."""
+    def _page(bt_row, blk, n_blk, num_pages, PAGE: gl.constexpr):
+        """Block blk's page: -1 if blk >= n_blk or the table entry is -1 / out of range."""
         pg = gl.load(bt_row + (blk * TOK) // PAGE, mask=blk < n_blk, other=-1)
-        pg = gl.where((pg >= 0) & (pg < num_pages), pg, -1)
+        return gl.where((pg >= 0) & (pg < num_pages), pg, -1)
+
+    @gluon.jit
+    def _fetch(data_ptr, pg, blk, page_bytes, w_off, s_off, PAGE: gl.constexpr, PB: gl.constexpr, SB: gl.constexpr,
+               E8M0: gl.constexpr):
+        """Block blk's words int32 [128, 16] (W_L) and block scales (nvfp4: int32 [128, 4] (S8_L), each the u16 of
+        a row's blocks 2 i, 2 i + 1; mxfp4: E8M0 bytes [128, 4] (F_L)) from page pg; nothing is loaded for page -1.
+        nvfp4 (PB 64, SB 8: `applies`) by inline asm, mxfp4 by Triton loads (zero-filled)."""
         base = gl.maximum(pg, 0).to(gl.int64) * page_bytes
         row0 = (blk * TOK) % PAGE  # the block's first token in its page
         tile = data_ptr + base  # the page's first byte: one 64-bit sum, the rest 32-bit offsets (6 fewer SASS)
-        words = gl.load(tile.to(gl.pointer_type(gl.int32), bitcast=True) + (row0 * (PB // 4) + w_off),
-                        mask=pg >= 0, other=0)
-        sb = gl.load(tile + (row0 * SB + s_off), mask=pg >= 0, other=0)
-        return pg, words, sb
-
-    @gluon.jit
-    def _prefetch_l2(data_ptr, bt_row, blk, n_blk, num_pages, page_bytes, lead, PAGE: gl.constexpr, PB: gl.constexpr,
-                     SB: gl.constexpr):
-        """Block blk's payload and scale bytes asked into L2 (cp.async.bulk.prefetch, one thread: `lead` is true in
-        thread 0 only), so that the register double buffer's loads of it later hit L2."""
-        pg = gl.load(bt_row + (blk * TOK) // PAGE, mask=blk < n_blk, other=-1)
-        ok = (pg >= 0) & (pg < num_pages) & lead
-        row0 = (blk * TOK) % PAGE
-        base = data_ptr + gl.maximum(pg, 0).to(gl.int64) * page_bytes
-        pay = (base + row0 * PB).to(gl.int64, bitcast=True)
-        sc = (base + (PAGE * PB + row0 * SB)).to(gl.int64, bitcast=True)
-        n_pay = gl.full(ok.shape, TOK * PB, gl.int32, layout=ok.type.layout)
-        n_sc = gl.full(ok.shape, TOK * SB, gl.int32, layout=ok.type.layout)
-        gl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $1, 0; @p cp.async.bulk.prefetch.L2.global [$2], $4;"
-            " @p cp.async.bulk.prefetch.L2.global [$3], $5; mov.b32 $0, 0; }",
-            "=r,r,l,l,r,r", [ok.to(gl.int32), pay, sc, n_pay, n_sc], dtype=gl.int32, is_pure=False, pack=1)
+        if E8M0:
+            words = gl.load(tile.to(gl.pointer_type(gl.int32), bitcast=True) + (row0 * (PB // 4) + w_off),
+                            mask=pg >= 0, other=0)
+            sb = gl.load(tile + (row0 * SB + s_off), mask=pg >= 0, other=0)
+        else:
+            # one address a thread (its first word), the rest constant offsets: W_L's registers hold words 0-3 of
+            # rows r, r + 8, r + 64, r + 72 (64 bytes a row: +512, +4096, +4608), S8_L's the scale pairs of the same
+            # rows (8 bytes a row: +64, +512, +576); no zero fill (a tile without a page keeps stale registers)
+            wp = (tile.to(gl.pointer_type(gl.int32), bitcast=True) + (row0 * (PB // 4) + w_off)).to(gl.int64,
+                                                                                                  bitcast=True)
+            live = (pg >= 0).to(gl.int32)
+            words = gl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.b32 p, $32, 0;"
+                " @p ld.global.v4.b32 {$0, $1, $2, $3}, [$16];"
+                " @p ld.global.v4.b32 {$4, $5, $6, $7}, [$16+512];"
+                " @p ld.global.v4.b32 {$8, $9, $10, $11}, [$16+4096];"
+                " @p ld.global.v4.b32 {$12, $13, $14, $15}, [$16+4608]; }",
+                "=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,"
+                "l,l,l,l,l,l,l,l,l,l,l,l,l,l,l,l,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+                [wp, gl.full(w_off.shape, 0, gl.int32, layout=w_off.type.layout) + live], dtype=gl.int32,
+                is_pure=True, pack=16)
+            sp = (tile + (row0 * SB + s_off)).to(gl.int64, bitcast=True)
+            sb = gl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.b32 p, $8, 0;"
+                " @p ld.global.u16 $0, [$4]; @p ld.global.u16 $1, [$4+64];"
+                " @p ld.global.u16 $2, [$4+512]; @p ld.global.u16 $3, [$4+576]; }",
+                "=r,=r,=r,=r,l,l,l,l,r,r,r,r", [sp, gl.full(s_off.shape, 0, gl.int32, layout=s_off.type.layout) + live],
+                dtype=gl.int32, is_pure=True, pack=4)
+        return words, sb
 
     @gluon.jit
     def _query_operand(q_ptr, b, stride_qb, stride_qh, gscale, HI: gl.constexpr, E8M0: gl.constexpr):
@@ -272,17 +300,22 @@ if gluon is not None:
 
     @gluon.jit
     def _emit(acc, blk, ctx, valid, pg, out_row, p_off, p_mask, p_scale, E8M0: gl.constexpr,
-              INIT: gl.constexpr, LOCAL: gl.constexpr):
+              INIT: gl.constexpr, LOCAL: gl.constexpr, MASK: gl.constexpr = True):
         """Store block blk's NW partial maxima per head from its token scores acc (MMA): tokens at or past ctx and
         a tile without a page (pg -1) score -inf, NaN wins, the column scales multiply, forced init / local
-        blocks get 1e30 / 1e29."""
+        blocks get 1e30 / 1e29. MASK=False: the caller knows that every token is before ctx (only a missing page
+        is handled, on the partial maxima)."""
         HEADS: gl.constexpr = 4 if E8M0 else HP
-        if (blk * TOK + TOK > ctx) | (pg < 0):  # a tile with tokens past the context or without a page
-            tok = gl.arange(0, TOK, layout=gl.SliceLayout(1, MMA))
-            keep = (blk * TOK + tok < ctx) & (pg >= 0)
-            acc = gl.where(gl.expand_dims(keep, 1), acc, float("-inf"))
+        if MASK:
+            if (blk * TOK + TOK > ctx) | (pg < 0):  # a tile with tokens past the context or without a page
+                tok = gl.arange(0, TOK, layout=gl.SliceLayout(1, MMA))
+                keep = (blk * TOK + tok < ctx) & (pg >= 0)
+                acc = gl.where(gl.expand_dims(keep, 1), acc, float("-inf"))
         part = _warp_parts(fold_blocks(acc, E8M0, True), HEADS, True)
-        part = gl.where(part == float("-inf"), part, part * p_scale)
+        if MASK:
+            part = gl.where(part == float("-inf"), part, part * p_scale)
+        else:
+            part = gl.where((part == float("-inf")) | (pg < 0), float("-inf"), part * p_scale)
         if blk >= valid - LOCAL:  # forced blocks: local, else init (they override NaN too)
             part = p_scale * 0.0 + 1e29
         elif blk < INIT:
@@ -308,7 +341,6 @@ if gluon is not None:
         E8M0: gl.constexpr,  # mxfp4 (E8M0 scales of 32 elements), else nvfp4 (E4M3 of 16)
         INIT: gl.constexpr,  # forced init blocks
         LOCAL: gl.constexpr,  # forced local blocks
-        L2_AHEAD: gl.constexpr = 0,  # blocks ahead whose bytes thread 0 prefetches into L2 (0: none)
     ):
         b = gl.program_id(0)
         split = gl.program_id(1)
@@ -326,46 +358,40 @@ if gluon is not None:
             sr = gl.arange(0, TOK, layout=gl.SliceLayout(1, F_L))
             sc = gl.arange(0, 4, layout=gl.SliceLayout(0, F_L))
         else:
-            sr = gl.arange(0, TOK, layout=gl.SliceLayout(1, S16_L))
-            sc = gl.arange(0, 8, layout=gl.SliceLayout(0, S16_L))
+            sr = gl.arange(0, TOK, layout=gl.SliceLayout(1, S8_L))
+            sc = 2 * gl.arange(0, 4, layout=gl.SliceLayout(0, S8_L))
         s_off = PAGE * PB + gl.expand_dims(sr, 1) * SB + gl.expand_dims(sc, 0)
         p_off, p_mask = _part_offsets(n_out, HI, E8M0)
         out_row = out_ptr + (b * HI).to(gl.int64) * n_out
         bt_row = bt_ptr + b.to(gl.int64) * stride_bt
-        pg, words, sb = _fetch(data_ptr, bt_row, blk0, blk0 + n_blk, num_pages, page_bytes, w_off, s_off, PAGE,
-                              PB, SB)
-        if L2_AHEAD > 0:
-            lead = gl.arange(0, 32 * NW, layout=LEAD_L) == 0
-            for i in gl.static_range(1, L2_AHEAD):
-                _prefetch_l2(data_ptr, bt_row, blk0 + i, blk0 + n_blk, num_pages, page_bytes, lead, PAGE, PB, SB)
-        for j in range(0, n_blk):
-            blk = blk0 + j
-            if L2_AHEAD > 0:
-                _prefetch_l2(data_ptr, bt_row, blk + L2_AHEAD, blk0 + n_blk, num_pages, page_bytes, lead, PAGE, PB,
-                             SB)
-            pg_n, words_n, sb_n = _fetch(data_ptr, bt_row, blk + 1, blk0 + n_blk, num_pages, page_bytes, w_off,
-                                         s_off, PAGE, PB, SB)
+        end = blk0 + n_blk
+        # a register double buffer: block j + 1 loads while block j computes; pages are looked up one block earlier
+        # still (block j + 2's in iteration j), so that a load's address never waits on its page-table entry
+        pg = _page(bt_row, blk0, end, num_pages, PAGE)
+        words, sb = _fetch(data_ptr, pg, blk0, page_bytes, w_off, s_off, PAGE, PB, SB, E8M0)
+        pg1 = _page(bt_row, blk0 + 1, end, num_pages, PAGE)
+        # the blocks wholly before ctx without the token mask, then the row's partial last block (one at most)
+        full_end = gl.maximum(gl.minimum(end, ctx // TOK), blk0)
+        for blk in range(blk0, full_end):
+            pg2 = _page(bt_row, blk + 2, end, num_pages, PAGE)
+            words_n, sb_n = _fetch(data_ptr, pg1, blk + 1, page_bytes, w_off, s_off, PAGE, PB, SB, E8M0)
             acc = _tile_dot(words, sb, qt, lo3, sign8, E8M0)
-            _emit(acc, blk, ctx, valid, pg, out_row, p_off, p_mask, p_scale, E8M0, INIT, LOCAL)
-            pg, words, sb = pg_n, words_n, sb_n
+            _emit(acc, blk, ctx, valid, pg, out_row, p_off, p_mask, p_scale, E8M0, INIT, LOCAL, False)
+            pg, pg1, words, sb = pg1, pg2, words_n, sb_n
+        if full_end < end:  # already loaded
+            acc = _tile_dot(words, sb, qt, lo3, sign8, E8M0)
+            _emit(acc, full_end, ctx, valid, pg, out_row, p_off, p_mask, p_scale, E8M0, INIT, LOCAL, True)
 
 
-# blocks ahead whose bytes one thread prefetches into L2 (cp.async.bulk.prefetch, capability >= 9.0; 0: none).
-# H200, score + top-k, us, 0 / 2 / 3 / 4 ahead (two runs, `.scratch/s17_l2.py`): nvfp4 batch 64 x 150K 234.5, 218.0 /
-# 209.8, 207.3 / 207.3, 207.3 / 216.6, 217.1; 16 x 150K 69.7 / 62.1 / 62.9 / 64.8; 64 x 32K 56.2 / 54.5 / 55.4 / 57.9;
-# 1 x 150K (14 layers) 224 / 209-212 / 208-212 / 215-219; mxfp4 (bound by its math) within 1 % either way
-L2_AHEAD = 2
+# register caps by block-scale element: mxfp4's loop takes 140 registers uncapped (3 programs per SM), 112 at a cap of
+# 128 (4 per SM): batch 64 x 150K 269.7 / 260.5 us (`.scratch/s18_idx.py`); nvfp4 takes 89 uncapped (5 per SM; a cap
+# of 80, 6 per SM, lost at every shape but one)
+MAXNREG = {"e4m3": None, "e8m0": 128}
 
 
 def device_ok(device: torch.device) -> bool:
     """This path runs on CUDA devices with Gluon and the hardware E4M3 conversion (capability >= 8.9)."""
     return cuda_at_least(device, (8, 9))
-
-
-def l2_prefetch_ok(cache) -> bool:
-    """The L2 prefetch (cp.async.bulk.prefetch) needs capability >= 9.0 and 16-byte aligned addresses (the cache's
-    base here; page and block offsets are multiples of 16); elsewhere the kernel runs without it."""
-    return cuda_at_least(cache.data.device, (9, 0)) and cache.data.data_ptr() % 16 == 0
 
 
 # Formats (by scale element) the launcher sends here by default: both. H200, batch 64 x 150K top-k (13:32 UTC):
@@ -382,7 +408,14 @@ def applies(iq4: torch.Tensor, cache, cfg, q_pos, scales=("e4m3", "e8m0")) -> bo
     return (cache.fmt.spec.payload_bits == 4 and cache.fmt.scale_element in scales and d == DIM
             and cache.head_dim == DIM and cache.payload_bytes == DIM // 2 and cfg.block_size == TOKENS
             and cache.page_size % TOKENS == 0 and nq == 1 and q_pos is None and cache.num_heads == 1
-            and 1 <= hi <= (HEADS_PAD if cache.fmt.scale_element == "e4m3" else MX_HEADS))
+            and 1 <= hi <= (HEADS_PAD if cache.fmt.scale_element == "e4m3" else MX_HEADS)
+            and (cache.fmt.scale_element != "e4m3" or aligned_16(cache)))
+
+
+def aligned_16(cache) -> bool:
+    """nvfp4's register loads are 16-byte vector loads at fixed offsets from each tile's first word (`_fetch`): the
+    cache base and the page size in bytes must be multiples of 16 (the scale pairs: of 2)."""
+    return cache.data.data_ptr() % 16 == 0 and cache.page_bytes % 16 == 0
 
 
 def chunk_blocks_for(bsz: int, nb: int, sms: int) -> int:
@@ -421,6 +454,6 @@ def decode_block_parts(iq4: torch.Tensor, cache, block_table: torch.Tensor, cont
         nb * NUM_WARPS, ch, 0x07070707, -0x7F7F7F80, q.stride(0), q.stride(1), block_table.stride(0),
         HI=hi, PAGE=cache.page_size, PB=cache.payload_bytes, SB=cache.scale_bytes,
         E8M0=cache.fmt.scale_element == "e8m0", INIT=cfg.init_blocks, LOCAL=cfg.local_blocks,
-        L2_AHEAD=L2_AHEAD if l2_prefetch_ok(cache) else 0,
-        num_warps=NUM_WARPS)
+        num_warps=NUM_WARPS, **({"maxnreg": MAXNREG[cache.fmt.scale_element]} if MAXNREG[cache.fmt.scale_element]
+                                else {}))
     return out.view(bsz, 1, hi, nb, NUM_WARPS), pos

@@ -212,7 +212,6 @@ def capture(thunk: Callable[[], Any], target: Target) -> list[Launch]:
         p.setattr(isc, "_num_sms", lambda device: real_sms(cuda0))
         p.setattr(isc, "_fp4_pair_default", lambda device: not target.rocm)
         p.setattr(mods["index_gluon"], "device_ok", lambda device: not target.rocm)  # the NVIDIA fast paths
-        p.setattr(mods["index_gluon"], "l2_prefetch_ok", lambda cache: not target.rocm)  # (sm_90: its L2 prefetch)
         p.setattr(mods["sparse_attn_gluon"], "device_ok", lambda device: not target.rocm)
         p.setattr(mods["sparse_attn_gluon"], "num_sms", lambda device: target.sms)
         p.setattr(mods["index_gluon"], "num_sms", lambda device: target.sms)
