@@ -8,6 +8,7 @@ pattern exactly and its finite values within the same bound. CPU runs use the Tr
 same checks at engine sizes.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -875,6 +876,21 @@ def test_gluon_path_is_refused_where_it_cannot_run():
     with pytest.raises(KernelArgumentError, match="portable kernel's options"):
         K.decode_topk(iq, cache, table, cl, cfg, gluon=True, prefetch=False)
     assert not K.index_gluon.applies(iq[:, None], cache, cfg, None)  # 16-token blocks
+
+
+def test_gluon_nvfp4_needs_16_byte_alignment():
+    """nvfp4's tile loads are 16-byte vector loads at constant offsets from one address (`index_gluon._fetch`): a
+    cache whose base is not 16-byte aligned keeps the portable kernel; the same bytes aligned take the fast path."""
+    cache, _, _, _ = make_cache("nvfp4", [300], page=128)
+    iq = queries(1, 4, 128)
+    cfg = IndexerConfig()
+    assert K.index_gluon.applies(iq[:, None], cache, cfg, None)
+    n = cache.data.numel()
+    moved = torch.empty(n + 16, dtype=torch.uint8)[8:8 + n].view(cache.data.shape)
+    moved.copy_(cache.data)
+    off = dataclasses.replace(cache, data=moved)
+    assert off.data.data_ptr() % 16 == 8
+    assert not K.index_gluon.applies(iq[:, None], off, cfg, None)
 
 
 @pytest.mark.gpu
