@@ -27,7 +27,7 @@ loads the 16 bytes of each of its token rows that its mma.sync A-operand registe
 - each warp's 32 tokens of a block reduce to a partial maximum per head inside the warp (no shared memory, no
   barrier; the thread's register rows first, so the lane shuffles carry half as many values) and the select pass
   maxes the 4 parts (`topk.select_from_block_scores`, as for the portable kernel's warp partials);
-  only the row's partial last block masks its tokens (the blocks before it only check their page, on the partial
+- only the row's partial last block masks its tokens (the blocks before it only check their page, on the partial
   maxima);
 - programs take `chunk_blocks_for` blocks of one request each: few per program where the batch and context are
   small (every SM busy), up to 32 where there are many (less per-program setup).
@@ -49,7 +49,7 @@ taking equal shares of all (request, block) tiles) gave the same partial maxima 
 prefetch nor fewer instructions alone reaches the 191 us goal. Session 17 (23:0x UTC): the L2 prefetch two blocks
 ahead, with the partial maxima unchanged bit for bit: nvfp4 batch 64 x 150K 218-234 -> 207-210 us (bench: 218.7 ->
 208.3, 1.246x the byte floor), 16 x 150K 69.7 -> 62.1, 64 x 32K 56.2 -> 54.5; mxfp4 (bound by its math) unchanged.
-Session 18 (2026-11-30 00:0x-00:4x UTC, `.scratch/s18_*.py`): the asm loads, the page lookups a block ahead and the
+Session 18 (2026-11-30 00:07-00:40 UTC, `.scratch/s18_*.py`): the asm loads, the page lookups a block ahead and the
 token mask only on the partial last block took nvfp4 from 424 to 361 SASS a tile (mxfp4 533 -> 479 at 128
 registers); with them the L2 prefetch lost at every shape and was removed. nvfp4 batch 64 x 150K 207-214 -> 197-199
 us, 16 x 150K 63.0 -> 61.3, 64 x 32K 56.0 -> 54.7, 1 x 150K 214 -> 206; mxfp4 264.5 -> 260.2. Probes of the new
@@ -126,7 +126,7 @@ if gluon is not None:
                                     warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[TOKENS, 4, 4])
     F_L = gl.SliceLayout(2, L3)
     Q_L = gl.BlockedLayout([1, HEADS_PAD], [32, 1], [NUM_WARPS, 1], [1, 0])  # the query, once per program
-    
+
     TOK = gl.constexpr(TOKENS)
     DIMC = gl.constexpr(DIM)
     HP = gl.constexpr(HEADS_PAD)
@@ -184,8 +184,9 @@ if gluon is not None:
 
     @gluon.jit
     def nv_factors(sb):
-        """nvfp4 E4M3 block-scale byte pairs int16 [128, 4] (S8_L: blocks 2 i, 2 i + 1) -> fp16 [128, 16] (W_L): word
-        w gets block w // 2 (hardware E4M3 -> fp16, exact; NaN codes give NaN)."""
+        """nvfp4 E4M3 block-scale byte pairs int32 [128, 4] (S8_L: a row's blocks 2 i, 2 i + 1 as one u16) -> fp16
+        [128, 16] (W_L): word w gets block w // 2 (hardware E4M3 -> fp16, exact; NaN codes give NaN). The conversion
+        returns packed fp16 pairs (pack=2), so that the HMUL2s read their factors as .H0_H0 / .H1_H1 halves."""
         sb2 = gl.convert_layout(gl.reshape(gl.join(sb, sb), [TOK, 8]), S16_L, assert_trivial=True)
         f = gl.inline_asm_elementwise("{ .reg .b16 t; cvt.u16.u32 t, $1; cvt.rn.f16x2.e4m3x2 $0, t; }", "=r,r,r",
                                       [sb2], dtype=gl.float16, is_pure=True, pack=2)
@@ -383,9 +384,9 @@ if gluon is not None:
             _emit(acc, full_end, ctx, valid, pg, out_row, p_off, p_mask, p_scale, E8M0, INIT, LOCAL, True)
 
 
-# register caps by block-scale element: mxfp4's loop takes 140 registers uncapped (3 programs per SM), 112 at a cap of
-# 128 (4 per SM): batch 64 x 150K 269.7 / 260.5 us (`.scratch/s18_idx.py`); nvfp4 takes 89 uncapped (5 per SM; a cap
-# of 80, 6 per SM, lost at every shape but one)
+# register caps by block-scale element: mxfp4's kernel takes 140-168 registers uncapped (3 programs per SM), 128 at a
+# cap of 128 (4 per SM): batch 64 x 150K 269.7 / 260.5 us (`.scratch/s18_idx.py`); nvfp4 takes 93 uncapped (5 per
+# SM; a cap of 80, 6 per SM, lost at every shape but one)
 MAXNREG = {"e4m3": None, "e8m0": 128}
 
 
