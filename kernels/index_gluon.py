@@ -450,11 +450,11 @@ def decode_block_parts(iq4: torch.Tensor, cache, block_table: torch.Tensor, cont
     q = iq4[:, 0] if iq4.stride(-1) == 1 else iq4[:, 0].contiguous()
     gscale = cache.outer_scale() if cache.fmt.scale_element == "e4m3" else 1.0
     grid = (bsz, triton.cdiv(nb, ch))
+    cap = MAXNREG[cache.fmt.scale_element]
     decode_block_parts_kernel[grid](
         q, cache.data, block_table, context_lens, out, pos, float(gscale), cache.num_pages, cache.page_bytes,
         nb * NUM_WARPS, ch, 0x07070707, -0x7F7F7F80, q.stride(0), q.stride(1), block_table.stride(0),
         HI=hi, PAGE=cache.page_size, PB=cache.payload_bytes, SB=cache.scale_bytes,
         E8M0=cache.fmt.scale_element == "e8m0", INIT=cfg.init_blocks, LOCAL=cfg.local_blocks,
-        num_warps=NUM_WARPS, **({"maxnreg": MAXNREG[cache.fmt.scale_element]} if MAXNREG[cache.fmt.scale_element]
-                                else {}))
+        num_warps=NUM_WARPS, **({"maxnreg": cap} if cap else {}))
     return out.view(bsz, 1, hi, nb, NUM_WARPS), pos
