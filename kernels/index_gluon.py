@@ -24,13 +24,15 @@ loads the 16 bytes of each of its token rows that its mma.sync A-operand registe
   predicated on the page, with no zero fill of the destinations (Triton's masked loads compute an address per
   load and zero every destination register first: ~30 instructions a tile); a tile without a page leaves stale
   registers, whose scores `_emit` discards. Page-table entries are read a block earlier still;
-- each warp's 32 tokens of a block reduce to a partial maximum per head inside the warp (no shared memory, no
-  barrier; the thread's register rows first, so the lane shuffles carry half as many values) and the select pass
-  maxes the 4 parts (`topk.select_from_block_scores`, as for the portable kernel's warp partials);
+- each warp's 32 tokens of a block reduce to a partial maximum per head inside the warp (no barrier; the thread's
+  register rows first, so the lane shuffles carry half as many values); the 4 partials go to shared memory, and
+  at its end the program maxes them (one barrier) and stores one block score per head (`_block_scores`; a split
+  longer than SMEM_BLOCKS stores the 4 partials instead, for the select pass to max);
 - only the row's partial last block masks its tokens (the blocks before it only check their page, on the partial
   maxima);
 - programs take `chunk_blocks_for` blocks of one request each: few per program where the batch and context are
-  small (every SM busy), up to 32 where there are many (less per-program setup).
+  small (every SM busy), up to 32 where there are many (less per-program setup); each row's last
+  `tail_blocks_for` blocks go to splits of a quarter of that, so that the grid ends on short programs.
 Semantics are the portable kernel's (SPEC section 3, LEAN block scores): tokens at or past the context and tiles of
 -1 pages score -inf, NaN scores win the block maximum, the column scale multiplies the block maxima, forced init /
 local blocks get 1e30 / 1e29. Exactness: the same exact fp16 products as index_score (E2M1 x E4M3 and E2M1 x 2**k
@@ -57,6 +59,13 @@ kernel at batch 64 x 150K: loads alone 184-187 us, math alone 160: the loop is n
 and not kept: two blocks a loop iteration (fewer moves; 125 registers), a register triple buffer (three blocks an
 iteration, two in flight; 128 registers: batch 64 x 32K 52.4 against 54.7, 64 x 150K 198 against 197-199, 1 x 150K
 228 against 206), per-thread L2 prefetches 2-6 blocks ahead (slower at every shape).
+Session 19 (2026-11-30 01:20-01:40 UTC, `.scratch/s19_*.py`): globaltimer stamps showed the grid's last program
+starting at 181 us of 216 (uniform 32-block splits: a 35 us tail at falling occupancy) and the select pass taking
+7-10 us after the scorer; the short tail splits and the block scores maxed in shared memory (4x fewer bytes
+written, and read by the select pass, than 4 partials a block) took nvfp4 batch 64 x 150K from 190.9-204 to 180.2
+us (1.09x the byte floor), 16 x 150K 60.4 -> 57.0, 64 x 32K 51.9 -> 49.2; mxfp4 248.9 -> 241.8. Tried and not
+kept: the select pass launched with programmatic dependent launch (PDL: resident early, `griddepcontrol.wait`),
+2-3 us slower at every shape (with arrival counters instead, equally slow).
 
 Where it runs: CUDA devices with the hardware E4M3 conversion (capability >= 8.9) and Gluon; decode (one query per
 request), head dim 128, 128-token blocks within pages of a multiple of 128 tokens, at most 8 (nvfp4) or 4 (mxfp4)
@@ -94,6 +103,22 @@ NUM_WARPS = 4  # 32 tokens per warp; also the number of partial maxima per block
 # 502 / 306 / 210 / 176 / 165 / 161, 16 x 32K 138 / 98 / 90 / 89 / 103 / 96, 16 x 150K 79 / 70.4 / 67.6 / 73 / 84 /
 # 79, 64 x 8K 135 / 99 / 83 / 84 / 97 / 90, 64 x 32K 57.9 / 59.0 / 60.6-67.6 / 65 / 76 / 70, 64 x 150K 224 / 227 /
 # 234 / 260 / 309 / 289; mxfp4 alike. Fixed 32 (the default before) lost up to 4x on small batches.
+# programs of at most CHUNK_BLOCKS blocks max their warps' partials in shared memory and store block scores: H200,
+# score + top-k us per graph, with the tail (session 19, 01:38 UTC), 4 partials a block / block scores: nvfp4 b64 x
+# 150K 190.9 / 180.2, 16 x 150K 60.1-60.4 / 57.0-57.4, 64 x 32K 51.9 / 49.2-49.5, 16 x 32K 79.5 / 77.8-78.2, 1 x 150K
+# and 64 x 8K equal; mxfp4 b64 x 150K 248.9 / 241.8, 16 x 150K 78.3-78.5 / 76.0-76.1.
+SMEM_SCORES = True
+# The tail: each row's last `tail_blocks_for` blocks go to splits of ch // TAIL_DIV blocks, so that the grid's last
+# programs are short and the GPU stays full to the end. Uniform splits of 32 blocks (b64 x 150K) left a 35 us tail:
+# the last program started at 181 us of 216 (globaltimer stamps, 2026-11-30 01:23 UTC). H200, score + top-k us per
+# graph (bench/RESULTS.md, session 19), tail blocks (/ TAIL_DIV): nvfp4 b64 x 150K (ch 32) 0: 194.5-194.6, 64: 192.6,
+# 128: 190.5-190.7, 160: 189.7, 192: 189.0-190.2, 224: 189.4-189.9, 256: 189.7-191.1, 128 / 8: 191.1-191.3; b16 x
+# 150K (ch 16) 0: 59.4-59.7, 128-384: 57.9-58.2; b64 x 32K (ch 16) 0: 53.1-53.4, 64-128: 51.1-51.3; mxfp4 b64 x
+# 150K 0: 248.4-250.8, 160: 245.0-247.0, 192: 246.3-248.5; but ch 8 (tail splits of 2 blocks) lost: b16 x 32K 0:
+# 76.1-76.3, 32: 82.7-82.9, 64: 77.8; b64 x 8K 0: 68.8-69.1, 16: 71.0-71.4, 32: 79.1-79.2.
+TAIL_DIV = 4
+TAIL_MIN_CHUNK = 4  # no tail where its splits would be shorter
+TAIL_PROGRAMS_PER_SM = 12  # the tail's programs: about 2.4 waves of 5 programs per SM
 FILL_PROGRAMS = 3
 BALANCE_PROGRAMS = 16
 BALANCE_CHUNK = 16
@@ -128,6 +153,8 @@ if gluon is not None:
     Q_L = gl.BlockedLayout([1, HEADS_PAD], [32, 1], [NUM_WARPS, 1], [1, 0])  # the query, once per program
 
     TOK = gl.constexpr(TOKENS)
+    SMEM_BLOCKS = gl.constexpr(CHUNK_BLOCKS)  # block rows of the shared-memory block scores (the largest split)
+    SMEM_L = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])  # rank 2: .index(block) gives a [NW, heads] view
     DIMC = gl.constexpr(DIM)
     HP = gl.constexpr(HEADS_PAD)
     e2m1_pairs = gluon.jit(kc.e2m1_pairs.fn)
@@ -300,8 +327,8 @@ if gluon is not None:
         return acc
 
     @gluon.jit
-    def _emit(acc, blk, ctx, valid, pg, out_row, p_off, p_mask, p_scale, E8M0: gl.constexpr,
-              INIT: gl.constexpr, LOCAL: gl.constexpr, MASK: gl.constexpr = True):
+    def _emit(acc, blk, ctx, valid, pg, out_row, p_off, p_mask, p_scale, smem, blk0, E8M0: gl.constexpr,
+              INIT: gl.constexpr, LOCAL: gl.constexpr, MASK: gl.constexpr, SMEM: gl.constexpr):
         """Store block blk's NW partial maxima per head from its token scores acc (MMA): tokens at or past ctx and
         a tile without a page (pg -1) score -inf, NaN wins, the column scales multiply, forced init / local
         blocks get 1e30 / 1e29. MASK=False: the caller knows that every token is before ctx (only a missing page
@@ -321,7 +348,24 @@ if gluon is not None:
             part = p_scale * 0.0 + 1e29
         elif blk < INIT:
             part = p_scale * 0.0 + 1e30
-        gl.store(out_row + blk * NW + p_off, part, mask=p_mask)
+        if SMEM:  # the program's block rows, maxed over the warps at its end (`_block_scores`)
+            smem.index(blk - blk0).store(part)
+        else:
+            gl.store(out_row + blk * NW + p_off, part, mask=p_mask)
+
+    @gluon.jit
+    def _block_scores(smem, out_row, blk0, n_blk, n_out, HI: gl.constexpr, E8M0: gl.constexpr):
+        """The program's block scores: its blocks' NW partial maxima per head (shared memory, [SMEM_BLOCKS, NW,
+        heads]) maxed (NaN wins) and stored at out_row[head * n_out + block] for its n_blk blocks."""
+        HEADS: gl.constexpr = 4 if E8M0 else HP
+        R_L: gl.constexpr = gl.BlockedLayout([NW, 1], [32 // HEADS, HEADS], [NW, 1], [1, 0])  # a block's parts a thread
+        gl.thread_barrier()
+        x = smem._reinterpret(gl.float32, [SMEM_BLOCKS * NW, HEADS], SMEM_L).load(R_L)
+        x = gl.reduce(gl.reshape(x, [SMEM_BLOCKS, NW, HEADS]), 1, nanmax)
+        i = gl.arange(0, SMEM_BLOCKS, layout=gl.SliceLayout(1, x.type.layout))
+        h = gl.arange(0, HEADS, layout=gl.SliceLayout(0, x.type.layout))
+        offs = gl.expand_dims(h, 0) * n_out + blk0 + gl.expand_dims(i, 1)
+        gl.store(out_row + offs, x, mask=(gl.expand_dims(i, 1) < n_blk) & (gl.expand_dims(h, 0) < HI))
 
     @gluon.jit
     def decode_block_parts_kernel(
@@ -329,10 +373,10 @@ if gluon is not None:
         data_ptr,  # uint8 [num_pages, 1, page_bytes]: the paged FP4 index cache
         bt_ptr,  # int32 [B, max_pages] block table (-1 = no page)
         ctx_ptr,  # int32 [B] context lengths (the query sits at ctx - 1)
-        out_ptr,  # fp32 [B, Hi, NB * NW]: the NW partial maxima of every valid block
+        out_ptr,  # fp32 [B, Hi, NB] block scores (SMEM), else [B, Hi, NB * NW]: NW partial maxima a block
         pos_ptr,  # int32 [B]: written here, the query positions ctx - 1 (-1 for an empty row) for the select pass
         gscale,  # fp32 whole-tensor factor (nvfp4 outer scale, else 1)
-        num_pages, page_bytes, n_out, ch,  # ch: blocks per program
+        num_pages, page_bytes, n_out, ch,  # ch: blocks per program (splits < n_front; then ch // TAIL_DIV)
         lo3, sign8,  # int32 0x07070707, 0x80808080 at run time (kc.e2m1_pairs: one LOP3 per bit-select)
         stride_qb, stride_qh, stride_bt,  # strides in elements
         HI: gl.constexpr,  # index heads (<= 8)
@@ -342,6 +386,9 @@ if gluon is not None:
         E8M0: gl.constexpr,  # mxfp4 (E8M0 scales of 32 elements), else nvfp4 (E4M3 of 16)
         INIT: gl.constexpr,  # forced init blocks
         LOCAL: gl.constexpr,  # forced local blocks
+        SMEM: gl.constexpr = False,  # block scores (the warps' partials maxed in shared memory; ch <= SMEM_BLOCKS)
+        n_front=0,  # splits before the tail (last in the signature: elsewhere ptxas took 111 registers, not 93)
+        TAIL_DIV: gl.constexpr = 4,  # the tail's splits take ch // TAIL_DIV blocks
     ):
         b = gl.program_id(0)
         split = gl.program_id(1)
@@ -349,8 +396,11 @@ if gluon is not None:
         if split == 0:
             gl.store(pos_ptr + b, gl.maximum(ctx - 1, -1))
         valid = (ctx + TOK - 1) // TOK  # valid blocks of the row (the query at ctx - 1)
-        blk0 = split * ch
-        n_blk = gl.minimum(valid - blk0, ch)
+        tail_ch = ch // TAIL_DIV
+        blk0 = gl.minimum(split, n_front) * ch + gl.maximum(split - n_front, 0) * tail_ch
+        gl.assume(blk0 >= 0)  # without these the loop's values left the uniform datapath: 93 -> 114 registers
+        n_blk = gl.minimum(valid - blk0, gl.where(split < n_front, ch, tail_ch))
+        gl.assume(n_blk <= ch)
         qt, p_scale = _query_operand(q_ptr, b, stride_qb, stride_qh, gscale, HI, E8M0)
         # per-tile offsets inside a page
         tr = gl.arange(0, TOK, layout=gl.SliceLayout(1, W_L))
@@ -363,6 +413,11 @@ if gluon is not None:
             sc = 2 * gl.arange(0, 4, layout=gl.SliceLayout(0, S8_L))
         s_off = PAGE * PB + gl.expand_dims(sr, 1) * SB + gl.expand_dims(sc, 0)
         p_off, p_mask = _part_offsets(n_out, HI, E8M0)
+        HEADS: gl.constexpr = 4 if E8M0 else HP
+        if SMEM:
+            smem = gl.allocate_shared_memory(gl.float32, [SMEM_BLOCKS, NW, HEADS], SMEM_L)
+        else:
+            smem = p_scale  # (unused)
         out_row = out_ptr + (b * HI).to(gl.int64) * n_out
         bt_row = bt_ptr + b.to(gl.int64) * stride_bt
         end = blk0 + n_blk
@@ -377,11 +432,15 @@ if gluon is not None:
             pg2 = _page(bt_row, blk + 2, end, num_pages, PAGE)
             words_n, sb_n = _fetch(data_ptr, pg1, blk + 1, page_bytes, w_off, s_off, PAGE, PB, SB, E8M0)
             acc = _tile_dot(words, sb, qt, lo3, sign8, E8M0)
-            _emit(acc, blk, ctx, valid, pg, out_row, p_off, p_mask, p_scale, E8M0, INIT, LOCAL, False)
+            _emit(acc, blk, ctx, valid, pg, out_row, p_off, p_mask, p_scale, smem, blk0, E8M0, INIT, LOCAL, False,
+                  SMEM)
             pg, pg1, words, sb = pg1, pg2, words_n, sb_n
         if full_end < end:  # already loaded
             acc = _tile_dot(words, sb, qt, lo3, sign8, E8M0)
-            _emit(acc, full_end, ctx, valid, pg, out_row, p_off, p_mask, p_scale, E8M0, INIT, LOCAL, True)
+            _emit(acc, full_end, ctx, valid, pg, out_row, p_off, p_mask, p_scale, smem, blk0, E8M0, INIT, LOCAL,
+                  True, SMEM)
+        if SMEM:
+            _block_scores(smem, out_row, blk0, n_blk, n_out, HI, E8M0)
 
 
 # register caps by block-scale element: mxfp4's kernel takes 140-168 registers uncapped (3 programs per SM), 128 at a
@@ -429,32 +488,61 @@ def chunk_blocks_for(bsz: int, nb: int, sms: int) -> int:
     return min(fill, max(BALANCE_CHUNK, balance))
 
 
+def tail_blocks_for(bsz: int, nb: int, ch: int, sms: int) -> int:
+    """Blocks at the end of each row that go to short splits (ch // TAIL_DIV each): TAIL_PROGRAMS_PER_SM programs
+    per SM in all, at most half the row; 0 where those splits would be shorter than TAIL_MIN_CHUNK."""
+    tail_ch = ch // TAIL_DIV
+    if tail_ch < TAIL_MIN_CHUNK or bsz == 0:
+        return 0
+    want = triton.cdiv(TAIL_PROGRAMS_PER_SM * sms * tail_ch, bsz)
+    return min(nb // 2, triton.cdiv(want, tail_ch) * tail_ch)
+
+
+def split_grid(nb: int, ch: int, tail_blocks: int) -> tuple[int, int]:
+    """(n_front, splits) of a row of nb blocks: split s < n_front takes blocks s ch .. s ch + ch - 1, the later ones
+    ch // TAIL_DIV each from n_front ch on (the kernel's blk0 / n_blk), the last one clipped at the row's valid
+    blocks; at least tail_blocks blocks in the tail (none where ch // TAIL_DIV is 0)."""
+    tail_ch = ch // TAIL_DIV
+    if not tail_blocks or not tail_ch:
+        return triton.cdiv(nb, ch), triton.cdiv(nb, ch)
+    n_front = max(0, nb - tail_blocks) // ch
+    return n_front, n_front + triton.cdiv(nb - n_front * ch, tail_ch)
+
+
 def decode_block_parts(iq4: torch.Tensor, cache, block_table: torch.Tensor, context_lens: torch.Tensor, cfg,
-                       nb: int, chunk_blocks: int | None = None, fill: bool = True
+                       nb: int, chunk_blocks: int | None = None, fill: bool = True,
+                       tail_blocks: int | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """iq4 bf16 [B, 1, Hi, 128] decode queries -> (fp32 [B, 1, Hi, nb, NUM_WARPS] partial block maxima (their max
-    is the block score with the forced blocks applied; -inf past each row's valid blocks), int32 [B, 1] query
+    """iq4 bf16 [B, 1, Hi, 128] decode queries -> (fp32 [B, 1, Hi, nb, P] partial block maxima (their max is the
+    block score with the forced blocks applied; -inf past each row's valid blocks; P = 1, the block scores, where
+    the splits fit SMEM_BLOCKS and SMEM_SCORES is on, else NUM_WARPS), int32 [B, 1] query
     positions ctx - 1, -1 for an empty row: the select pass's input, written by the kernel instead of by a few
     small torch kernels). Inputs as checked by `index_score._check`; `applies` and `device_ok` hold.
     chunk_blocks: blocks per program (default `chunk_blocks_for`). fill=False leaves the blocks past each row's
-    valid ones unwritten (the select pass reads only valid blocks)."""
+    valid ones unwritten (the select pass reads only valid blocks). tail_blocks: each row's last blocks that go to
+    splits of chunk // TAIL_DIV blocks (default `tail_blocks_for`, none when chunk_blocks is given)."""
     bsz, _, hi, _ = iq4.shape
-    shape = (bsz, 1, hi, nb * NUM_WARPS)
+    ch = chunk_blocks or chunk_blocks_for(bsz, nb, num_sms(iq4.device)) if bsz and nb else 1
+    smem = SMEM_SCORES and ch <= CHUNK_BLOCKS
+    parts = 1 if smem else NUM_WARPS
+    shape = (bsz, 1, hi, nb * parts)
     out = torch.full(shape, float("-inf"), dtype=torch.float32, device=iq4.device) if fill else \
         torch.empty(shape, dtype=torch.float32, device=iq4.device)
     pos = torch.full((bsz, 1), -1, dtype=torch.int32, device=iq4.device) if nb == 0 else \
         torch.empty((bsz, 1), dtype=torch.int32, device=iq4.device)
     if bsz == 0 or nb == 0:
-        return out.view(bsz, 1, hi, nb, NUM_WARPS), pos
-    ch = chunk_blocks or chunk_blocks_for(bsz, nb, num_sms(iq4.device))
+        return out.view(bsz, 1, hi, nb, parts), pos
     q = iq4[:, 0] if iq4.stride(-1) == 1 else iq4[:, 0].contiguous()
     gscale = cache.outer_scale() if cache.fmt.scale_element == "e4m3" else 1.0
-    grid = (bsz, triton.cdiv(nb, ch))
+    if tail_blocks is None:
+        tail_blocks = tail_blocks_for(bsz, nb, ch, num_sms(iq4.device)) if chunk_blocks is None else 0
+    n_front, n_splits = split_grid(nb, ch, tail_blocks)
+    grid = (bsz, n_splits)
     cap = MAXNREG[cache.fmt.scale_element]
     decode_block_parts_kernel[grid](
         q, cache.data, block_table, context_lens, out, pos, float(gscale), cache.num_pages, cache.page_bytes,
-        nb * NUM_WARPS, ch, 0x07070707, -0x7F7F7F80, q.stride(0), q.stride(1), block_table.stride(0),
+        nb * parts, ch, 0x07070707, -0x7F7F7F80, q.stride(0), q.stride(1), block_table.stride(0),
         HI=hi, PAGE=cache.page_size, PB=cache.payload_bytes, SB=cache.scale_bytes,
         E8M0=cache.fmt.scale_element == "e8m0", INIT=cfg.init_blocks, LOCAL=cfg.local_blocks,
-        num_warps=NUM_WARPS, **({"maxnreg": cap} if cap else {}))
-    return out.view(bsz, 1, hi, nb, NUM_WARPS), pos
+        SMEM=smem, n_front=n_front, TAIL_DIV=TAIL_DIV, num_warps=NUM_WARPS, **({"maxnreg": cap} if cap else {}))
+    return out.view(bsz, 1, hi, nb, parts), pos

@@ -237,7 +237,7 @@ _tuned_kernel = triton.autotune(
 )(_index_score_kernel)
 LAUNCH_OPTIONS = ("chunk_blocks", "q_tile", "prefetch", "native_fp8", "num_warps", "num_stages", "fp4_words",
                   "in_kernel_topk", "post_scale", "warp_partials", "select", "lean", "tile_pairs",
-                  "max_registers", "gluon")
+                  "max_registers", "gluon", "tail_blocks")
 # launch options that pick a variant of the portable kernel: any of them given turns the Gluon fast path off
 PORTABLE_OPTIONS = ("q_tile", "prefetch", "native_fp8", "num_warps", "num_stages", "fp4_words", "in_kernel_topk",
                     "post_scale", "warp_partials", "lean", "tile_pairs", "max_registers")
@@ -382,7 +382,8 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
     POST_SCALE_DEFAULT_ROWS), warp_partials (two-pass top-k: per-warp partial block maxima, see
     the comment above the launchers), select (the select pass's launch variant, `topk.SELECT_VARIANTS`), tile_pairs
     (two tiles per loop iteration, `index_blocks.pair_step`; FP4 top-k on CUDA: FP4_PAIR_LAUNCH), and prefetch /
-    num_warps / num_stages / max_registers (a fixed launch instead of the autotuned one; max_registers: CUDA's maxnreg)."""
+    num_warps / num_stages / max_registers (a fixed launch instead of the autotuned one; max_registers: CUDA's maxnreg),
+    tail_blocks (the Gluon scorer's short final splits, `index_gluon.tail_blocks_for`; 0: none)."""
     bad = set(options) - set(LAUNCH_OPTIONS)
     if bad:
         raise KernelArgumentError(f"index scorer: unknown launch options {sorted(bad)} (known: {LAUNCH_OPTIONS})")
@@ -392,9 +393,10 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
     nb = triton.cdiv(max(max_context, 1), cfg.block_size)
     if (mode == 1 or nb <= MAX_SELECT_BLOCKS) and _use_gluon(iq4, cache, cfg, q_pos, mode, options):
         parts, pos = index_gluon.decode_block_parts(iq4, cache, block_table, context_lens, cfg, nb,
-                                                    options.get("chunk_blocks"), fill=mode == 1)
-        if mode == 1:
-            return parts.amax(-1)  # NaN-propagating, like the kernels' block maxima
+                                                    options.get("chunk_blocks"), fill=mode == 1,
+                                                    tail_blocks=options.get("tail_blocks"))
+        if mode == 1:  # block scores already (one part), or the warps' partials: NaN-propagating max
+            return parts[..., 0] if parts.shape[-1] == 1 else parts.amax(-1)
         return select_from_block_scores(parts, pos, cfg.block_size, cfg.topk, higher_id=cfg.tie_rule != "lower-id",
                                         variant=options.get("select"))
     if (_fp4_pair_default(iq4.device) and cache.fmt.spec.payload_bits == 4 and mode == 2 and q_pos is None

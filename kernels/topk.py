@@ -115,13 +115,15 @@ def _select_kernel(
     c = seg * NC + tl.arange(0, NC)
     row_ok = r < rows
     pos = tl.load(pos_ptr + r // HI, mask=row_ok, other=-1)
-    valid = tl.where(pos >= 0, pos // BS + 1, 0)  # blocks past valid are never selected (-inf ones inside are)
-    avail = row_ok[:, None] & (c[None, :] < valid[:, None]) & (c[None, :] < NB)
+    # the scores' loads do not wait for the position (both in flight at once); blocks past valid are masked after
+    in_row = row_ok[:, None] & (c[None, :] < NB)
     offs = (r[:, None].to(tl.int64) * NB + c[None, :]) * PARTS
-    keys = tl.load(score_ptr + offs, mask=avail, other=float("-inf"))
+    keys = tl.load(score_ptr + offs, mask=in_row, other=float("-inf"))
     for p in tl.static_range(1, PARTS):
-        part = tl.load(score_ptr + offs + p, mask=avail, other=float("-inf"))
+        part = tl.load(score_ptr + offs + p, mask=in_row, other=float("-inf"))
         keys = tl.maximum(keys, part, propagate_nan=tl.PropagateNan.ALL)
+    valid = tl.where(pos >= 0, pos // BS + 1, 0)  # blocks past valid are never selected (-inf ones inside are)
+    avail = in_row & (c[None, :] < valid[:, None])
     keys = tl.where(keys != keys, NAN_RANK, keys)
     ids = tl.broadcast_to(c[None, :], [ROWS, NC])
     if SPLIT:

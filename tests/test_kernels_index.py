@@ -908,8 +908,12 @@ def test_gpu_decode_gluon(label, page):
     iq = queries(len(ctx), 4, 128, seed=91)
     for cfg in (IndexerConfig(), IndexerConfig(init_blocks=2, local_blocks=0),
                 IndexerConfig(init_blocks=1, local_blocks=2, tie_rule="lower-id")):
-        for chunk in (None, 1, 7):
+        # the default launch (a tail of short splits here), one and seven blocks a program, 48 (longer than
+        # SMEM_BLOCKS: the warps' partials go to the select pass), an explicit tail, none
+        for chunk, tail in ((None, None), (1, None), (7, None), (48, None), (16, 100), (32, 0)):
             options = {"gluon": True} if chunk is None else {"gluon": True, "chunk_blocks": chunk}
+            if tail is not None:
+                options["tail_blocks"] = tail
             check_decode(cache, table, cl, iq, cfg, tuned=True, **options)
     got = K.decode_block_scores(iq, cache, table, cl, IndexerConfig(), gluon=True)
     port = K.decode_block_scores(iq, cache, table, cl, IndexerConfig(), gluon=False)
@@ -925,6 +929,33 @@ def test_gpu_decode_gluon_heads(heads):
     iq = queries(len(ctx), heads, 128, seed=93)
     iq[1] = 0
     check_decode(cache, table, cl, iq, IndexerConfig(topk=8), tuned=True, gluon=True)
+
+
+def test_gluon_splits_tile_every_row():
+    """The Gluon scorer's splits (index_gluon.split_grid and the kernel's rule: split s < n_front takes blocks
+    s ch .. s ch + ch - 1, later ones ch // TAIL_DIV each from n_front ch on) cover 0 .. nb - 1 once, in order, with
+    at least the asked tail in short splits; the default tail (tail_blocks_for) at the benchmark's shapes on 132
+    SMs: none below 4-block tail splits (where it lost on the H200), at most half a row."""
+    G = K.index_gluon
+    for nb in (1, 2, 5, 31, 32, 33, 256, 1172, 2048):
+        for ch in (1, 2, 4, 8, 16, 32):
+            for tail in (0, 1, 7, 64, 200, 5000):
+                n_front, splits = G.split_grid(nb, ch, tail)
+                tail_ch = ch // G.TAIL_DIV
+                covered = []
+                for s in range(splits):
+                    first = min(s, n_front) * ch + max(s - n_front, 0) * tail_ch
+                    size = ch if s < n_front else tail_ch
+                    covered += range(first, min(first + size, nb))
+                assert covered == list(range(nb)), (nb, ch, tail)
+                assert splits == n_front or first < nb  # no split wholly past the row
+                if tail and tail_ch:
+                    assert nb - n_front * ch >= min(tail, nb)
+    assert G.tail_blocks_for(64, 1172, 32, 132) == 200
+    assert G.tail_blocks_for(16, 1172, 16, 132) == 396
+    assert G.tail_blocks_for(64, 256, 16, 132) == 100
+    assert G.tail_blocks_for(16, 256, 8, 132) == 0 and G.tail_blocks_for(1, 1172, 2, 132) == 0
+    assert G.tail_blocks_for(1, 40, 16, 132) == 20  # half a row at most
 
 
 def test_gluon_chunk_rule():
