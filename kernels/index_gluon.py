@@ -19,11 +19,11 @@ loads the 16 bytes of each of its token rows that its mma.sync A-operand registe
   register); mxfp4 post-scaled like the portable kernel's default (POST_SCALE): the query is block-diagonal (dot
   column 4 b + h holds head h's elements of MX block b, 16 columns), so the undecorated E2M1 tile gives every
   (token, block, head) partial score, each multiplied by its fp32 block factor 2**e and the 4 blocks summed;
-- the next tile's loads are issued before this tile's decode (register double buffer). nvfp4's are one inline-asm
-  block per tile (`_fetch`): four 16-byte loads and four 2-byte scale loads at constant offsets from one address,
-  predicated on the page, with no zero fill of the destinations (Triton's masked loads compute an address per
-  load and zero every destination register first: ~30 instructions a tile); a tile without a page leaves stale
-  registers, whose scores `_emit` discards. Page-table entries are read a block earlier still;
+- the next tile's loads are issued before this tile's decode (register double buffer), as one inline-asm block
+  per tile (`_fetch`): four 16-byte loads and four 2-byte (nvfp4) or eight 1-byte (mxfp4) scale loads at constant
+  offsets from one address, predicated on the page, with no zero fill of the destinations (Triton's masked loads
+  compute an address per load and zero every destination register first: ~30 instructions a tile); a tile without
+  a page leaves stale registers, whose scores `_emit` discards. Page-table entries are read a block earlier still;
 - each warp's 32 tokens of a block reduce to a partial maximum per head inside the warp (no barrier; the thread's
   register rows first, so the lane shuffles carry half as many values); the 4 partials go to shared memory, and
   at its end the program maxes them (one barrier) and stores one block score per head (`_block_scores`; a split
@@ -65,7 +65,9 @@ starting at 181 us of 216 (uniform 32-block splits: a 35 us tail at falling occu
 written, and read by the select pass, than 4 partials a block) took nvfp4 batch 64 x 150K from 190.9-204 to 180.2
 us (1.09x the byte floor), 16 x 150K 60.4 -> 57.0, 64 x 32K 51.9 -> 49.2; mxfp4 248.9 -> 241.8. Tried and not
 kept: the select pass launched with programmatic dependent launch (PDL: resident early, `griddepcontrol.wait`),
-2-3 us slower at every shape (with arrival counters instead, equally slow).
+2-3 us slower at every shape (with arrival counters instead, equally slow). mxfp4's tile loads as inline asm too
+(452 -> 411 SASS a tile, 118 registers; block scores equal bit for bit): batch 64 x 150K 243-249 -> 224-233 us, 16 x
+150K 75.1 -> 72.1, 64 x 32K 131.1 -> 126.1, but 1 x 150K 253.5 -> 260-262 (02:00 UTC).
 
 Where it runs: CUDA devices with the hardware E4M3 conversion (capability >= 8.9) and Gluon; decode (one query per
 request), head dim 128, 128-token blocks within pages of a multiple of 128 tokens, at most 8 (nvfp4) or 4 (mxfp4)
@@ -229,33 +231,41 @@ if gluon is not None:
     def _fetch(data_ptr, pg, blk, page_bytes, w_off, s_off, PAGE: gl.constexpr, PB: gl.constexpr, SB: gl.constexpr,
                E8M0: gl.constexpr):
         """Block blk's words int32 [128, 16] (W_L) and block scales (nvfp4: int32 [128, 4] (S8_L), each the u16 of
-        a row's blocks 2 i, 2 i + 1; mxfp4: E8M0 bytes [128, 4] (F_L)) from page pg; nothing is loaded for page -1.
-        nvfp4 (PB 64, SB 8: `applies`) by inline asm, mxfp4 by Triton loads (zero-filled)."""
+        a row's blocks 2 i, 2 i + 1; mxfp4: the E8M0 bytes as int32 [128, 4] (F_L)) from page pg, by inline asm (PB
+        64, SB 8 / 4, 16-byte aligned: `applies`); nothing is loaded for page -1."""
         base = gl.maximum(pg, 0).to(gl.int64) * page_bytes
         row0 = (blk * TOK) % PAGE  # the block's first token in its page
         tile = data_ptr + base  # the page's first byte: one 64-bit sum, the rest 32-bit offsets (6 fewer SASS)
+        # one address a thread (its first word), the rest constant offsets: W_L's registers hold words 0-3 of rows r,
+        # r + 8, r + 64, r + 72 (64 bytes a row: +512, +4096, +4608); no zero fill (a tile without a page keeps stale
+        # registers)
+        wp = (tile.to(gl.pointer_type(gl.int32), bitcast=True) + (row0 * (PB // 4) + w_off)).to(gl.int64,
+                                                                                              bitcast=True)
+        live = (pg >= 0).to(gl.int32)
+        words = gl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $32, 0;"
+            " @p ld.global.v4.b32 {$0, $1, $2, $3}, [$16];"
+            " @p ld.global.v4.b32 {$4, $5, $6, $7}, [$16+512];"
+            " @p ld.global.v4.b32 {$8, $9, $10, $11}, [$16+4096];"
+            " @p ld.global.v4.b32 {$12, $13, $14, $15}, [$16+4608]; }",
+            "=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,"
+            "l,l,l,l,l,l,l,l,l,l,l,l,l,l,l,l,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+            [wp, gl.full(w_off.shape, 0, gl.int32, layout=w_off.type.layout) + live], dtype=gl.int32,
+            is_pure=True, pack=16)
+        sp = (tile + (row0 * SB + s_off)).to(gl.int64, bitcast=True)
         if E8M0:
-            words = gl.load(tile.to(gl.pointer_type(gl.int32), bitcast=True) + (row0 * (PB // 4) + w_off),
-                            mask=pg >= 0, other=0)
-            sb = gl.load(tile + (row0 * SB + s_off), mask=pg >= 0, other=0)
+            # F_L's registers: rows r, r + 8 (4 bytes a row: +32), block b, b + 2 (+2), rows r + 64, r + 72 (+256)
+            sb = gl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.b32 p, $16, 0;"
+                " @p ld.global.u8 $0, [$8]; @p ld.global.u8 $1, [$8+32];"
+                " @p ld.global.u8 $2, [$8+2]; @p ld.global.u8 $3, [$8+34];"
+                " @p ld.global.u8 $4, [$8+256]; @p ld.global.u8 $5, [$8+288];"
+                " @p ld.global.u8 $6, [$8+258]; @p ld.global.u8 $7, [$8+290]; }",
+                "=r,=r,=r,=r,=r,=r,=r,=r,l,l,l,l,l,l,l,l,r,r,r,r,r,r,r,r",
+                [sp, gl.full(s_off.shape, 0, gl.int32, layout=s_off.type.layout) + live], dtype=gl.int32,
+                is_pure=True, pack=8)
         else:
-            # one address a thread (its first word), the rest constant offsets: W_L's registers hold words 0-3 of
-            # rows r, r + 8, r + 64, r + 72 (64 bytes a row: +512, +4096, +4608), S8_L's the scale pairs of the same
-            # rows (8 bytes a row: +64, +512, +576); no zero fill (a tile without a page keeps stale registers)
-            wp = (tile.to(gl.pointer_type(gl.int32), bitcast=True) + (row0 * (PB // 4) + w_off)).to(gl.int64,
-                                                                                                  bitcast=True)
-            live = (pg >= 0).to(gl.int32)
-            words = gl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.b32 p, $32, 0;"
-                " @p ld.global.v4.b32 {$0, $1, $2, $3}, [$16];"
-                " @p ld.global.v4.b32 {$4, $5, $6, $7}, [$16+512];"
-                " @p ld.global.v4.b32 {$8, $9, $10, $11}, [$16+4096];"
-                " @p ld.global.v4.b32 {$12, $13, $14, $15}, [$16+4608]; }",
-                "=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,"
-                "l,l,l,l,l,l,l,l,l,l,l,l,l,l,l,l,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
-                [wp, gl.full(w_off.shape, 0, gl.int32, layout=w_off.type.layout) + live], dtype=gl.int32,
-                is_pure=True, pack=16)
-            sp = (tile + (row0 * SB + s_off)).to(gl.int64, bitcast=True)
+            # S8_L's registers: the scale pairs of rows r, r + 8, r + 64, r + 72 (8 bytes a row: +64, +512, +576)
             sb = gl.inline_asm_elementwise(
                 "{ .reg .pred p; setp.ne.b32 p, $8, 0;"
                 " @p ld.global.u16 $0, [$4]; @p ld.global.u16 $1, [$4+64];"
@@ -443,9 +453,9 @@ if gluon is not None:
             _block_scores(smem, out_row, blk0, n_blk, n_out, HI, E8M0)
 
 
-# register caps by block-scale element: mxfp4's kernel takes 140-168 registers uncapped (3 programs per SM), 128 at a
-# cap of 128 (4 per SM): batch 64 x 150K 269.7 / 260.5 us (`.scratch/s18_idx.py`); nvfp4 takes 93 uncapped (5 per
-# SM; a cap of 80, 6 per SM, lost at every shape but one)
+# register caps by block-scale element: mxfp4's kernel took 140-168 registers uncapped (3 programs per SM), 128 at a
+# cap of 128 (4 per SM): batch 64 x 150K 269.7 / 260.5 us (`.scratch/s18_idx.py`; 118 with the asm loads); nvfp4
+# takes 85-93 uncapped (5 per SM; a cap of 80, 6 per SM, lost at every shape but one)
 MAXNREG = {"e4m3": None, "e8m0": 128}
 
 
@@ -469,12 +479,12 @@ def applies(iq4: torch.Tensor, cache, cfg, q_pos, scales=("e4m3", "e8m0")) -> bo
             and cache.head_dim == DIM and cache.payload_bytes == DIM // 2 and cfg.block_size == TOKENS
             and cache.page_size % TOKENS == 0 and nq == 1 and q_pos is None and cache.num_heads == 1
             and 1 <= hi <= (HEADS_PAD if cache.fmt.scale_element == "e4m3" else MX_HEADS)
-            and (cache.fmt.scale_element != "e4m3" or aligned_16(cache)))
+            and aligned_16(cache))
 
 
 def aligned_16(cache) -> bool:
-    """nvfp4's register loads are 16-byte vector loads at fixed offsets from each tile's first word (`_fetch`): the
-    cache base and the page size in bytes must be multiples of 16 (the scale pairs: of 2)."""
+    """The tile loads are 16-byte vector loads at fixed offsets from each tile's first word (`_fetch`): the cache
+    base and the page size in bytes must be multiples of 16 (nvfp4's scale pairs: of 2)."""
     return cache.data.data_ptr() % 16 == 0 and cache.page_bytes % 16 == 0
 
 

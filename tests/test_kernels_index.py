@@ -878,10 +878,11 @@ def test_gluon_path_is_refused_where_it_cannot_run():
     assert not K.index_gluon.applies(iq[:, None], cache, cfg, None)  # 16-token blocks
 
 
-def test_gluon_nvfp4_needs_16_byte_alignment():
-    """nvfp4's tile loads are 16-byte vector loads at constant offsets from one address (`index_gluon._fetch`): a
+@pytest.mark.parametrize("label", ["nvfp4", "mxfp4"])
+def test_gluon_fp4_needs_16_byte_alignment(label):
+    """The FP4 tile loads are 16-byte vector loads at constant offsets from one address (`index_gluon._fetch`): a
     cache whose base is not 16-byte aligned keeps the portable kernel; the same bytes aligned take the fast path."""
-    cache, _, _, _ = make_cache("nvfp4", [300], page=128)
+    cache, _, _, _ = make_cache(label, [300], page=128)
     iq = queries(1, 4, 128)
     cfg = IndexerConfig()
     assert K.index_gluon.applies(iq[:, None], cache, cfg, None)
