@@ -67,7 +67,8 @@ us (1.09x the byte floor), 16 x 150K 60.4 -> 57.0, 64 x 32K 51.9 -> 49.2; mxfp4 
 kept: the select pass launched with programmatic dependent launch (PDL: resident early, `griddepcontrol.wait`),
 2-3 us slower at every shape (with arrival counters instead, equally slow). mxfp4's tile loads as inline asm too
 (452 -> 411 SASS a tile, 118 registers; block scores equal bit for bit): batch 64 x 150K 243-249 -> 224-233 us, 16 x
-150K 75.1 -> 72.1, 64 x 32K 131.1 -> 126.1, but 1 x 150K 253.5 -> 260-262 (02:00 UTC).
+150K 75.1 -> 72.1, 64 x 32K 131.1 -> 126.1, but 1 x 150K 253.5 -> 260-262 (02:00 UTC); E8M0 decoded from bits
+(`kc.e8m0_decode_any`, 411 -> 390 SASS): 64 x 150K 221.4 -> 214.2, 16 x 150K 71.4 -> 68.7, 64 x 32K 127.5 -> 123.4.
 
 Where it runs: CUDA devices with the hardware E4M3 conversion (capability >= 8.9) and Gluon; decode (one query per
 request), head dim 128, 128-token blocks within pages of a multiple of 128 tokens, at most 8 (nvfp4) or 4 (mxfp4)

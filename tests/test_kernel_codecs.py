@@ -43,7 +43,7 @@ BLOCK = 1024
 
 # OP codes of _unary_kernel (one constexpr-parameterized kernel, not one kernel per helper).
 E2M1_ENCODE, E2M1_DECODE_F16, E2M1_DECODE_F32, E4M3_ENCODE, E4M3_DECODE, E8M0_DECODE, EXP2_INT, MX_EXPONENT, \
-    FP8_ENCODE_SCALED, FP8_ROW_SCALE = range(10)
+    FP8_ENCODE_SCALED, FP8_ROW_SCALE, E8M0_DECODE_ANY = range(11)
 
 
 @triton.jit
@@ -70,8 +70,10 @@ def _unary_kernel(x_ptr, s_ptr, out_ptr, n,  # input, second input (scale) or du
         y = kc.mx_exponent(x, RULE)
     elif OP == 8:
         y = kc.fp8_encode_scaled(x, tl.load(s_ptr + offs, mask=mask, other=1.0))
-    else:
+    elif OP == 9:
         y = kc.fp8_row_scale(x, RULE >= 1, RULE == 2)  # RULE: 0 plain, 1 DeepSeek floor, 2 floor + pow2
+    else:
+        y = kc.e8m0_decode_any(x)
     tl.store(out_ptr + offs, y, mask=mask)
 
 
@@ -179,6 +181,10 @@ def check_elementwise(device: str, n: int) -> None:
         ("e4m3_encode", run_unary(E4M3_ENCODE, x, torch.uint8), e4m3_encode(x)),
         ("e4m3_decode", run_unary(E4M3_DECODE, e4_ok, torch.float32), e4m3_decode(e4_ok)),
         ("e8m0_decode", run_unary(E8M0_DECODE, e8_ok, torch.float32), e8m0_decode(e8_ok)),
+        ("e8m0_decode[int32]", run_unary(E8M0_DECODE, e8_ok.int(), torch.float32), e8m0_decode(e8_ok)),
+        # every byte, 255 (never written) included: NaN (the index scorer's Gluon path passes int32 bytes)
+        ("e8m0_decode_any", run_unary(E8M0_DECODE_ANY, bytes256, torch.float32), e8m0_decode(bytes256)),
+        ("e8m0_decode_any[int32]", run_unary(E8M0_DECODE_ANY, bytes256.int(), torch.float32), e8m0_decode(bytes256)),
     ]
     e = torch.arange(-149, 128, dtype=torch.int32, device=device)
     checks.append(("exp2_int", run_unary(EXP2_INT, e, torch.float32), exp2_int(e)))
