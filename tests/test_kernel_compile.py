@@ -183,6 +183,9 @@ CASES["index-decode-topk-split256/nvfp4"] = _index_decode("nvfp4", "decode_topk"
 # the Gluon scorer forced (gluon=True) and its refusal on ROCm
 CASES["index-decode-topk-gluon/nvfp4"] = _index_decode("nvfp4", "decode_topk", gluon=True)
 XFAIL[("index-decode-topk-gluon/nvfp4", "hip:gfx950")] = "gluon=True is refused off CUDA (KernelArgumentError)"
+# its splits longer than SMEM_BLOCKS: the warps' partial maxima go to the select pass (no shared-memory block scores)
+CASES["index-decode-topk-gluon-chunk48/mxfp4"] = _index_decode("mxfp4", "decode_topk", gluon=True, chunk_blocks=48)
+XFAIL[("index-decode-topk-gluon-chunk48/mxfp4", "hip:gfx950")] = "gluon=True is refused off CUDA (KernelArgumentError)"
 # the Gluon attention forced (gluon=True) and its refusal on ROCm
 for _f in ("nvfp4", "mxfp4"):
     CASES[f"attn-decode-gluon/{_f}"] = _attn_decode(_f, 64, gluon=True)
@@ -215,6 +218,7 @@ EXPECT = {
     "index-decode-topk-inkernel": {"index_score._tuned_kernel", "topk._merge_kernel"},
     "index-decode-topk-split256": {SCORER, "topk._select_kernel", "topk._merge_packed_kernel"},
     "index-decode-topk-gluon": {"index_gluon.decode_block_parts_kernel", "topk._select_kernel"},
+    "index-decode-topk-gluon-chunk48": {"index_gluon.decode_block_parts_kernel", "topk._select_kernel"},
 }
 
 
