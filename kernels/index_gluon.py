@@ -106,11 +106,11 @@ NUM_WARPS = 4  # 32 tokens per warp; also the number of partial maxima per block
 # 502 / 306 / 210 / 176 / 165 / 161, 16 x 32K 138 / 98 / 90 / 89 / 103 / 96, 16 x 150K 79 / 70.4 / 67.6 / 73 / 84 /
 # 79, 64 x 8K 135 / 99 / 83 / 84 / 97 / 90, 64 x 32K 57.9 / 59.0 / 60.6-67.6 / 65 / 76 / 70, 64 x 150K 224 / 227 /
 # 234 / 260 / 309 / 289; mxfp4 alike. Fixed 32 (the default before) lost up to 4x on small batches.
-# programs of at most CHUNK_BLOCKS blocks max their warps' partials in shared memory and store block scores: H200,
-# score + top-k us per graph, with the tail (session 19, 01:38 UTC), 4 partials a block / block scores: nvfp4 b64 x
-# 150K 190.9 / 180.2, 16 x 150K 60.1-60.4 / 57.0-57.4, 64 x 32K 51.9 / 49.2-49.5, 16 x 32K 79.5 / 77.8-78.2, 1 x 150K
-# and 64 x 8K equal; mxfp4 b64 x 150K 248.9 / 241.8, 16 x 150K 78.3-78.5 / 76.0-76.1.
-SMEM_SCORES = True
+# Programs of at most CHUNK_BLOCKS blocks max their warps' partials in shared memory and store block scores (longer
+# ones, from the chunk_blocks option, store the partials): H200, score + top-k us per graph, with the tail (session
+# 19, 01:38 UTC), 4 partials a block / block scores: nvfp4 b64 x 150K 190.9 / 180.2, 16 x 150K 60.1-60.4 / 57.0-57.4,
+# 64 x 32K 51.9 / 49.2-49.5, 16 x 32K 79.5 / 77.8-78.2, 1 x 150K and 64 x 8K equal; mxfp4 b64 x 150K 248.9 / 241.8,
+# 16 x 150K 78.3-78.5 / 76.0-76.1.
 # The tail: each row's last `tail_blocks_for` blocks go to splits of ch // TAIL_DIV blocks, so that the grid's last
 # programs are short and the GPU stays full to the end. Uniform splits of 32 blocks (b64 x 150K) left a 35 us tail:
 # the last program started at 181 us of 216 (globaltimer stamps, 2026-11-30 01:23 UTC). H200, score + top-k us per
@@ -526,15 +526,18 @@ def decode_block_parts(iq4: torch.Tensor, cache, block_table: torch.Tensor, cont
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """iq4 bf16 [B, 1, Hi, 128] decode queries -> (fp32 [B, 1, Hi, nb, P] partial block maxima (their max is the
     block score with the forced blocks applied; -inf past each row's valid blocks; P = 1, the block scores, where
-    the splits fit SMEM_BLOCKS and SMEM_SCORES is on, else NUM_WARPS), int32 [B, 1] query
+    the splits fit SMEM_BLOCKS, else NUM_WARPS), int32 [B, 1] query
     positions ctx - 1, -1 for an empty row: the select pass's input, written by the kernel instead of by a few
     small torch kernels). Inputs as checked by `index_score._check`; `applies` and `device_ok` hold.
     chunk_blocks: blocks per program (default `chunk_blocks_for`). fill=False leaves the blocks past each row's
     valid ones unwritten (the select pass reads only valid blocks). tail_blocks: each row's last blocks that go to
     splits of chunk // TAIL_DIV blocks (default `tail_blocks_for`, none when chunk_blocks is given)."""
     bsz, _, hi, _ = iq4.shape
-    ch = chunk_blocks or chunk_blocks_for(bsz, nb, num_sms(iq4.device)) if bsz and nb else 1
-    smem = SMEM_SCORES and ch <= CHUNK_BLOCKS
+    if chunk_blocks:
+        ch = chunk_blocks
+    else:
+        ch = chunk_blocks_for(bsz, nb, num_sms(iq4.device)) if bsz and nb else 1
+    smem = ch <= CHUNK_BLOCKS
     parts = 1 if smem else NUM_WARPS
     shape = (bsz, 1, hi, nb * parts)
     out = torch.full(shape, float("-inf"), dtype=torch.float32, device=iq4.device) if fill else \
