@@ -10,20 +10,24 @@ tokens (128, one page; 64 also compiles) of one (request, KV head), 4 warps:
   registers need (dim slot c holds element `k_column_element(c)`; Q is loaded in the same order); warp w owns token
   columns 8 w .. 8 w + 7 of every 32;
 - O [16, 128] is split by head-dim column across the warps: warp w owns elements 32 w .. 32 w + 31 (one E8M0 block,
-  two E4M3 blocks; 16 fp32 registers a thread), so the softmax takes one max per tile across the warps and P [16,
-  tile] reaches every warp through shared memory (the A operand of O += P V: stored with stmatrix, read back as
-  ldmatrix fragments, so that every A register quad arrives whole);
-- the per-head factor (2**-a times the softmax scale) rides in exp2's argument (one FFMA a score: the row maximum of
-  the raw scores times a positive factor is the maximum of the scaled ones), and the causal mask runs only on a tile
-  that holds tokens after the query;
-- V [tile, 128] is the B operand: a thread reads one word per token and keeps one half (lanes g0 = 0, 1 share the
-  word), the two tokens of a B register pair are joined by one PRMT, then `kc.e2m1_pairs`; output column n holds
-  element `v_column_element(n)` and is stored in element order;
-- block scales as fp16 factors, one HMUL2 per register pair (`block_factors`): nvfp4 the E4M3 bytes (hardware
+  two E4M3 blocks; 16 fp32 registers a thread), and P [16, tile] reaches every warp through shared memory (the A
+  operand of O += P V: stored with stmatrix, read back as ldmatrix fragments, so that every A register quad arrives
+  whole);
+- the softmax's reference is stale: p = 2**(s * f - m) with m the running max of the tiles before, which every
+  warp knows, so no cross-warp max precedes the exp and nothing is rescaled while no score passes m + TAU (p <=
+  2**TAU in fp16). Each warp's "passed" flag rides with P through shared memory; after P's barrier any flag sends the
+  whole CTA to the exact update (cross-warp max, rescale of O and the sums, P stored again), as on the first tile.
+  The per-head factor f (2**-a times the softmax scale) rides in exp2's argument (one FFMA a score: the row maximum
+  of the raw scores times a positive factor is the maximum of the scaled ones), and the causal mask runs only on a
+  tile that holds tokens after the query;
+- V [tile, 128] is the B operand: V's shared-memory tile read as fp16-sized units (4 elements) with ldmatrix.trans,
+  which puts a unit of two consecutive tokens in one register (a B register pair once decoded), then
+  `kc.e2m1_pairs`; output column n holds element `v_column_element(n)` and is stored in element order;
+- block scales as fp16 factors, one HMUL2 per register pair (`block_factors` for K): nvfp4 the E4M3 bytes (hardware
   conversion; code x scale is exact in fp16); mxfp4 the portable kernel's normalization, 2**(e - e_tok) with e_tok
   the token's largest E8M0 exponent, and 2**e_tok applied in fp32 to the score column (K) or through P (V: P' =
-  2**(s + e_v - mv) with mv the running max of s + e_v, the portable kernel's JOINT form). mxfp4's V factors are
-  computed once per token (a thread a token) into shared memory, not by each of the 8 lanes that hold the token;
+  2**(s + e_v - mv) with mv the running max of s + e_v, the portable kernel's JOINT form). V's factors are computed
+  once per token (a thread a token) into shared memory as [blocks, tokens], read back a token pair at a time;
 - K and V tiles come in as async copies (cp.async) into a 3-stage shared-memory ring (copies 2 tiles ahead, their
   block ids and pages ahead of them), so loads in flight hold no registers; V's ring is swizzled by token bits 1,
   2 so that the four token rows one V load instruction reads sit in four different 16-byte chunks; the loop ends
@@ -49,7 +53,10 @@ each warp its own softmax state over its 16 of 64 tokens, register-pipelined loa
 convert_layout read rows whose halves the mma copied into register quads: ~70 moves a tile), broadcasts instead of
 +0.0 adds, the factor in exp2's FFMA and the mask only on the query's tile: 1076 -> 974 SASS a tile (nvfp4; mxfp4
 1300 -> 1205), nvfp4 41.2 -> 37.7 at batch 256, mxfp4 49.2 -> 43.9; the loop's end at the last live slot: 36.3 /
-42.8, and with no live block 9.4 -> 5.8 us. Tried and not kept (bench/RESULTS.md): TMA tiles (one thread issues a
+42.8, and with no live block 9.4 -> 5.8 us. Session 20 (2026-11-30 03:0x UTC): V through ldmatrix.trans and both
+formats' V factors once per token (974 -> 884 SASS a tile, 206 -> 156 registers), then the stale softmax reference
+(the common path 830 SASS): nvfp4 batch 64 / 128 / 256 18.3 / 25.0 / 36.5 -> 18.1 / 24.0 / 35.5 -> 17.5 / 23.4 /
+34.2, mxfp4 18.9 / 27.9 / 43.0 -> 19.0 / 27.2 / 43.5 -> 19.0 / 26.7 / 40.6. Tried and not kept (bench/RESULTS.md): TMA tiles (one thread issues a
 tile's copies: ~16 instructions a copy, more than cp.async's per-thread share), V decoded before the softmax
 (register-quad copies return), copies 3 tiles ahead (slower at every batch), more programs per SM (64-token tiles
 at 128 registers, 4 programs per SM: slower at every batch). ncu at batch 256 (2 programs per SM): IPC 2.0, the
@@ -206,19 +213,17 @@ if gluon is not None:
         gl.store(out_ptr + gl.expand_dims(head0 + ho, 1) * 128 + gl.expand_dims(cols, 0),
                  res.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(ho < G, 1))
 
-    # V words [64 tokens, 16 words, 2 halves] for BS at [64 k, 128 n]: token bit 0 and bits 3-5 in registers, bits
-    # 1, 2 on the lanes t; word bits 0, 1 on the lanes g1, g2, bits 2, 3 on the warps; the half on the lane g0. Each
-    # thread loads one word per token (lanes g0 = 0, 1 read the same word and keep one half each), so warp w holds
-    # head-dim elements 32 w .. 32 w + 31 of every token: one E8M0 block, two E4M3 blocks.
-    WV2 = gl.DistributedLinearLayout(reg_bases=[[1, 0, 0], [8, 0, 0], [16, 0, 0], [32, 0, 0]],
-                                     lane_bases=[[2, 0, 0], [4, 0, 0], [0, 0, 1], [0, 1, 0], [0, 2, 0]],
-                                     warp_bases=[[0, 4, 0], [0, 8, 0]], block_bases=[], shape=[TILE, 16, 2])
+    TAU = gl.constexpr(8.0)  # log2 headroom of the stale softmax reference: p <= 2**TAU in fp16
+    FLAG_L = gl.BlockedLayout([NUM_WARPS], [32], [NUM_WARPS], [0])  # the warps' flags, all in every thread
 
     @gluon.jit
-    def prmt(a, b, sel):
-        """The bytes of (a, b) selected by sel (PTX prmt): one instruction for a byte shuffle of two words."""
-        return gl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel], dtype=gl.int32,
-                                         is_pure=True, pack=1)
+    def warp_row_max(x):
+        """[16, TT] in MS -> [16, NUM_WARPS]: each warp's row max over its own columns (MS puts column bits 3, 4 on
+        the warps), lanes and registers only: no cross-warp exchange."""
+        TT: gl.constexpr = x.shape[1]
+        W: gl.constexpr = x.type.layout.warps_per_cta[1]
+        # registers first (axis 1: column bits 5, 6), then the lanes' 8 columns: two shuffles a row, not eight
+        return gl.max(gl.max(gl.reshape(x, [16, TT // (8 * W), W, 8]), axis=1), axis=2)
 
     @gluon.jit
     def v_column_element(n):
@@ -227,25 +232,33 @@ if gluon is not None:
         return 32 * ((n >> 3) & 3) + 4 * (n & 7) + (n >> 5)
 
     @gluon.jit
-    def decode_v(words, f, lo3, sign8):
-        """V words int32 [TT tokens, 16, 2] (WV2 / WV22), fp16 factors of the same shape and layout -> V fp16 [TT, 128
-        n] in BS, column n = v_column_element(n), values * 2**-14 * factor."""
-        TT: gl.constexpr = words.shape[0]
-        w3 = gl.permute(gl.reshape(words, [TT // 2, 2, 16, 2]), (0, 2, 3, 1))  # [tp, word, half, tb0]
-        wa, wb = gl.split(w3)
-        half = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(0, wa.type.layout)))
-        sel = gl.expand_dims(gl.expand_dims(0x5410 + 0x2222 * half, 0), 0)
-        z = prmt(wa, wb, sel)  # nibbles 0-3: the half's four elements of the even token; 4-7: of the odd token
-        p0, p1, p2, p3 = e2m1_pairs(z, lo3, sign8)
-        x = gl.join(gl.join(pair_join(p0), pair_join(p1)), gl.join(pair_join(p2), pair_join(p3)))
-        f3 = gl.permute(gl.reshape(f, [TT // 2, 2, 16, 2]), (0, 2, 3, 1))
-        fa, fb = gl.split(f3)
-        fab = gl.join(fa, fb)  # [tp, word, half, tb0]
-        fab = gl.join(fab, fab)
-        fab = gl.join(fab, fab)
-        x = x * gl.convert_layout(fab, x.type.layout, assert_trivial=True)
-        # x: [tp, word, half, tb0, r0, r1] -> [k = 2 tp + tb0, n = 64 r1 + 32 r0 + 2 word + half]
-        x = gl.permute(x, (0, 3, 5, 4, 1, 2))
+    def pack_halves(lo, hi):
+        """Two fp16 -> int32 holding them (lo in the low half): a register pair, no instruction."""
+        return gl.inline_asm_elementwise("mov.b32 $0, {$1, $2};", "=r,h,h", [lo, hi], dtype=gl.int32, is_pure=True,
+                                         pack=1)
+
+    @gluon.jit
+    def decode_v(vu, fac, lo3, sign8):
+        """V as fp16-sized units [TT tokens, 32] in VB (ldmatrix.trans fragments: unit u of a token holds its E2M1
+        elements 4 u .. 4 u + 3, one nibble each), the tile's block factors fp16 [NB blocks, TT] in shared memory
+        (NB = 8: E4M3 blocks of 16 elements; 4: E8M0 blocks of 32) -> V fp16 [TT, 128 n] in BS, column n =
+        v_column_element(n), values * 2**-14 * factor. A thread's register pair (tokens 2 tp, 2 tp + 1) of one
+        unit is one int32 word whose nibbles K and K + 4 are element 4 u + K of the two tokens: e2m1_pairs' pair K,
+        already in the B operand's order."""
+        TT: gl.constexpr = vu.shape[0]
+        NB: gl.constexpr = fac.shape[0]
+        a, b = gl.split(gl.permute(gl.reshape(vu, [TT // 2, 2, 32]), (0, 2, 1)))  # tokens 2 tp, 2 tp + 1 [tp, unit]
+        p0, p1, p2, p3 = e2m1_pairs(pack_halves(a, b), lo3, sign8)
+        x0 = pair_join(p0)  # [tp, unit, tb0]
+        # the factor of (tp, unit, tb0) is fac[unit // (32 // NB), 2 tp + tb0]: one 32-bit load a token pair,
+        # broadcast over the units of a block (no zero adds)
+        z4 = gl.reshape(gl.full([TT // 2, 32, 2], 0.0, gl.float16, layout=x0.type.layout), [TT // 2, NB, 32 // NB, 2])
+        f = fac.reshape([NB, TT // 2, 2]).permute((1, 0, 2)).load(gl.SliceLayout(2, z4.type.layout))
+        f = gl.reshape(gl.broadcast(gl.expand_dims(f, 2), z4)[0], [TT // 2, 32, 2])
+        f = gl.convert_layout(f, x0.type.layout, assert_trivial=True)
+        x = gl.join(gl.join(x0 * f, pair_join(p1) * f), gl.join(pair_join(p2) * f, pair_join(p3) * f))
+        # x: [tp, unit, tb0, r0, r1] -> [k = 2 tp + tb0, n = 64 r1 + 32 r0 + unit]
+        x = gl.permute(x, (0, 2, 4, 3, 1))
         return gl.convert_layout(gl.reshape(x, [TT, 128]), BS, assert_trivial=True)
 
     # shared-memory tiles: payload words [tokens, 16] (K plain: a thread's four words are one LDS.128 over 8 rows x 4
@@ -258,23 +271,17 @@ if gluon is not None:
     CP_W = gl.BlockedLayout([1, 4], [8, 4], [NUM_WARPS, 1], [1, 0])  # payload copies: 16 bytes a thread
     CP_S2 = gl.BlockedLayout([1, 1], [16, 2], [NUM_WARPS, 1], [1, 0])  # nvfp4 scale words: 4 bytes a thread
     CP_S1 = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])  # mxfp4 scale words (64 tokens: warps 2, 3 repeat 0, 1)
-    # nvfp4 V scale bytes as [64 tokens, 8 blocks, 2 (word bit 0), 2 (half)] for WV2: a block's byte repeated over
-    # the lanes g1 (word bit 0) and g0 (half); the lane g2 and the warps pick the block
-    SV4 = gl.DistributedLinearLayout(reg_bases=[[1, 0, 0, 0], [8, 0, 0, 0], [16, 0, 0, 0], [32, 0, 0, 0]],
-                                     lane_bases=[[2, 0, 0, 0], [4, 0, 0, 0], [0, 0, 0, 1], [0, 0, 1, 0], [0, 1, 0, 0]],
-                                     warp_bases=[[0, 2, 0, 0], [0, 4, 0, 0]], block_bases=[], shape=[TILE, 8, 2, 2])
-    # mxfp4 V factors through shared memory: each thread computes one token's four block factors 2**(e - e_tok) and
-    # e_tok (FC: thread i, token i), stored as [4 blocks, tokens] fp16 and [tokens] fp32; warp w then reads its block's
-    # factors of its lanes' tokens (F4 / F42, 128-token tiles: [4 blocks, tokens, 4 (word bits 0, 1), 2 (half)], the
-    # lanes g broadcast), two tokens a 32-bit load
+    # V's ring read as fp16-sized units [tokens, 32] (4 E2M1 elements each; V_SMEM's bytes: the swizzle in units of
+    # 8): a BS load of it is ldmatrix.trans, which hands each thread a unit of two consecutive tokens in one register
+    VU_SMEM = gl.SwizzledSharedLayout(8, 2, 4, order=[1, 0])
+    # V's block factors, computed once per token (a thread a token) into shared memory as fp16 [blocks, tokens] (and
+    # mxfp4's e_tok as fp32 [tokens]); decode_v reads the factor pair of its token pair with one 32-bit load.
+    # mxfp4: 2**(e - e_tok) from the token's E8M0 word (FC); nvfp4: its E4M3 bytes (FN)
     FC = gl.BlockedLayout([4, 1], [1, 32], [1, NUM_WARPS], [0, 1])  # [4 blocks, tokens]: a thread, a token
+    FN = gl.BlockedLayout([1, 8], [32, 1], [NUM_WARPS, 1], [1, 0])  # [tokens, 8 blocks]: a thread, a token
     FAC_SMEM = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-    F4 = gl.DistributedLinearLayout(reg_bases=[[0, 1, 0, 0], [0, 8, 0, 0], [0, 16, 0, 0], [0, 32, 0, 0]],
-                                    lane_bases=[[0, 2, 0, 0], [0, 4, 0, 0], [0, 0, 0, 1], [0, 0, 1, 0], [0, 0, 2, 0]],
-                                    warp_bases=[[1, 0, 0, 0], [2, 0, 0, 0]], block_bases=[], shape=[4, TILE, 4, 2])
     # the token layouts at 128-token tiles (a page a tile): one more token bit (6) in registers
-    WK2, SK2, WV22, SV42 = (twice_the_tokens(lay, 0) for lay in (WK, SK, WV2, SV4))
-    F42 = twice_the_tokens(F4, 1)
+    WK2, SK2 = (twice_the_tokens(lay, 0) for lay in (WK, SK))
     P_SMEM = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0])  # P [16, tile] fp16: ldmatrix rows without conflicts
     STAGES = gl.constexpr(3)  # shared-memory tiles: copies run STAGES - 1 tiles ahead
 
@@ -309,12 +316,12 @@ if gluon is not None:
         if E8M0:
             rs = gl.arange(0, OT, layout=CP_S1)
             async_copy.async_copy_global_to_shared(ksbuf, ks + rs, mask=live)
-            async_copy.async_copy_global_to_shared(vsbuf, vs + rs, mask=live & (tok0 + rs <= pos))
+            async_copy.async_copy_global_to_shared(vsbuf, vs + rs, mask=live)
         else:
             rs = gl.arange(0, OT, layout=gl.SliceLayout(1, CP_S2))
             s_off = gl.expand_dims(rs, 1) * 2 + gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(0, CP_S2)), 0)
             async_copy.async_copy_global_to_shared(ksbuf, ks + s_off, mask=live)
-            async_copy.async_copy_global_to_shared(vsbuf, vs + s_off, mask=gl.expand_dims(live & (tok0 + rs <= pos), 1))
+            async_copy.async_copy_global_to_shared(vsbuf, vs + s_off, mask=live)
         async_copy.commit_group()
 
     @gluon.jit
@@ -336,15 +343,9 @@ if gluon is not None:
         if OT == 128:
             WKL: gl.constexpr = WK2
             SKL: gl.constexpr = SK2
-            WVL: gl.constexpr = WV22
-            SVL: gl.constexpr = SV42
-            FL: gl.constexpr = F42
         else:
             WKL: gl.constexpr = WK
             SKL: gl.constexpr = SK
-            WVL: gl.constexpr = WV2
-            SVL: gl.constexpr = SV4
-            FL: gl.constexpr = F4
         row = gl.program_id(0)
         h = gl.program_id(1)
         split = gl.program_id(2)
@@ -364,18 +365,22 @@ if gluon is not None:
         if E8M0:
             ksbufs = gl.allocate_shared_memory(gl.int32, [STAGES, OT], S1_SMEM)
             vsbufs = gl.allocate_shared_memory(gl.int32, [STAGES, OT], S1_SMEM)
-            fac_smem = gl.allocate_shared_memory(gl.float16, [4, OT], FAC_SMEM)
+            fac_smem = gl.allocate_shared_memory(gl.float16, [4, OT], FAC_SMEM)  # [blocks, tokens]
             ev_smem = gl.allocate_shared_memory(gl.float32, [OT], S1_SMEM)
         else:
             ksbufs = gl.allocate_shared_memory(gl.int32, [STAGES, OT, 2], S2_SMEM)
             vsbufs = gl.allocate_shared_memory(gl.int32, [STAGES, OT, 2], S2_SMEM)
-        zero3 = gl.full([OT, 16, 2], 0, gl.int32, layout=WVL)
-        zero_sv = gl.full([OT, 8, 2, 2], 0.0, gl.float16, layout=SVL)  # shapes for broadcasts
-        zero_fl = gl.full([4, OT, 4, 2], 0.0, gl.float16, layout=FL)
+            fac_smem = gl.allocate_shared_memory(gl.float16, [8, OT], FAC_SMEM)
         p_smem = gl.allocate_shared_memory(gl.float16, [16, OT], P_SMEM)
         tok_s = gl.arange(0, OT, layout=gl.SliceLayout(0, MS))
         m_i = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MS))
         mv_i = m_i
+        m_ref = gl.full([16, 1], 0.0, gl.float32, layout=MS)  # the exponents' references (m_i, mv_i; 0 for -inf)
+        mv_ref = m_ref
+        lm0 = warp_row_max(gl.full([16, OT], float("-inf"), gl.float32, layout=MS))  # [16, warps]
+        thr = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, lm0.type.layout))  # raw-score bounds
+        thr_v = thr
+        flag_smem = gl.allocate_shared_memory(gl.int32, [4], S1_SMEM)  # a flag a warp
         l_acc = gl.full([16, OT], 0.0, gl.float32, layout=MS)  # lazy per-column sums
         acc = gl.full([16, 128], 0.0, gl.float32, layout=MS)
         head_k = h.to(gl.int64) * stride_kh
@@ -423,55 +428,75 @@ if gluon is not None:
                     ksb = ksbufs.index(st)._reinterpret(gl.int8, [OT, 8], S2_SMEM).load(SKL)
                     kc_ = tok_s
                     f = block_factors(ksb, ksb, False)
-                if E8M0:  # the V factors of the tile, once per token (read after the barrier below)
+                # the V factors of the tile, once per token (a thread a token; read after the barriers below)
+                if E8M0:  # 2**(e - e_tok) <= 1: finite for any bytes (stale ones after the query too)
                     vtok = vsbufs.index(st).load(gl.SliceLayout(0, FC))
                     e_tok = byte_max(vtok)
                     blk = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(1, FC)), 1)
                     fac_smem.store(pow2_f16(((gl.expand_dims(vtok, 0) >> (8 * blk)) & 0xFF) - gl.expand_dims(e_tok, 0)))
                     ev_smem.store((e_tok - 127).to(gl.float32))
+                else:  # the E4M3 bytes; 0 after the query (stale bytes there may be NaN, and 0 x NaN is NaN)
+                    vsb = vsbufs.index(st)._reinterpret(gl.int8, [OT, 8], S2_SMEM).load(FN)
+                    tk = gl.expand_dims(tok0 + gl.arange(0, OT, layout=gl.SliceLayout(1, FN)), 1)
+                    fv = gl.where(tk <= pos, vsb.to(gl.float8e4nv, bitcast=True).to(gl.float16), 0.0)
+                    fac_smem.store(gl.permute(fv, (1, 0)))
                 s = mma_v2(qa, decode_k(kw, f, lo3, sign8), gl.full([16, OT], 0.0, gl.float32, layout=MS))
                 if E8M0:
                     s = s * gl.expand_dims(exp2_int(byte_max(kc_) - 127), 0)
                 if tok0 + (OT - 1) > pos:  # the tile holds tokens after the query (CTA-uniform)
                     s = gl.where(gl.expand_dims(tok0 + tok_s <= pos, 0), s, float("-inf"))
                 if E8M0:
-                    gl.thread_barrier()  # every thread's factors are stored
-                    fb = fac_smem.load(gl.SliceLayout(2, gl.SliceLayout(3, FL)))  # [4 blocks, OT]: warp w's block w
-                    fb = gl.broadcast(gl.expand_dims(gl.expand_dims(fb, 2), 3), zero_fl)[0]  # no zero adds
-                    fb = gl.reshape(gl.permute(fb, (1, 0, 2, 3)), [OT, 16, 2])
-                    vf = gl.convert_layout(fb, WVL, assert_trivial=True)
+                    gl.thread_barrier()  # every thread's e_tok is stored
                     ev = ev_smem.load(gl.SliceLayout(0, MS))
-                else:
-                    vb = vsbufs.index(st)._reinterpret(gl.int8, [OT, 8], S2_SMEM).load(
-                        gl.SliceLayout(2, gl.SliceLayout(3, SVL)))
-                    vb = gl.expand_dims(gl.expand_dims(vb.to(gl.float8e4nv, bitcast=True).to(gl.float16), 2), 3)
-                    vb = gl.broadcast(vb, zero_sv)[0]  # a broadcast, not an add of +0.0 (HADD2s: -0.0 + 0.0)
-                    vf = gl.convert_layout(gl.reshape(vb, [OT, 16, 2]), WVL, assert_trivial=True)
-                vw = vbufs.index(st).load(gl.SliceLayout(2, WVL))
-                vw = gl.expand_dims(vw, 2) + zero3
+                # V's units, token pairs joined by ldmatrix.trans (V_SMEM's swizzle keeps its 8 rows conflict-free)
+                vu = vbufs.index(st)._reinterpret(gl.float16, [OT, 32], VU_SMEM).load(BS)
                 # scores in log2 units are s * down (down > 0 per head: the row max of s times down is theirs), so
-                # the factor rides in exp2's argument as one FFMA
+                # the factor rides in exp2's argument as one FFMA. The exponent's reference is the running max of the
+                # tiles before (m_i, CTA-uniform: no cross-warp max before the exp); while no warp's own raw max
+                # passes thr = (m_i + TAU) / down, p <= 2**TAU and nothing is rescaled. A warp's "passed" flag rides
+                # with P through shared memory; after P's barrier all warps see the same flags, and any flag sends
+                # the whole CTA to the exact update (cross-warp max, rescale, P stored again). The first live tile
+                # always takes it (m_i = -inf).
                 down2 = gl.expand_dims(down, 1)
-                m_new = gl.maximum(m_i, gl.max(s, axis=1) * down)  # across the warps
-                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = gl.exp2(m_i - m_safe)
-                p = gl.exp2(gl.fma(s, down2, -gl.expand_dims(m_safe, 1)))
-                l_acc = l_acc * gl.expand_dims(alpha, 1) + p
-                m_i = m_new
+                p = gl.exp2(gl.fma(s, down2, -m_ref))
+                past = warp_row_max(s) > gl.expand_dims(thr, 1)
                 if E8M0:
-                    # P' = 2**(s + e_v - mv) <= 1: V decoded over each token's largest block, times P', is exact
+                    # P' = 2**(s + e_v - mv) <= 1 (<= 2**TAU while stale): V decoded over each token's largest block,
+                    # times P', is exact
                     sv = gl.fma(s, down2, gl.expand_dims(ev, 0))
-                    mv_new = gl.maximum(mv_i, gl.max(sv, axis=1))
-                    mv_safe = gl.where(mv_new == float("-inf"), 0.0, mv_new)
-                    alpha = gl.exp2(mv_i - mv_safe)
-                    p = gl.exp2(sv - gl.expand_dims(mv_safe, 1))
-                    mv_i = mv_new
+                    past = past | (warp_row_max(sv) > gl.expand_dims(thr_v, 1))
+                    p_smem.store(gl.exp2(sv - mv_ref).to(gl.float16))
+                else:
+                    p_smem.store(p.to(gl.float16))
+                flag_smem.store(gl.max(past.to(gl.int32), axis=0))  # this warp's flag (its element of [warps])
+                gl.thread_barrier()
+                if gl.max(flag_smem.load(FLAG_L), axis=0) > 0:  # CTA-uniform: the exact update
+                    m_new = gl.maximum(m_i, gl.max(s, axis=1) * down)  # across the warps
+                    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha = gl.expand_dims(gl.exp2(m_i - m_safe), 1)
+                    m_ref = gl.expand_dims(m_safe, 1)
+                    p = gl.exp2(gl.fma(s, down2, -m_ref))
+                    l_acc = l_acc * alpha + p
+                    m_i = m_new
+                    thr = gl.convert_layout((m_i + TAU) / down, thr.type.layout)
+                    if E8M0:
+                        mv_new = gl.maximum(mv_i, gl.max(sv, axis=1))
+                        mv_safe = gl.where(mv_new == float("-inf"), 0.0, mv_new)
+                        alpha = gl.expand_dims(gl.exp2(mv_i - mv_safe), 1)
+                        mv_ref = gl.expand_dims(mv_safe, 1)
+                        p_smem.store(gl.exp2(sv - mv_ref).to(gl.float16))
+                        mv_i = mv_new
+                        thr_v = gl.convert_layout(mv_i + TAU, thr_v.type.layout)
+                    else:
+                        p_smem.store(p.to(gl.float16))
+                    acc = acc * alpha
+                    gl.thread_barrier()
+                else:
+                    l_acc = l_acc + p
                 # every warp's columns to every warp: stored, then read as ldmatrix A fragments (a convert_layout
                 # read 16-byte rows whose halves the mma then copied into register quads: ~70 moves a tile)
-                p_smem.store(p.to(gl.float16))
-                gl.thread_barrier()
                 pa = p_smem.load(AS)
-                acc = mma_v2(pa, decode_v(vw, vf, lo3, sign8), acc * gl.expand_dims(alpha, 1))
+                acc = mma_v2(pa, decode_v(vu, fac_smem, lo3, sign8), acc)
             b0, b1, b2, b3 = b1, b2, b3, b4
             pg0, pg1, pg2 = pg1, pg2, pg3
         async_copy.wait_group(0)

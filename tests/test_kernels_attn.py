@@ -532,6 +532,39 @@ def test_gpu_gluon_mxfp4_scales_far_apart():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_gpu_gluon_scores_jump_between_tiles(fmt):
+    """The Gluon decode's stale softmax reference (attn_gluon.TAU: no rescale while no score passes the running max
+    by more than TAU in log2 units): K blocks whose scores grow from one selected block to the next, slowly at first
+    (stale tiles, p up to 2**TAU) then by far more than TAU (a rescale on every tile); the same blocks in falling
+    order (only the first tile rescales); one query head whose scores alone jump (the CTA-wide rescale leaves the
+    other heads' sums as they were); a row whose first selected block lies wholly after the query. Against the
+    reference and the portable kernel, split 1 and 3."""
+    g = torch.Generator().manual_seed(12)
+    n, d = 16 * 128, 128
+    grow = torch.exp2(torch.arange(16).float() * 0.75).repeat_interleave(128)[:, None, None]  # block b: 2**(0.75 b)
+    ks = [synthetic_kv(n, 1, d, g, outliers=False).float() * grow for _ in range(4)]
+    vs = [synthetic_kv(n, 1, d, g, outliers=False) for _ in range(4)]
+    kc, vc, table = build_paged(get_format(fmt), [k.to(torch.bfloat16) for k in ks], vs, 128, DEVICE, g)
+    # scores (log2 units) of rows 0, 1 reach ~450 at the last block: jumps of ~2 at first, ~180 at the end (larger
+    # scores make the outcome hinge on fp32 rounding of near-ties, in any kernel)
+    q = torch.randn(4, 16, d, generator=g) * 0.05
+    q[2] *= 0.02
+    q[2, 7] *= 20.0  # head 7 of row 2 alone jumps (by up to ~64), the others move by < TAU a block
+    q = q.to(torch.bfloat16).to(DEVICE)
+    ctx = torch.tensor([n, n, n, n - 200], dtype=torch.int32, device=DEVICE)
+    up = torch.arange(16, dtype=torch.int32)
+    ids = torch.stack([up, up.flip(0), up, torch.cat([up[15:], up[:15]])])[:, None, :].contiguous().to(DEVICE)
+    ref = paged_sparse_decode_ref(q, kc, vc, table, ctx, ids, 128)
+    port = sparse_decode(q, kc, vc, table, ctx, ids, 128, gluon=False, out_dtype=torch.float32)
+    for splits in (1, 3):
+        out = sparse_decode(q, kc, vc, table, ctx, ids, 128, num_splits=splits, gluon=True, out_dtype=torch.float32)
+        for b in range(4):
+            check_close(out[b], ref[b])
+            check_close(out[b], port[b])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_gpu_tiles_and_warps(fmt):
     """Tile sizes, warp counts (capped at tile / 8), the three loops and both E2M1 column orders on the H200, which
     once gave garbage for E2M1 with 16-token tiles (now decoded 32 wide, half masked)."""
