@@ -269,7 +269,7 @@ if gluon is not None:
     S2_SMEM = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
     S1_SMEM = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
     CP_W = gl.BlockedLayout([1, 4], [8, 4], [NUM_WARPS, 1], [1, 0])  # payload copies: 16 bytes a thread
-    CP_S2 = gl.BlockedLayout([1, 1], [16, 2], [NUM_WARPS, 1], [1, 0])  # nvfp4 scale words: 4 bytes a thread
+    CP_S2 = gl.BlockedLayout([1, 2], [32, 1], [NUM_WARPS, 1], [1, 0])  # nvfp4 scale words: a token's 8 bytes a thread
     CP_S1 = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])  # mxfp4 scale words (64 tokens: warps 2, 3 repeat 0, 1)
     # V's ring read as fp16-sized units [tokens, 32] (4 E2M1 elements each; V_SMEM's bytes: the swizzle in units of
     # 8): a BS load of it is ldmatrix.trans, which hands each thread a unit of two consecutive tokens in one register
@@ -394,12 +394,15 @@ if gluon is not None:
         sel = gl.arange(0, NSEL, layout=ML_L)
         sid = gl.load(ids_row + sel, mask=sel < n_tiles // TPB, other=-1)
         last = gl.max(gl.where((sid >= 0) & (sid * 128 <= pos), sel, -1), axis=0)
-        j_end = gl.minimum(gl.minimum(t0 + tiles_per_split, n_tiles), (last + 1) * TPB)
-        # pipeline: copies for tiles j + 1, j + 2 in flight while tile j computes; their ids and pages ahead of them
-        b0 = _tile_block(t0, ids_row, j_end, TPB)
-        b1 = _tile_block(t0 + 1, ids_row, j_end, TPB)
-        b2 = _tile_block(t0 + 2, ids_row, j_end, TPB)
-        b3 = _tile_block(t0 + 3, ids_row, j_end, TPB)
+        n_end = gl.minimum(t0 + tiles_per_split, n_tiles)
+        j_end = gl.minimum(n_end, (last + 1) * TPB)
+        # pipeline: copies for tiles j + 1, j + 2 in flight while tile j computes; their ids and pages ahead of them.
+        # The first ids are read up to the split's end, not j_end, so that they need not wait for the context length
+        # (one dependent load less before the first copy): a slot past the last live one is dead anyway (_issue)
+        b0 = _tile_block(t0, ids_row, n_end, TPB)
+        b1 = _tile_block(t0 + 1, ids_row, n_end, TPB)
+        b2 = _tile_block(t0 + 2, ids_row, n_end, TPB)
+        b3 = _tile_block(t0 + 3, ids_row, n_end, TPB)
         pg0 = _page(b0, table_row, pos)
         pg1 = _page(b1, table_row, pos)
         pg2 = _page(b2, table_row, pos)
