@@ -22,15 +22,18 @@ tokens (128, one page; 64 also compiles) of one (request, KV head), 4 warps:
   tile that holds tokens after the query;
 - V [tile, 128] is the B operand: V's shared-memory tile read as fp16-sized units (4 elements) with ldmatrix.trans,
   which puts a unit of two consecutive tokens in one register (a B register pair once decoded), then
-  `kc.e2m1_pairs`; output column n holds element `v_column_element(n)` and is stored in element order;
-- block scales as fp16 factors, one HMUL2 per register pair (`block_factors` for K): nvfp4 the E4M3 bytes (hardware
-  conversion; code x scale is exact in fp16); mxfp4 the portable kernel's normalization, 2**(e - e_tok) with e_tok
-  the token's largest E8M0 exponent, and 2**e_tok applied in fp32 to the score column (K) or through P (V: P' =
-  2**(s + e_v - mv) with mv the running max of s + e_v, the portable kernel's JOINT form). V's factors are computed
-  once per token (a thread a token) into shared memory as [blocks, tokens], read back a token pair at a time;
-- K and V tiles come in as async copies (cp.async) into a 3-stage shared-memory ring (copies 2 tiles ahead, their
-  block ids and pages ahead of them), so loads in flight hold no registers; V's ring is swizzled by token bits 1,
-  2 so that the four token rows one V load instruction reads sit in four different 16-byte chunks; the loop ends
+  `kc.e2m1_pairs` (`decode_v`, before the softmax: integer work beside the S dot's latency); the block factors
+  multiply it after P's barrier (`scale_v`); output column n holds element `v_column_element(n)` and is stored in
+  element order;
+- block scales as fp16 factors, one HMUL2 per register pair: nvfp4 the E4M3 bytes (hardware conversion; code x scale
+  is exact in fp16); mxfp4 the portable kernel's normalization, 2**(e - e_tok) with e_tok the token's largest E8M0
+  exponent, and 2**e_tok applied in fp32 to the score column (K) or through P (V: P' = 2**(s + e_v - mv) with mv the
+  running max of s + e_v, the portable kernel's JOINT form). Factors that several lanes need are computed once per
+  token (a thread a token) into shared memory as [blocks, tokens]: V's for both formats, and mxfp4's K factors and
+  score-column factors;
+- K and V tiles come in as async copies (cp.async) into a STAGES-deep shared-memory ring (2: copies one tile ahead,
+  their block ids and pages further ahead), so loads in flight hold no registers; V's ring is swizzled by token
+  bits 1, 2 so that ldmatrix's eight rows sit in eight different 16-byte chunks; the loop ends
   after the row's last live selection slot (one vector load of the row's ids first), so that -1 padding and short
   contexts cost no tiles;
 - one split writes the bf16 (or fp32) output itself; several write the portable kernel's fp32 partials (acc, m, l),
@@ -39,7 +42,7 @@ tokens (128, one page; 64 also compiles) of one (request, KV head), 4 warps:
   output: no second launch (FUSED_COMBINE).
 Semantics are the portable kernel's (SPEC section 3): tokens after the query, -1 selection slots, selected blocks
 wholly after the query and -1 pages are never read (score -inf; copies of zeros, V scales of tokens after the query
-read as 0), a row with no visible token gives zeros, whole-tensor factors (the nvfp4 outer scale, E2M1's 2**-14
+read as 0 factors), a row with no visible token gives zeros, whole-tensor factors (the nvfp4 outer scale, E2M1's 2**-14
 unit) fold into the softmax scale and the final normalization. P is rounded once to fp16 (as the portable kernel's
 default for fp16 dots).
 
@@ -56,11 +59,17 @@ convert_layout read rows whose halves the mma copied into register quads: ~70 mo
 42.8, and with no live block 9.4 -> 5.8 us. Session 20 (2026-11-30 03:0x UTC): V through ldmatrix.trans and both
 formats' V factors once per token (974 -> 884 SASS a tile, 206 -> 156 registers), then the stale softmax reference
 (the common path 830 SASS): nvfp4 batch 64 / 128 / 256 18.3 / 25.0 / 36.5 -> 18.1 / 24.0 / 35.5 -> 17.5 / 23.4 /
-34.2, mxfp4 18.9 / 27.9 / 43.0 -> 19.0 / 27.2 / 43.5 -> 19.0 / 26.7 / 40.6. Tried and not kept (bench/RESULTS.md): TMA tiles (one thread issues a
-tile's copies: ~16 instructions a copy, more than cp.async's per-thread share), V decoded before the softmax
-(register-quad copies return), copies 3 tiles ahead (slower at every batch), more programs per SM (64-token tiles
-at 128 registers, 4 programs per SM: slower at every batch). ncu at batch 256 (2 programs per SM): IPC 2.0, the
-ALU pipe the busiest at 34 %, stalls mostly fixed-latency waits (27 %) on the decode's dependent integer chains.
+34.2, mxfp4 18.9 / 27.9 / 43.0 -> 19.0 / 27.2 / 43.5 -> 19.0 / 26.7 / 40.6; the first ids read before the context
+length is known, per-thread row sums of p (16 -> 2 registers), V's integer decode before the softmax and a 2-stage
+ring (globaltimer stamps: a 3.5 us prologue at batch 256, and 2 programs per SM each take 1.6 us a tile where one
+alone takes 1.2): nvfp4 16.9 / 22.7 / 33.6 -> 15.7 / 21.2 / 32.8, mxfp4 18.4 / 26.2 / 40.5 -> 16.9 / 24.5 / 38.8.
+Tried and not kept (bench/RESULTS.md): TMA tiles (one thread issues a tile's copies: ~16 instructions a copy, more
+than cp.async's per-thread share), copies 3 tiles ahead (slower at every batch), more programs per SM (64-token
+tiles at 128 registers, 4 programs per SM: slower at every batch; session 20, Q in shared memory at <= 128
+registers and 4 programs per SM through 2 splits: 15 % more tiles an SM-second, lost to the split's merge and the
+prologue), the S and P V dots as two 4-step chains each (no faster). ncu at batch 256 (2 programs per SM, session
+17): IPC 2.0, the ALU pipe the busiest at 34 %, stalls mostly fixed-latency waits (27 %) on the decode's dependent
+integer chains.
 
 Where it runs: CUDA devices with Gluon and the hardware E4M3 conversion (capability >= 8.9); decode; nvfp4 or mxfp4
 K and V; head dim 128; at most 16 query heads per KV head; 128-token selection blocks and pages. Elsewhere (gfx950
@@ -158,17 +167,11 @@ if gluon is not None:
         return gl.maximum(gl.maximum(w & 0xFF, (w >> 8) & 0xFF), gl.maximum((w >> 16) & 0xFF, (w >> 24) & 0xFF))
 
     @gluon.jit
-    def block_factors(sb, sw, E8M0: gl.constexpr):
-        """fp16 factors [64, 8] (one per 16 elements, sb's layout) of a tile's block scales: nvfp4 the E4M3 bytes sb
-        (hardware conversion, exact); mxfp4 2**(e - e_tok) from each token's E8M0 word sw [64] (sb's row slice; sb
-        then only names the layout: callers pass the scale offsets), e_tok its largest block exponent (the portable
-        kernel's normalization, `attn_tiles.decode`: exact while a token's blocks lie within 2**9 of its largest)."""
-        if E8M0:
-            b8 = gl.arange(0, 8, layout=gl.SliceLayout(0, sb.type.layout))
-            e_own = (gl.expand_dims(sw, 1) >> gl.expand_dims(8 * (b8 // 2), 0)) & 0xFF
-            return pow2_f16(e_own - gl.expand_dims(byte_max(sw), 1))
-        else:
-            return sb.to(gl.float8e4nv, bitcast=True).to(gl.float16)
+    def e4m3_factors(sb):
+        """int8 E4M3 scale bytes (any shape) -> their fp16 values (hardware conversion; E2M1 code x scale is exact in
+        fp16). mxfp4's factors 2**(e - e_tok) come from the per-token pass (`pow2_f16`: the portable kernel's
+        normalization, `attn_tiles.decode`, exact while a token's blocks lie within 2**9 of its largest)."""
+        return sb.to(gl.float8e4nv, bitcast=True).to(gl.float16)
 
     @gluon.jit
     def _page(bid, table_row, pos):
@@ -226,6 +229,15 @@ if gluon is not None:
         return gl.max(gl.max(gl.reshape(x, [16, TT // (8 * W), W, 8]), axis=1), axis=2)
 
     @gluon.jit
+    def thread_row_sums(x):
+        """[16, TT] in MS -> [16, NUM_WARPS, 4]: each thread's sums of its own columns (registers only: column bit 0
+        and bits 5, 6; bits 1, 2 are the lanes t, 3, 4 the warps), two a thread; the running sums of p, summed over
+        lanes and warps once at the end (a lazy per-column sum held 16 registers a thread)."""
+        TT: gl.constexpr = x.shape[1]
+        W: gl.constexpr = x.type.layout.warps_per_cta[1]
+        return gl.sum(gl.sum(gl.reshape(x, [16, TT // (8 * W), W, 4, 2]), axis=4), axis=1)
+
+    @gluon.jit
     def v_column_element(n):
         """Output column n of the P V dot -> head-dim element: B's n = g + 8 w + 32 r holds nibble r of
         half-word 8 w + g, element 32 w + 4 g + r."""
@@ -238,28 +250,36 @@ if gluon is not None:
                                          pack=1)
 
     @gluon.jit
-    def decode_v(vu, fac, lo3, sign8):
-        """V as fp16-sized units [TT tokens, 32] in VB (ldmatrix.trans fragments: unit u of a token holds its E2M1
-        elements 4 u .. 4 u + 3, one nibble each), the tile's block factors fp16 [NB blocks, TT] in shared memory
-        (NB = 8: E4M3 blocks of 16 elements; 4: E8M0 blocks of 32) -> V fp16 [TT, 128 n] in BS, column n =
-        v_column_element(n), values * 2**-14 * factor. A thread's register pair (tokens 2 tp, 2 tp + 1) of one
-        unit is one int32 word whose nibbles K and K + 4 are element 4 u + K of the two tokens: e2m1_pairs' pair K,
-        already in the B operand's order."""
+    def decode_v(vu, lo3, sign8):
+        """V as fp16-sized units [TT tokens, 32] in BS (ldmatrix.trans fragments: unit u of a token holds its E2M1
+        elements 4 u .. 4 u + 3, one nibble each) -> fp16 [tp, unit, tb0, r0, r1] (token 2 tp + tb0, element 4 unit
+        + r), values * 2**-14 before the block factors (`scale_v`). A thread's register pair (tokens 2 tp, 2 tp + 1)
+        of one unit is one int32 word whose nibbles K and K + 4 are element 4 u + K of the two tokens: e2m1_pairs'
+        pair K, already in the B operand's order. Integer work only, so that it can run before the softmax (the
+        factors come through shared memory after P's barrier)."""
         TT: gl.constexpr = vu.shape[0]
-        NB: gl.constexpr = fac.shape[0]
         a, b = gl.split(gl.permute(gl.reshape(vu, [TT // 2, 2, 32]), (0, 2, 1)))  # tokens 2 tp, 2 tp + 1 [tp, unit]
         p0, p1, p2, p3 = e2m1_pairs(pack_halves(a, b), lo3, sign8)
-        x0 = pair_join(p0)  # [tp, unit, tb0]
+        return gl.join(gl.join(pair_join(p0), pair_join(p1)), gl.join(pair_join(p2), pair_join(p3)))
+
+    @gluon.jit
+    def scale_v(x, fac):
+        """decode_v's [tp, unit, tb0, r0, r1] and the tile's block factors fp16 [NB blocks, TT] in shared memory
+        (NB = 8: E4M3 blocks of 16 elements; 4: E8M0 blocks of 32) -> V fp16 [TT, 128 n] in BS, column n =
+        v_column_element(n), values * 2**-14 * factor: one HMUL2 a register pair."""
+        TP: gl.constexpr = x.shape[0]
+        NB: gl.constexpr = fac.shape[0]
+        X3: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, x.type.layout))  # [tp, unit, tb0]
         # the factor of (tp, unit, tb0) is fac[unit // (32 // NB), 2 tp + tb0]: one 32-bit load a token pair,
-        # broadcast over the units of a block (no zero adds)
-        z4 = gl.reshape(gl.full([TT // 2, 32, 2], 0.0, gl.float16, layout=x0.type.layout), [TT // 2, NB, 32 // NB, 2])
-        f = fac.reshape([NB, TT // 2, 2]).permute((1, 0, 2)).load(gl.SliceLayout(2, z4.type.layout))
-        f = gl.reshape(gl.broadcast(gl.expand_dims(f, 2), z4)[0], [TT // 2, 32, 2])
-        f = gl.convert_layout(f, x0.type.layout, assert_trivial=True)
-        x = gl.join(gl.join(x0 * f, pair_join(p1) * f), gl.join(pair_join(p2) * f, pair_join(p3) * f))
+        # broadcast over the units of a block and the elements of a unit (no zero adds)
+        z4 = gl.reshape(gl.full([TP, 32, 2], 0.0, gl.float16, layout=X3), [TP, NB, 32 // NB, 2])
+        f = fac.reshape([NB, TP, 2]).permute((1, 0, 2)).load(gl.SliceLayout(2, z4.type.layout))
+        f = gl.reshape(gl.broadcast(gl.expand_dims(f, 2), z4)[0], [TP, 32, 2])
+        f = gl.expand_dims(gl.expand_dims(gl.convert_layout(f, X3, assert_trivial=True), 3), 4)
+        x = x * gl.broadcast(f, x)[0]
         # x: [tp, unit, tb0, r0, r1] -> [k = 2 tp + tb0, n = 64 r1 + 32 r0 + unit]
         x = gl.permute(x, (0, 2, 4, 3, 1))
-        return gl.convert_layout(gl.reshape(x, [TT, 128]), BS, assert_trivial=True)
+        return gl.convert_layout(gl.reshape(x, [2 * TP, 128]), BS, assert_trivial=True)
 
     # shared-memory tiles: payload words [tokens, 16] (K plain: a thread's four words are one LDS.128 over 8 rows x 4
     # chunks; V swizzled by token bits 1, 2 so that the four rows a V load instruction reads land in four different
@@ -283,7 +303,7 @@ if gluon is not None:
     # the token layouts at 128-token tiles (a page a tile): one more token bit (6) in registers
     WK2, SK2 = (twice_the_tokens(lay, 0) for lay in (WK, SK))
     P_SMEM = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0])  # P [16, tile] fp16: ldmatrix rows without conflicts
-    STAGES = gl.constexpr(3)  # shared-memory tiles: copies run STAGES - 1 tiles ahead
+    STAGES = gl.constexpr(2)  # shared-memory tiles: copies run STAGES - 1 tiles ahead (2 or 3)
 
     @gluon.jit
     def _tile_block(j, ids_row, j_end, TPB: gl.constexpr):
@@ -365,8 +385,10 @@ if gluon is not None:
         if E8M0:
             ksbufs = gl.allocate_shared_memory(gl.int32, [STAGES, OT], S1_SMEM)
             vsbufs = gl.allocate_shared_memory(gl.int32, [STAGES, OT], S1_SMEM)
-            fac_smem = gl.allocate_shared_memory(gl.float16, [4, OT], FAC_SMEM)  # [blocks, tokens]
+            fac_smem = gl.allocate_shared_memory(gl.float16, [4, OT], FAC_SMEM)  # V's [blocks, tokens]
             ev_smem = gl.allocate_shared_memory(gl.float32, [OT], S1_SMEM)
+            kfac_smem = gl.allocate_shared_memory(gl.float16, [4, OT], FAC_SMEM)  # K's [blocks, tokens]
+            kcol_smem = gl.allocate_shared_memory(gl.float32, [OT], S1_SMEM)  # K's 2**(e_tok - 127) a token
         else:
             ksbufs = gl.allocate_shared_memory(gl.int32, [STAGES, OT, 2], S2_SMEM)
             vsbufs = gl.allocate_shared_memory(gl.int32, [STAGES, OT, 2], S2_SMEM)
@@ -381,7 +403,7 @@ if gluon is not None:
         thr = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, lm0.type.layout))  # raw-score bounds
         thr_v = thr
         flag_smem = gl.allocate_shared_memory(gl.int32, [4], S1_SMEM)  # a flag a warp
-        l_acc = gl.full([16, OT], 0.0, gl.float32, layout=MS)  # lazy per-column sums
+        l_acc = thread_row_sums(gl.full([16, OT], 0.0, gl.float32, layout=MS))  # each thread's row sums
         acc = gl.full([16, 128], 0.0, gl.float32, layout=MS)
         head_k = h.to(gl.int64) * stride_kh
         head_v = h.to(gl.int64) * stride_vh
@@ -408,51 +430,62 @@ if gluon is not None:
         pg2 = _page(b2, table_row, pos)
         _issue(kbufs.index(0), ksbufs.index(0), vbufs.index(0), vsbufs.index(0), b0, pg0, t0, k_ptr, v_ptr, head_k,
                head_v, stride_kp, stride_vp, pos, E8M0, OT)
-        _issue(kbufs.index(1), ksbufs.index(1), vbufs.index(1), vsbufs.index(1), b1, pg1, t0 + 1, k_ptr, v_ptr,
-               head_k, head_v, stride_kp, stride_vp, pos, E8M0, OT)
+        if STAGES == 3:
+            _issue(kbufs.index(1), ksbufs.index(1), vbufs.index(1), vsbufs.index(1), b1, pg1, t0 + 1, k_ptr, v_ptr,
+                   head_k, head_v, stride_kp, stride_vp, pos, E8M0, OT)
         for j in range(t0, j_end):
             st = (j - t0) % STAGES
             tok0 = b0 * 128 + (j % TPB) * OT
             live = (b0 >= 0) & (pg0 >= 0) & (tok0 <= pos)
             b4 = _tile_block(j + 4, ids_row, j_end, TPB)
             pg3 = _page(b3, table_row, pos)
-            async_copy.wait_group(1)  # this thread's copies of tile j have landed
+            async_copy.wait_group(STAGES - 2)  # this thread's copies of tile j have landed
             gl.thread_barrier()  # everyone's have, and everyone is done with tile j - 1's stage (refilled next)
-            sn = (j + 2 - t0) % STAGES
-            _issue(kbufs.index(sn), ksbufs.index(sn), vbufs.index(sn), vsbufs.index(sn), b2, pg2, j + 2, k_ptr,
-                   v_ptr, head_k, head_v, stride_kp, stride_vp, pos, E8M0, OT)
+            sn = (j + STAGES - 1 - t0) % STAGES
+            if STAGES == 3:
+                _issue(kbufs.index(sn), ksbufs.index(sn), vbufs.index(sn), vsbufs.index(sn), b2, pg2, j + 2, k_ptr,
+                       v_ptr, head_k, head_v, stride_kp, stride_vp, pos, E8M0, OT)
+            else:  # one tile ahead
+                _issue(kbufs.index(sn), ksbufs.index(sn), vbufs.index(sn), vsbufs.index(sn), b1, pg1, j + 1, k_ptr,
+                       v_ptr, head_k, head_v, stride_kp, stride_vp, pos, E8M0, OT)
             if live:  # a dead tile (-1 id or page, wholly after the query) adds nothing: skipped (CTA-uniform)
                 kw = kbufs.index(st).load(WKL)
-                if E8M0:
-                    ksw = ksbufs.index(st).load(gl.SliceLayout(1, SKL))
-                    kc_ = ksbufs.index(st).load(gl.SliceLayout(0, MS))
-                    f = block_factors(gl.full([OT, 8], 0, gl.int32, layout=SKL), ksw, True)
-                else:
-                    ksb = ksbufs.index(st)._reinterpret(gl.int8, [OT, 8], S2_SMEM).load(SKL)
-                    kc_ = tok_s
-                    f = block_factors(ksb, ksb, False)
-                # the V factors of the tile, once per token (a thread a token; read after the barriers below)
+                # the block factors of the tile, once per token (a thread a token) into shared memory
                 if E8M0:  # 2**(e - e_tok) <= 1: finite for any bytes (stale ones after the query too)
+                    blk = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(1, FC)), 1)
+                    ktok = ksbufs.index(st).load(gl.SliceLayout(0, FC))
+                    ek_tok = byte_max(ktok)
+                    kfac_smem.store(pow2_f16(((gl.expand_dims(ktok, 0) >> (8 * blk)) & 0xFF)
+                                             - gl.expand_dims(ek_tok, 0)))
+                    kcol_smem.store(exp2_int(ek_tok - 127))
                     vtok = vsbufs.index(st).load(gl.SliceLayout(0, FC))
                     e_tok = byte_max(vtok)
-                    blk = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(1, FC)), 1)
                     fac_smem.store(pow2_f16(((gl.expand_dims(vtok, 0) >> (8 * blk)) & 0xFF) - gl.expand_dims(e_tok, 0)))
                     ev_smem.store((e_tok - 127).to(gl.float32))
-                else:  # the E4M3 bytes; 0 after the query (stale bytes there may be NaN, and 0 x NaN is NaN)
+                    gl.thread_barrier()  # every thread's factors are stored
+                    # K's factors per 16 elements (SKL's column j: block j // 2, a register bit)
+                    zk = gl.reshape(gl.full([OT, 8], 0.0, gl.float16, layout=SKL), [OT, 4, 2])
+                    f = kfac_smem.permute((1, 0)).load(gl.SliceLayout(2, zk.type.layout))
+                    f = gl.convert_layout(gl.reshape(gl.broadcast(gl.expand_dims(f, 2), zk)[0], [OT, 8]), SKL,
+                                          assert_trivial=True)
+                else:
+                    ksb = ksbufs.index(st)._reinterpret(gl.int8, [OT, 8], S2_SMEM).load(SKL)
+                    f = e4m3_factors(ksb)
+                if not E8M0:  # V's factors (read after P's barrier below)  # the E4M3 bytes; 0 after the query (stale bytes there may be NaN, and 0 x NaN is NaN)
                     vsb = vsbufs.index(st)._reinterpret(gl.int8, [OT, 8], S2_SMEM).load(FN)
                     tk = gl.expand_dims(tok0 + gl.arange(0, OT, layout=gl.SliceLayout(1, FN)), 1)
-                    fv = gl.where(tk <= pos, vsb.to(gl.float8e4nv, bitcast=True).to(gl.float16), 0.0)
+                    fv = gl.where(tk <= pos, e4m3_factors(vsb), 0.0)
                     fac_smem.store(gl.permute(fv, (1, 0)))
                 s = mma_v2(qa, decode_k(kw, f, lo3, sign8), gl.full([16, OT], 0.0, gl.float32, layout=MS))
                 if E8M0:
-                    s = s * gl.expand_dims(exp2_int(byte_max(kc_) - 127), 0)
+                    s = s * gl.expand_dims(kcol_smem.load(gl.SliceLayout(0, MS)), 0)
                 if tok0 + (OT - 1) > pos:  # the tile holds tokens after the query (CTA-uniform)
                     s = gl.where(gl.expand_dims(tok0 + tok_s <= pos, 0), s, float("-inf"))
                 if E8M0:
-                    gl.thread_barrier()  # every thread's e_tok is stored
                     ev = ev_smem.load(gl.SliceLayout(0, MS))
                 # V's units, token pairs joined by ldmatrix.trans (V_SMEM's swizzle keeps its 8 rows conflict-free)
                 vu = vbufs.index(st)._reinterpret(gl.float16, [OT, 32], VU_SMEM).load(BS)
+                vx = decode_v(vu, lo3, sign8)  # before the softmax: integer work beside the S dot's latency
                 # scores in log2 units are s * down (down > 0 per head: the row max of s times down is theirs), so
                 # the factor rides in exp2's argument as one FFMA. The exponent's reference is the running max of the
                 # tiles before (m_i, CTA-uniform: no cross-warp max before the exp); while no warp's own raw max
@@ -479,7 +512,8 @@ if gluon is not None:
                     alpha = gl.expand_dims(gl.exp2(m_i - m_safe), 1)
                     m_ref = gl.expand_dims(m_safe, 1)
                     p = gl.exp2(gl.fma(s, down2, -m_ref))
-                    l_acc = l_acc * alpha + p
+                    l_acc = l_acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(2, l_acc.type.layout)), 2) \
+                        + thread_row_sums(p)
                     m_i = m_new
                     thr = gl.convert_layout((m_i + TAU) / down, thr.type.layout)
                     if E8M0:
@@ -495,18 +529,18 @@ if gluon is not None:
                     acc = acc * alpha
                     gl.thread_barrier()
                 else:
-                    l_acc = l_acc + p
+                    l_acc = l_acc + thread_row_sums(p)
                 # every warp's columns to every warp: stored, then read as ldmatrix A fragments (a convert_layout
                 # read 16-byte rows whose halves the mma then copied into register quads: ~70 moves a tile)
                 pa = p_smem.load(AS)
-                acc = mma_v2(pa, decode_v(vu, fac_smem, lo3, sign8), acc)
+                acc = mma_v2(pa, scale_v(vx, fac_smem), acc)
             b0, b1, b2, b3 = b1, b2, b3, b4
             pg0, pg1, pg2 = pg1, pg2, pg3
         async_copy.wait_group(0)
         if E8M0:  # acc from mv_i's reference to m_i's (2**(mv - m) <= 2**127: e_v <= 127)
             mv_safe = gl.where(mv_i == float("-inf"), 0.0, mv_i)
             acc = acc * gl.expand_dims(gl.exp2(mv_safe - gl.where(m_i == float("-inf"), 0.0, m_i)), 1)
-        l_tot = gl.sum(l_acc, axis=1)  # [16]
+        l_tot = gl.sum(gl.sum(l_acc, axis=2), axis=1)  # [16]: over the lanes and warps, once
         o = gl.convert_layout(acc, O_L)  # [16, 128], column n = v_column_element(n)
         ho = gl.arange(0, 16, layout=gl.SliceLayout(1, O_L))
         cols = gl.expand_dims(v_column_element(gl.arange(0, 128, layout=gl.SliceLayout(0, O_L))), 0)
