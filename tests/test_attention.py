@@ -261,7 +261,7 @@ def test_verify_attn_synthetic_runs_the_decode_kernel(monkeypatch, tmp_path):
     monkeypatch.setattr(G, "device_ok", lambda device: True)
     monkeypatch.setattr(G, "sparse_decode", fake_gluon)
     rep = va.verify_attn_synthetic(["nvfp4", "mxfp4"], batch=64, context_lens="200", backend="triton", device=DEVICE)
-    assert [r.kernel for r in rep.layers] == ["decode gluon", "decode gluon"]  # both from 64 requests
+    assert [r.kernel for r in rep.layers] == ["decode gluon", "decode gluon"]  # both from 16 requests
     assert calls == ["nvfp4-rcp", "mxfp4-rceil"] and rep.passed
     rep = va.verify_attn_synthetic(["nvfp4"], batch=4, context_lens="200", backend="triton", device=DEVICE)
     assert [r.kernel for r in rep.layers] == ["decode portable"] and len(calls) == 2  # below the threshold

@@ -286,9 +286,9 @@ def test_gluon_dispatch_rules(monkeypatch):
         k, v = caches(fmt, d, page, hkv)
         return SA.uses_gluon(torch.zeros(rows, hq, d, dtype=torch.bfloat16), k, v, block)
 
-    assert uses("nvfp4", 64) and not uses("nvfp4", 63) and uses("nvfp4-rcp-auto", 256)
-    assert uses("mxfp4", 64) and not uses("mxfp4", 63) and uses("mxfp4-floor", 200)
-    assert uses("nvfp4", 32, hq=32, hkv=2)  # 32 requests x 2 KV heads = 64 programs, 16 query heads each
+    assert uses("nvfp4", 16) and not uses("nvfp4", 15) and uses("nvfp4-rcp-auto", 256)
+    assert uses("mxfp4", 16) and not uses("mxfp4", 15) and uses("mxfp4-floor", 200)
+    assert uses("nvfp4", 8, hq=32, hkv=2)  # 8 requests x 2 KV heads = 16 programs, 16 query heads each
     for fmt in ("bf16", "fp8-unit", "fp8-token"):
         assert not uses(fmt, 256)
     assert not uses("nvfp4", 256, d=64) and not uses("nvfp4", 256, hq=32)  # head dim, > 16 query heads per KV head
@@ -477,7 +477,7 @@ def test_gpu_decode_gluon_fused_merge(fmt, monkeypatch):
 def test_gpu_decode_gluon_dead_tiles():
     """Rows with nothing selected give zeros; a selected block wholly after the query, a -1 page in the block table
     and a block whose second half lies after the query are skipped exactly as the portable kernel skips them; a
-    selection with no slots at all (top-k 0) gives zeros. At 64 requests (attn_gluon.MIN_PROGRAMS) the default launch
+    selection with no slots at all (top-k 0) gives zeros. At 64 requests (>= attn_gluon.MIN_PROGRAMS) the default launch
     is this kernel."""
     g = torch.Generator().manual_seed(22)
     lens = [300, 5000, 70, 9000] + [int(n) for n in torch.randint(1, 12000, (60,), generator=g)]

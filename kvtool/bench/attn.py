@@ -2,7 +2,7 @@
 128, 128-token blocks and pages, top-16 blocks per request) for batch 1, 16, 64, 256, per cache format.
 
 Rows per (batch, format): the Triton kernel (`kvtool.kernels.sparse_attn.sparse_decode`'s default launch: for nvfp4
-and mxfp4 on CUDA >= 8.9, from 64 requests x KV heads, the Gluon fast path of `kernels/sparse_attn_gluon.py`, with
+and mxfp4 on CUDA >= 8.9, from 16 requests x KV heads, the Gluon fast path of `kernels/sparse_attn_gluon.py`, with
 the portable kernel's row beside it as "portable"), torch eager (gather the selected slots, dequantize, attention in
 fp32: the unfused path), and once per batch PyTorch SDPA over the gathered, already dequantized bf16 tokens
 (attention alone, the floor of an unfused engine). Bytes (SPEC section 6): the visible selected K/V tokens read once

@@ -21,7 +21,7 @@ Inputs:
 Which kernel: capture files run the prefill kernel (`sparse_prefill`: many query positions per request); the
 synthetic step runs the decode kernel engines run for a decode step (`sparse_decode`), whose default launch takes the
 NVIDIA Gluon fast path for nvfp4 / mxfp4 where it applies (`kernels/sparse_attn_gluon.py`: CUDA >= 8.9, M3's head
-shape, from 64 requests). `kernel` picks: "auto" (that default), "portable" (the portable Triton kernel), or
+shape, from 16 requests). `kernel` picks: "auto" (that default), "portable" (the portable Triton kernel), or
 "gluon" (the fast path, an error where it cannot run). Each row's `kernel` says which one ran.
 """
 
