@@ -295,15 +295,15 @@ if gluon is not None:
     # 8): a BS load of it is ldmatrix.trans, which hands each thread a unit of two consecutive tokens in one register
     VU_SMEM = gl.SwizzledSharedLayout(8, 2, 4, order=[1, 0])
     # V's block factors, computed once per token (a thread a token) into shared memory as fp16 [blocks, tokens] (and
-    # mxfp4's e_tok as fp32 [tokens]); decode_v reads the factor pair of its token pair with one 32-bit load.
-    # mxfp4: 2**(e - e_tok) from the token's E8M0 word (FC); nvfp4: its E4M3 bytes (FN)
+    # mxfp4's e_tok as fp32 [tokens]); scale_v reads the factor pair of its token pair with one 32-bit load.
+    # mxfp4: 2**(e - e_tok) from the token's E8M0 word (FC; K's factors too); nvfp4: its E4M3 bytes (FN)
     FC = gl.BlockedLayout([4, 1], [1, 32], [1, NUM_WARPS], [0, 1])  # [4 blocks, tokens]: a thread, a token
     FN = gl.BlockedLayout([1, 8], [32, 1], [NUM_WARPS, 1], [1, 0])  # [tokens, 8 blocks]: a thread, a token
     FAC_SMEM = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
     # the token layouts at 128-token tiles (a page a tile): one more token bit (6) in registers
     WK2, SK2 = (twice_the_tokens(lay, 0) for lay in (WK, SK))
     P_SMEM = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0])  # P [16, tile] fp16: ldmatrix rows without conflicts
-    STAGES = gl.constexpr(2)  # shared-memory tiles: copies run STAGES - 1 tiles ahead (2 or 3)
+    STAGES = gl.constexpr(2)  # shared-memory tiles: copies run one tile ahead
 
     @gluon.jit
     def _tile_block(j, ids_row, j_end, TPB: gl.constexpr):
@@ -418,9 +418,11 @@ if gluon is not None:
         last = gl.max(gl.where((sid >= 0) & (sid * 128 <= pos), sel, -1), axis=0)
         n_end = gl.minimum(t0 + tiles_per_split, n_tiles)
         j_end = gl.minimum(n_end, (last + 1) * TPB)
-        # pipeline: copies for tiles j + 1, j + 2 in flight while tile j computes; their ids and pages ahead of them.
-        # The first ids are read up to the split's end, not j_end, so that they need not wait for the context length
-        # (one dependent load less before the first copy): a slot past the last live one is dead anyway (_issue)
+        # pipeline: tile j + 1's copies in flight while tile j computes (a 2-stage ring: with 3 stages and two tiles
+        # in flight, the first tile waited longer for its data, 3.5 against 3.0 us at b256, and the loop was no
+        # faster); ids 4 and pages 2 tiles ahead of their copies. The first ids are read up to the split's end, not
+        # j_end, so that they need not wait for the context length (one dependent load less before the first copy):
+        # a slot past the last live one is dead anyway (_issue)
         b0 = _tile_block(t0, ids_row, n_end, TPB)
         b1 = _tile_block(t0 + 1, ids_row, n_end, TPB)
         b2 = _tile_block(t0 + 2, ids_row, n_end, TPB)
@@ -430,24 +432,17 @@ if gluon is not None:
         pg2 = _page(b2, table_row, pos)
         _issue(kbufs.index(0), ksbufs.index(0), vbufs.index(0), vsbufs.index(0), b0, pg0, t0, k_ptr, v_ptr, head_k,
                head_v, stride_kp, stride_vp, pos, E8M0, OT)
-        if STAGES == 3:
-            _issue(kbufs.index(1), ksbufs.index(1), vbufs.index(1), vsbufs.index(1), b1, pg1, t0 + 1, k_ptr, v_ptr,
-                   head_k, head_v, stride_kp, stride_vp, pos, E8M0, OT)
         for j in range(t0, j_end):
             st = (j - t0) % STAGES
             tok0 = b0 * 128 + (j % TPB) * OT
             live = (b0 >= 0) & (pg0 >= 0) & (tok0 <= pos)
             b4 = _tile_block(j + 4, ids_row, j_end, TPB)
             pg3 = _page(b3, table_row, pos)
-            async_copy.wait_group(STAGES - 2)  # this thread's copies of tile j have landed
+            async_copy.wait_group(0)  # this thread's copies of tile j have landed
             gl.thread_barrier()  # everyone's have, and everyone is done with tile j - 1's stage (refilled next)
-            sn = (j + STAGES - 1 - t0) % STAGES
-            if STAGES == 3:
-                _issue(kbufs.index(sn), ksbufs.index(sn), vbufs.index(sn), vsbufs.index(sn), b2, pg2, j + 2, k_ptr,
-                       v_ptr, head_k, head_v, stride_kp, stride_vp, pos, E8M0, OT)
-            else:  # one tile ahead
-                _issue(kbufs.index(sn), ksbufs.index(sn), vbufs.index(sn), vsbufs.index(sn), b1, pg1, j + 1, k_ptr,
-                       v_ptr, head_k, head_v, stride_kp, stride_vp, pos, E8M0, OT)
+            sn = (j + 1 - t0) % STAGES
+            _issue(kbufs.index(sn), ksbufs.index(sn), vbufs.index(sn), vsbufs.index(sn), b1, pg1, j + 1, k_ptr, v_ptr,
+                   head_k, head_v, stride_kp, stride_vp, pos, E8M0, OT)
             if live:  # a dead tile (-1 id or page, wholly after the query) adds nothing: skipped (CTA-uniform)
                 kw = kbufs.index(st).load(WKL)
                 # the block factors of the tile, once per token (a thread a token) into shared memory
@@ -471,7 +466,8 @@ if gluon is not None:
                 else:
                     ksb = ksbufs.index(st)._reinterpret(gl.int8, [OT, 8], S2_SMEM).load(SKL)
                     f = e4m3_factors(ksb)
-                if not E8M0:  # V's factors (read after P's barrier below)  # the E4M3 bytes; 0 after the query (stale bytes there may be NaN, and 0 x NaN is NaN)
+                if not E8M0:  # V's factors, read after P's barrier below: the E4M3 bytes, 0 after the query (stale
+                    # bytes there may be NaN, and 0 x NaN is NaN)
                     vsb = vsbufs.index(st)._reinterpret(gl.int8, [OT, 8], S2_SMEM).load(FN)
                     tk = gl.expand_dims(tok0 + gl.arange(0, OT, layout=gl.SliceLayout(1, FN)), 1)
                     fv = gl.where(tk <= pos, e4m3_factors(vsb), 0.0)
