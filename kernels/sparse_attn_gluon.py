@@ -167,6 +167,32 @@ if gluon is not None:
         return gl.maximum(gl.maximum(w & 0xFF, (w >> 8) & 0xFF), gl.maximum((w >> 16) & 0xFF, (w >> 24) & 0xFF))
 
     @gluon.jit
+    def e8m0_token_factors(words):
+        """A tile's E8M0 scale words [TT] (a token's four block bytes, in FC's slice: a thread a token) -> (fp16 [4,
+        TT] factors 2**(e - e_tok), int32 [TT] e_tok), e_tok the token's largest block exponent byte: <= 1 and finite
+        for any bytes (stale ones after the query too)."""
+        blk = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(1, FC)), 1)
+        e_tok = byte_max(words)
+        return pow2_f16(((gl.expand_dims(words, 0) >> (8 * blk)) & 0xFF) - gl.expand_dims(e_tok, 0)), e_tok
+
+    @gluon.jit
+    def load_repeated(view, layout: gl.constexpr, R: gl.constexpr):
+        """A shared-memory table [X, N] or [X, N, Y] -> registers [X, N R] or [X, N R, Y] in `layout`, entry n
+        repeated at n R .. n R + R - 1: loaded once and broadcast in registers (a broadcast, not an add of zeros),
+        for factor tables that several elements of a thread share."""
+        X: gl.constexpr = view.shape[0]
+        N: gl.constexpr = view.shape[1]
+        if len(view.shape) == 2:
+            z = gl.reshape(gl.full([X, N * R], 0.0, view.dtype, layout=layout), [X, N, R])
+            t = gl.expand_dims(view.load(gl.SliceLayout(2, z.type.layout)), 2)
+            return gl.convert_layout(gl.reshape(gl.broadcast(t, z)[0], [X, N * R]), layout, assert_trivial=True)
+        else:
+            Y: gl.constexpr = view.shape[2]
+            z = gl.reshape(gl.full([X, N * R, Y], 0.0, view.dtype, layout=layout), [X, N, R, Y])
+            t = gl.expand_dims(view.load(gl.SliceLayout(2, z.type.layout)), 2)
+            return gl.convert_layout(gl.reshape(gl.broadcast(t, z)[0], [X, N * R, Y]), layout, assert_trivial=True)
+
+    @gluon.jit
     def e4m3_factors(sb):
         """int8 E4M3 scale bytes (any shape) -> their fp16 values (hardware conversion; E2M1 code x scale is exact in
         fp16). mxfp4's factors 2**(e - e_tok) come from the per-token pass (`pow2_f16`: the portable kernel's
@@ -272,11 +298,8 @@ if gluon is not None:
         X3: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, x.type.layout))  # [tp, unit, tb0]
         # the factor of (tp, unit, tb0) is fac[unit // (32 // NB), 2 tp + tb0]: one 32-bit load a token pair,
         # broadcast over the units of a block and the elements of a unit (no zero adds)
-        z4 = gl.reshape(gl.full([TP, 32, 2], 0.0, gl.float16, layout=X3), [TP, NB, 32 // NB, 2])
-        f = fac.reshape([NB, TP, 2]).permute((1, 0, 2)).load(gl.SliceLayout(2, z4.type.layout))
-        f = gl.reshape(gl.broadcast(gl.expand_dims(f, 2), z4)[0], [TP, 32, 2])
-        f = gl.expand_dims(gl.expand_dims(gl.convert_layout(f, X3, assert_trivial=True), 3), 4)
-        x = x * gl.broadcast(f, x)[0]
+        f = load_repeated(fac.reshape([NB, TP, 2]).permute((1, 0, 2)), X3, 32 // NB)
+        x = x * gl.broadcast(gl.expand_dims(gl.expand_dims(f, 3), 4), x)[0]
         # x: [tp, unit, tb0, r0, r1] -> [k = 2 tp + tb0, n = 64 r1 + 32 r0 + unit]
         x = gl.permute(x, (0, 2, 4, 3, 1))
         return gl.convert_layout(gl.reshape(x, [2 * TP, 128]), BS, assert_trivial=True)
@@ -351,14 +374,14 @@ if gluon is not None:
                       SPLIT: gl.constexpr, E8M0: gl.constexpr, FUSED: gl.constexpr, OT: gl.constexpr,
                       NSEL: gl.constexpr):
         """Grid (requests, KV heads, splits); split s takes tiles s * tiles_per_split onward. O [16, 128] in MS, split
-        by head-dim column across the warps; K and V tiles as async copies into a STAGES-deep shared-memory ring;
-        every warp's S columns reach every warp through shared memory (P as the A operand [16 heads, OT tokens])
-        under one softmax max per tile (a cross-warp max); warp w decodes and multiplies head-dim elements 32 w .. 32
-        w + 31 of all OT tokens of V. OT: tokens per tile, 64 (half a page) or 128 (a page: half the per-tile
-        exchanges and barriers per token). Scale bytes sit after the page's 128 x 64 payload bytes: nvfp4 8 E4M3
-        bytes per token, mxfp4 4 E8M0 bytes per token (one word). FUSED (with SPLIT): the last split of a (request,
-        KV head) to finish merges the partials (`cnt_ptr`: one int32 arrival counter per (request, KV head), zero
-        before the launch and left zero after it)."""
+        by head-dim column across the warps; K and V tiles as async copies into a STAGES-deep shared-memory ring; every
+        warp's S columns reach every warp through shared memory (P as the A operand [16 heads, OT tokens]) under one
+        CTA-uniform softmax reference (stale: see the loop's comment); warp w decodes and multiplies head-dim elements
+        32 w .. 32 w + 31 of all OT tokens of V. OT: tokens per tile, 64 (half a page) or 128 (a page: half the per-tile
+        exchanges and barriers per token). Scale bytes sit after the page's 128 x 64 payload bytes: nvfp4 8 E4M3 bytes
+        per token, mxfp4 4 E8M0 bytes per token (one word). FUSED (with SPLIT): the last split of a (request, KV head)
+        to finish merges the partials (`cnt_ptr`: one int32 arrival counter per (request, KV head), zero before the
+        launch and left zero after it)."""
         TPB: gl.constexpr = 128 // OT  # tiles per 128-token selected block
         if OT == 128:
             WKL: gl.constexpr = WK2
@@ -446,28 +469,21 @@ if gluon is not None:
             if live:  # a dead tile (-1 id or page, wholly after the query) adds nothing: skipped (CTA-uniform)
                 kw = kbufs.index(st).load(WKL)
                 # the block factors of the tile, once per token (a thread a token) into shared memory
-                if E8M0:  # 2**(e - e_tok) <= 1: finite for any bytes (stale ones after the query too)
-                    blk = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(1, FC)), 1)
-                    ktok = ksbufs.index(st).load(gl.SliceLayout(0, FC))
-                    ek_tok = byte_max(ktok)
-                    kfac_smem.store(pow2_f16(((gl.expand_dims(ktok, 0) >> (8 * blk)) & 0xFF)
-                                             - gl.expand_dims(ek_tok, 0)))
+                if E8M0:
+                    kf, ek_tok = e8m0_token_factors(ksbufs.index(st).load(gl.SliceLayout(0, FC)))
+                    kfac_smem.store(kf)
                     kcol_smem.store(exp2_int(ek_tok - 127))
-                    vtok = vsbufs.index(st).load(gl.SliceLayout(0, FC))
-                    e_tok = byte_max(vtok)
-                    fac_smem.store(pow2_f16(((gl.expand_dims(vtok, 0) >> (8 * blk)) & 0xFF) - gl.expand_dims(e_tok, 0)))
+                    vf, e_tok = e8m0_token_factors(vsbufs.index(st).load(gl.SliceLayout(0, FC)))
+                    fac_smem.store(vf)
                     ev_smem.store((e_tok - 127).to(gl.float32))
                     gl.thread_barrier()  # every thread's factors are stored
                     # K's factors per 16 elements (SKL's column j: block j // 2, a register bit)
-                    zk = gl.reshape(gl.full([OT, 8], 0.0, gl.float16, layout=SKL), [OT, 4, 2])
-                    f = kfac_smem.permute((1, 0)).load(gl.SliceLayout(2, zk.type.layout))
-                    f = gl.convert_layout(gl.reshape(gl.broadcast(gl.expand_dims(f, 2), zk)[0], [OT, 8]), SKL,
-                                          assert_trivial=True)
+                    f = load_repeated(kfac_smem.permute((1, 0)), SKL, 2)
                 else:
                     ksb = ksbufs.index(st)._reinterpret(gl.int8, [OT, 8], S2_SMEM).load(SKL)
                     f = e4m3_factors(ksb)
-                if not E8M0:  # V's factors, read after P's barrier below: the E4M3 bytes, 0 after the query (stale
-                    # bytes there may be NaN, and 0 x NaN is NaN)
+                    # V's factors, read after P's barrier below: the E4M3 bytes, 0 after the query (stale bytes there
+                    # may be NaN, and 0 x NaN is NaN)
                     vsb = vsbufs.index(st)._reinterpret(gl.int8, [OT, 8], S2_SMEM).load(FN)
                     tk = gl.expand_dims(tok0 + gl.arange(0, OT, layout=gl.SliceLayout(1, FN)), 1)
                     fv = gl.where(tk <= pos, e4m3_factors(vsb), 0.0)
