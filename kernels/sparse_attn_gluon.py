@@ -15,8 +15,9 @@ tokens (128, one page; 64 also compiles) of one (request, KV head), 4 warps:
   whole);
 - the softmax's reference is stale: p = 2**(s * f - m) with m the running max of the tiles before, which every
   warp knows, so no cross-warp max precedes the exp and nothing is rescaled while no score passes m + TAU (p <=
-  2**TAU in fp16). Each warp's "passed" flag rides with P through shared memory; after P's barrier any flag sends the
-  whole CTA to the exact update (cross-warp max, rescale of O and the sums, P stored again), as on the first tile.
+  2**TAU in fp16). Each warp's "passed" flag (each thread's own test of its scores, then one vote.any: no shuffles)
+  rides with P through shared memory; after P's barrier any flag sends the whole CTA to the exact update (cross-warp
+  max, rescale of O and the sums, P stored again), as on the first tile.
   The per-head factor f (2**-a times the softmax scale) rides in exp2's argument (one FFMA a score: the row maximum
   of the raw scores times a positive factor is the maximum of the scaled ones), and the causal mask runs only on a
   tile that holds tokens after the query;
@@ -63,6 +64,9 @@ formats' V factors once per token (974 -> 884 SASS a tile, 206 -> 156 registers)
 length is known, per-thread row sums of p (16 -> 2 registers), V's integer decode before the softmax and a 2-stage
 ring (globaltimer stamps: a 3.5 us prologue at batch 256, and 2 programs per SM each take 1.6 us a tile where one
 alone takes 1.2): nvfp4 16.9 / 22.7 / 33.6 -> 15.7 / 21.2 / 32.8, mxfp4 18.4 / 26.2 / 40.5 -> 16.9 / 24.5 / 38.8.
+Session 21 (2026-11-30 05:0x UTC): the warps' flags by vote.any over per-thread tests (no shuffles; 830 -> 811 SASS
+a tile on the common path) with the prologue's loads first: nvfp4 batch 64 / 128 / 256 15.7 / 21.7 / 32.4 -> 15.1 /
+20.7 / 31.6, mxfp4 16.7 / 24.1 / 37.1 -> 16.3 / 23.2 / 35.9.
 Tried and not kept (bench/RESULTS.md): TMA tiles (one thread issues a tile's copies: ~16 instructions a copy, more
 than cp.async's per-thread share), copies 3 tiles ahead (slower at every batch), more programs per SM (64-token
 tiles at 128 registers, 4 programs per SM: slower at every batch; session 20, Q in shared memory at <= 128
@@ -243,17 +247,6 @@ if gluon is not None:
                  res.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(ho < G, 1))
 
     TAU = gl.constexpr(8.0)  # log2 headroom of the stale softmax reference: p <= 2**TAU in fp16
-    FLAG_L = gl.BlockedLayout([NUM_WARPS], [32], [NUM_WARPS], [0])  # the warps' flags, all in every thread
-
-    @gluon.jit
-    def warp_row_max(x):
-        """[16, TT] in MS -> [16, NUM_WARPS]: each warp's row max over its own columns (MS puts column bits 3, 4 on
-        the warps), lanes and registers only: no cross-warp exchange."""
-        TT: gl.constexpr = x.shape[1]
-        W: gl.constexpr = x.type.layout.warps_per_cta[1]
-        # registers first (axis 1: column bits 5, 6), then the lanes' 8 columns: two shuffles a row, not eight
-        return gl.max(gl.max(gl.reshape(x, [16, TT // (8 * W), W, 8]), axis=1), axis=2)
-
     @gluon.jit
     def thread_row_sums(x):
         """[16, TT] in MS -> [16, NUM_WARPS, 4]: each thread's sums of its own columns (registers only: column bit 0
@@ -262,6 +255,36 @@ if gluon is not None:
         TT: gl.constexpr = x.shape[1]
         W: gl.constexpr = x.type.layout.warps_per_cta[1]
         return gl.sum(gl.sum(gl.reshape(x, [16, TT // (8 * W), W, 4, 2]), axis=4), axis=1)
+
+    @gluon.jit
+    def thread_flags(x, thr):
+        """[16, TT] scores in MS and per-head bounds thr [16] (in the rows' slice of `thread_row_max`) -> int32 [8, W, 4],
+        one element a thread: 1 where any of the thread's own scores passes its head's bound (registers only, no
+        shuffles: `warp_any` then makes it the warp's flag with one vote)."""
+        TT: gl.constexpr = x.shape[1]
+        W: gl.constexpr = x.type.layout.warps_per_cta[1]
+        over = (thread_row_max(x) > gl.expand_dims(gl.expand_dims(thr, 1), 2)).to(gl.int32)  # [16, W, 4]
+        return gl.max(gl.reshape(over, [2, 8, W, 4]), axis=0)  # rows g and g + 8 (a register bit)
+
+    @gluon.jit
+    def thread_row_max(x):
+        """[16, TT] in MS -> [16, W, 4]: each thread's max over its own columns (registers only; the columns as in
+        `thread_row_sums`)."""
+        TT: gl.constexpr = x.shape[1]
+        W: gl.constexpr = x.type.layout.warps_per_cta[1]
+        return gl.max(gl.max(gl.reshape(x, [16, TT // (8 * W), W, 4, 2]), axis=4), axis=1)
+
+    @gluon.jit
+    def warp_any(f):
+        """int32 flags, one a thread -> 1 in every lane of a warp where any lane's flag is set (vote.any)."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .pred p, q; setp.ne.s32 p, $1, 0; vote.sync.any.pred q, p, 0xffffffff; selp.s32 $0, 1, 0, q; }",
+            "=r,r", [f], dtype=gl.int32, is_pure=True, pack=1)
+
+    # the warps' flags: thread_flags' [8, W, 4] stored as is (every lane its warp's vote), read back as the [1, W, 1]
+    # slice (0, w, 0), every thread all W of them
+    FLAG3_SMEM = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 2, 0])  # (0, w, 0) contiguous
+    FLAG3_L = gl.BlockedLayout([1, NUM_WARPS, 1], [1, 1, 32], [1, 1, NUM_WARPS], [1, 2, 0])
 
     @gluon.jit
     def v_column_element(n):
@@ -383,6 +406,7 @@ if gluon is not None:
         to finish merges the partials (`cnt_ptr`: one int32 arrival counter per (request, KV head), zero before the
         launch and left zero after it)."""
         TPB: gl.constexpr = 128 // OT  # tiles per 128-token selected block
+        W: gl.constexpr = MS.warps_per_cta[1]  # warps (NUM_WARPS)
         if OT == 128:
             WKL: gl.constexpr = WK2
             SKL: gl.constexpr = SK2
@@ -393,16 +417,37 @@ if gluon is not None:
         h = gl.program_id(1)
         split = gl.program_id(2)
         n_splits = gl.num_programs(2)
+        head_k = h.to(gl.int64) * stride_kh
+        head_v = h.to(gl.int64) * stride_vh
+        ids_row = ids_ptr + row.to(gl.int64) * stride_ir + h * stride_ih
+        table_row = table_ptr + row.to(gl.int64) * stride_tb
+        t0 = split * tiles_per_split
+        n_end = gl.minimum(t0 + tiles_per_split, n_tiles)
+        # the prologue's loads first, in dependency order (ids -> pages -> the first tile's copies), then the work
+        # that needs a barrier (Q's layout change, the last-slot reduction), which once preceded the id loads in the
+        # SASS. Measured (session 21): no faster on its own (b256 nvfp4 32.43 -> 32.55 us, b64 15.71 -> 15.65)
         pos = gl.load(ctx_ptr + row) - 1
+        # pipeline: tile j + 1's copies in flight while tile j computes (a 2-stage ring: with 3 stages and two tiles
+        # in flight, the first tile waited longer for its data, 3.5 against 3.0 us at b256, and the loop was no
+        # faster); ids 4 and pages 2 tiles ahead of their copies. The first ids are read up to the split's end, not
+        # j_end, so that they need not wait for the context length (one dependent load less before the first copy):
+        # a slot past the last live one is dead anyway (_issue)
+        b0 = _tile_block(t0, ids_row, n_end, TPB)
+        b1 = _tile_block(t0 + 1, ids_row, n_end, TPB)
+        b2 = _tile_block(t0 + 2, ids_row, n_end, TPB)
+        b3 = _tile_block(t0 + 3, ids_row, n_end, TPB)
+        # the loop ends after the row's last live selection slot (SPEC pads selections with -1 at the end, and short
+        # contexts select fewer than top-k blocks): trailing dead tiles cost nothing, not a dependent id -> page
+        # load chain each. NSEL: the selection slots rounded up to a power of two
+        sel = gl.arange(0, NSEL, layout=ML_L)
+        sid = gl.load(ids_row + sel, mask=sel < n_tiles // TPB, other=-1)
         hq = gl.arange(0, 16, layout=gl.SliceLayout(1, Q_L))
         cq = gl.arange(0, 128, layout=gl.SliceLayout(0, Q_L))
         q = gl.load(q_ptr + row.to(gl.int64) * stride_qr + gl.expand_dims(h * G + hq, 1) * stride_qh
                     + gl.expand_dims(k_column_element(cq), 0), mask=gl.expand_dims(hq < G, 1), other=0.0)
-        q = q.to(gl.float32)
-        e = ((gl.max(gl.abs(q), axis=1).to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
-        a = gl.minimum(gl.maximum(14 - e, -126), 126)
-        qa = gl.convert_layout((q * gl.expand_dims(exp2_int(a), 1)).to(gl.float16), AS)
-        down = gl.convert_layout(exp2_int(-a) * qk_scale, gl.SliceLayout(1, MS))
+        pg0 = _page(b0, table_row, pos)
+        pg1 = _page(b1, table_row, pos)
+        pg2 = _page(b2, table_row, pos)
         kbufs = gl.allocate_shared_memory(gl.int32, [STAGES, OT, 16], K_SMEM)
         vbufs = gl.allocate_shared_memory(gl.int32, [STAGES, OT, 16], V_SMEM)
         if E8M0:
@@ -417,44 +462,26 @@ if gluon is not None:
             vsbufs = gl.allocate_shared_memory(gl.int32, [STAGES, OT, 2], S2_SMEM)
             fac_smem = gl.allocate_shared_memory(gl.float16, [8, OT], FAC_SMEM)
         p_smem = gl.allocate_shared_memory(gl.float16, [16, OT], P_SMEM)
+        flag_smem = gl.allocate_shared_memory(gl.int32, [8, W, 4], FLAG3_SMEM)  # the warps' flags
+        _issue(kbufs.index(0), ksbufs.index(0), vbufs.index(0), vsbufs.index(0), b0, pg0, t0, k_ptr, v_ptr, head_k,
+               head_v, stride_kp, stride_vp, pos, E8M0, OT)
+        q = q.to(gl.float32)
+        e = ((gl.max(gl.abs(q), axis=1).to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        a = gl.minimum(gl.maximum(14 - e, -126), 126)
+        qa = gl.convert_layout((q * gl.expand_dims(exp2_int(a), 1)).to(gl.float16), AS)
+        down = gl.convert_layout(exp2_int(-a) * qk_scale, gl.SliceLayout(1, MS))
+        last = gl.max(gl.where((sid >= 0) & (sid * 128 <= pos), sel, -1), axis=0)
+        j_end = gl.minimum(n_end, (last + 1) * TPB)
         tok_s = gl.arange(0, OT, layout=gl.SliceLayout(0, MS))
         m_i = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MS))
         mv_i = m_i
         m_ref = gl.full([16, 1], 0.0, gl.float32, layout=MS)  # the exponents' references (m_i, mv_i; 0 for -inf)
         mv_ref = m_ref
-        lm0 = warp_row_max(gl.full([16, OT], float("-inf"), gl.float32, layout=MS))  # [16, warps]
-        thr = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, lm0.type.layout))  # raw-score bounds
+        rows3 = thread_row_max(gl.full([16, OT], 0.0, gl.float32, layout=MS))  # [16, W, 4]: thread_flags' rows
+        thr = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, gl.SliceLayout(2, rows3.type.layout)))
         thr_v = thr
-        flag_smem = gl.allocate_shared_memory(gl.int32, [4], S1_SMEM)  # a flag a warp
         l_acc = thread_row_sums(gl.full([16, OT], 0.0, gl.float32, layout=MS))  # each thread's row sums
         acc = gl.full([16, 128], 0.0, gl.float32, layout=MS)
-        head_k = h.to(gl.int64) * stride_kh
-        head_v = h.to(gl.int64) * stride_vh
-        ids_row = ids_ptr + row.to(gl.int64) * stride_ir + h * stride_ih
-        table_row = table_ptr + row.to(gl.int64) * stride_tb
-        t0 = split * tiles_per_split
-        # the loop ends after the row's last live selection slot (SPEC pads selections with -1 at the end, and short
-        # contexts select fewer than top-k blocks): trailing dead tiles cost nothing, not a dependent id -> page
-        # load chain each. NSEL: the selection slots rounded up to a power of two
-        sel = gl.arange(0, NSEL, layout=ML_L)
-        sid = gl.load(ids_row + sel, mask=sel < n_tiles // TPB, other=-1)
-        last = gl.max(gl.where((sid >= 0) & (sid * 128 <= pos), sel, -1), axis=0)
-        n_end = gl.minimum(t0 + tiles_per_split, n_tiles)
-        j_end = gl.minimum(n_end, (last + 1) * TPB)
-        # pipeline: tile j + 1's copies in flight while tile j computes (a 2-stage ring: with 3 stages and two tiles
-        # in flight, the first tile waited longer for its data, 3.5 against 3.0 us at b256, and the loop was no
-        # faster); ids 4 and pages 2 tiles ahead of their copies. The first ids are read up to the split's end, not
-        # j_end, so that they need not wait for the context length (one dependent load less before the first copy):
-        # a slot past the last live one is dead anyway (_issue)
-        b0 = _tile_block(t0, ids_row, n_end, TPB)
-        b1 = _tile_block(t0 + 1, ids_row, n_end, TPB)
-        b2 = _tile_block(t0 + 2, ids_row, n_end, TPB)
-        b3 = _tile_block(t0 + 3, ids_row, n_end, TPB)
-        pg0 = _page(b0, table_row, pos)
-        pg1 = _page(b1, table_row, pos)
-        pg2 = _page(b2, table_row, pos)
-        _issue(kbufs.index(0), ksbufs.index(0), vbufs.index(0), vsbufs.index(0), b0, pg0, t0, k_ptr, v_ptr, head_k,
-               head_v, stride_kp, stride_vp, pos, E8M0, OT)
         for j in range(t0, j_end):
             st = (j - t0) % STAGES
             tok0 = b0 * 128 + (j % TPB) * OT
@@ -507,18 +534,19 @@ if gluon is not None:
                 # always takes it (m_i = -inf).
                 down2 = gl.expand_dims(down, 1)
                 p = gl.exp2(gl.fma(s, down2, -m_ref))
-                past = warp_row_max(s) > gl.expand_dims(thr, 1)
+                past = thread_flags(s, thr)
                 if E8M0:
                     # P' = 2**(s + e_v - mv) <= 1 (<= 2**TAU while stale): V decoded over each token's largest block,
                     # times P', is exact
                     sv = gl.fma(s, down2, gl.expand_dims(ev, 0))
-                    past = past | (warp_row_max(sv) > gl.expand_dims(thr_v, 1))
+                    past = past | thread_flags(sv, thr_v)
                     p_smem.store(gl.exp2(sv - mv_ref).to(gl.float16))
                 else:
                     p_smem.store(p.to(gl.float16))
-                flag_smem.store(gl.max(past.to(gl.int32), axis=0))  # this warp's flag (its element of [warps])
+                flag_smem.store(warp_any(past))  # every lane its warp's flag
                 gl.thread_barrier()
-                if gl.max(flag_smem.load(FLAG_L), axis=0) > 0:  # CTA-uniform: the exact update
+                fl = flag_smem.slice(0, 1, dim=0).slice(0, 1, dim=2).load(FLAG3_L)  # (0, w, 0): the warps' flags
+                if gl.max(gl.max(gl.max(fl, axis=2), axis=1), axis=0) > 0:  # CTA-uniform: the exact update
                     m_new = gl.maximum(m_i, gl.max(s, axis=1) * down)  # across the warps
                     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
                     alpha = gl.expand_dims(gl.exp2(m_i - m_safe), 1)
