@@ -357,11 +357,12 @@ def e8m0_decode(byte):
 
 @triton.jit
 def pow2_f16(x):
-    """int32 x <= 15 (any shape) -> fp16 2**x of that shape, exactly from bits (subnormal down to 2**-24; 0 below):
-    the fp16 form of exp2_int, for relative E8M0 block factors. Used by the index scorer (e8m0_word_factors,
-    2**(e - emax + 14)) and by sparse attention (2**(e - e_tok) <= 1); the two kernels had the same op sequence."""
-    bits = tl.where(x >= -14, (x + 15) << 10, tl.where(x >= -24, 1 << tl.maximum(x + 24, 0), 0))
-    return bits.to(tl.int16).to(tl.float16, bitcast=True)
+    """int32 x <= 15 (any shape) -> fp16 2**x of that shape, exact (subnormal down to 2**-24; 0 below): the fp16
+    form of exp2_int, for relative E8M0 block factors. Used by the index scorer (e8m0_word_factors, 2**(e - emax +
+    14)) and by sparse attention (2**(e - e_tok) <= 1). Built as fp32 bits (0 below 2**-126) and converted, which
+    rounds nothing above 2**-25 and that to 0 (ties to even): about a third of the instructions of assembling fp16's
+    normal and subnormal bit patterns apart (sm_90: 57 -> 20 per tile of the Gluon sparse decode's factor pass)."""
+    return ((tl.maximum(x, -127) + 127) << 23).to(tl.float32, bitcast=True).to(tl.float16)
 
 
 @triton.jit
