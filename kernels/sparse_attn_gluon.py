@@ -66,14 +66,19 @@ ring (globaltimer stamps: a 3.5 us prologue at batch 256, and 2 programs per SM 
 alone takes 1.2): nvfp4 16.9 / 22.7 / 33.6 -> 15.7 / 21.2 / 32.8, mxfp4 18.4 / 26.2 / 40.5 -> 16.9 / 24.5 / 38.8.
 Session 21 (2026-11-30 05:0x UTC): the warps' flags by vote.any over per-thread tests (no shuffles; 830 -> 811 SASS
 a tile on the common path) with the prologue's loads first: nvfp4 batch 64 / 128 / 256 15.7 / 21.7 / 32.4 -> 15.1 /
-20.7 / 31.6, mxfp4 16.7 / 24.1 / 37.1 -> 16.3 / 23.2 / 35.9.
+20.7 / 31.6, mxfp4 16.7 / 24.1 / 37.1 -> 16.3 / 23.2 / 35.9; then `codecs.pow2_f16` from fp32 bits (mxfp4's factor
+pass 57 -> 20 SASS a tile): mxfp4 16.7 / 23.3 / 35.9 -> 16.3 / 22.8 / 35.6 (outputs equal bit for bit).
 Tried and not kept (bench/RESULTS.md): TMA tiles (one thread issues a tile's copies: ~16 instructions a copy, more
 than cp.async's per-thread share), copies 3 tiles ahead (slower at every batch), more programs per SM (64-token
 tiles at 128 registers, 4 programs per SM: slower at every batch; session 20, Q in shared memory at <= 128
 registers and 4 programs per SM through 2 splits: 15 % more tiles an SM-second, lost to the split's merge and the
-prologue), the S and P V dots as two 4-step chains each (no faster). ncu at batch 256 (2 programs per SM, session
-17): IPC 2.0, the ALU pipe the busiest at 34 %, stalls mostly fixed-latency waits (27 %) on the decode's dependent
-integer chains.
+prologue; session 21, two warp-specialized partitions of 4 warps at 128 registers, each half of the tiles with its
+own ring, merged in shared memory: 16 warps an SM, batch 256 2.5 % faster, batches 16-128 2-8 % slower), the loop
+unrolled by two over separately allocated stages (session 21: the barrier that the hazard analysis put before each
+tile's first read gone, 3 -> 2 barriers a tile, 4 -> 2 for mxfp4 with its factors a tile ahead; outputs equal bit for
+bit, 1-10 % slower), the S and P V dots as two 4-step chains each (no faster). ncu at batch 256 (2 programs per SM,
+session 17): IPC 2.0, the ALU pipe the busiest at 34 %, stalls mostly fixed-latency waits (27 %) on the decode's
+dependent integer chains.
 
 Where it runs: CUDA devices with Gluon and the hardware E4M3 conversion (capability >= 8.9); decode; nvfp4 or mxfp4
 K and V; head dim 128; at most 16 query heads per KV head; 128-token selection blocks and pages. Elsewhere (gfx950
@@ -258,9 +263,9 @@ if gluon is not None:
 
     @gluon.jit
     def thread_flags(x, thr):
-        """[16, TT] scores in MS and per-head bounds thr [16] (in the rows' slice of `thread_row_max`) -> int32 [8, W, 4],
-        one element a thread: 1 where any of the thread's own scores passes its head's bound (registers only, no
-        shuffles: `warp_any` then makes it the warp's flag with one vote)."""
+        """[16, TT] scores in MS and per-head bounds thr [16] (in the rows' slice of `thread_row_max`) -> int32 [8,
+        W, 4], one element a thread: 1 where any of the thread's own scores passes its head's bound (registers only,
+        no shuffles: `warp_any` then makes it the warp's flag with one vote)."""
         TT: gl.constexpr = x.shape[1]
         W: gl.constexpr = x.type.layout.warps_per_cta[1]
         over = (thread_row_max(x) > gl.expand_dims(gl.expand_dims(thr, 1), 2)).to(gl.int32)  # [16, W, 4]
