@@ -266,7 +266,6 @@ if gluon is not None:
         """[16, TT] scores in MS and per-head bounds thr [16] (in the rows' slice of `thread_row_max`) -> int32 [8,
         W, 4], one element a thread: 1 where any of the thread's own scores passes its head's bound (registers only,
         no shuffles: `warp_any` then makes it the warp's flag with one vote)."""
-        TT: gl.constexpr = x.shape[1]
         W: gl.constexpr = x.type.layout.warps_per_cta[1]
         over = (thread_row_max(x) > gl.expand_dims(gl.expand_dims(thr, 1), 2)).to(gl.int32)  # [16, W, 4]
         return gl.max(gl.reshape(over, [2, 8, W, 4]), axis=0)  # rows g and g + 8 (a register bit)
