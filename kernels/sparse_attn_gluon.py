@@ -253,13 +253,19 @@ if gluon is not None:
 
     TAU = gl.constexpr(8.0)  # log2 headroom of the stale softmax reference: p <= 2**TAU in fp16
     @gluon.jit
-    def thread_row_sums(x):
-        """[16, TT] in MS -> [16, NUM_WARPS, 4]: each thread's sums of its own columns (registers only: column bit 0
-        and bits 5, 6; bits 1, 2 are the lanes t, 3, 4 the warps), two a thread; the running sums of p, summed over
-        lanes and warps once at the end (a lazy per-column sum held 16 registers a thread)."""
+    def thread_columns(x):
+        """[16, TT] in MS -> [16, TT // (8 W), W, 4, 2]: axes 1 and 4 (column bits 5, 6 and bit 0) are a thread's
+        registers, axis 3 (bits 1, 2) the lanes t, axis 2 (bits 3, 4) the warps; reducing axes 4 and 1 stays in
+        registers."""
         TT: gl.constexpr = x.shape[1]
         W: gl.constexpr = x.type.layout.warps_per_cta[1]
-        return gl.sum(gl.sum(gl.reshape(x, [16, TT // (8 * W), W, 4, 2]), axis=4), axis=1)
+        return gl.reshape(x, [16, TT // (8 * W), W, 4, 2])
+
+    @gluon.jit
+    def thread_row_sums(x):
+        """[16, TT] in MS -> [16, NUM_WARPS, 4]: each thread's sums of its own columns, two a thread; the running
+        sums of p, summed over lanes and warps once at the end (a lazy per-column sum held 16 registers a thread)."""
+        return gl.sum(gl.sum(thread_columns(x), axis=4), axis=1)
 
     @gluon.jit
     def thread_flags(x, thr):
@@ -272,11 +278,8 @@ if gluon is not None:
 
     @gluon.jit
     def thread_row_max(x):
-        """[16, TT] in MS -> [16, W, 4]: each thread's max over its own columns (registers only; the columns as in
-        `thread_row_sums`)."""
-        TT: gl.constexpr = x.shape[1]
-        W: gl.constexpr = x.type.layout.warps_per_cta[1]
-        return gl.max(gl.max(gl.reshape(x, [16, TT // (8 * W), W, 4, 2]), axis=4), axis=1)
+        """[16, TT] in MS -> [16, W, 4]: each thread's max over its own columns (registers only)."""
+        return gl.max(gl.max(thread_columns(x), axis=4), axis=1)
 
     @gluon.jit
     def warp_any(f):
