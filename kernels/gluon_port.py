@@ -59,6 +59,30 @@ def cuda_at_least(device: torch.device, capability: tuple[int, int]) -> bool:
     return torch.cuda.get_device_capability(device) >= capability
 
 
+# Programmatic dependent launch (PDL): the sparse decode kernels are launched with it where the device has it, as
+# engines launch their step kernels, so that a layer's programs are scheduled as the previous kernel's programs retire
+# (its tail and the launch gap overlap) and wait in `griddepcontrol.wait` before their first global access: every
+# input may come from the kernel before (the store of this step's token, the indexer's selection), so nothing is read
+# earlier. A launch without the attribute makes both instructions no-ops. Measured on the H200 (session 22, layers back
+# to back in one CUDA graph): 0.6-0.9 us a layer faster at batch 16-256, outputs equal bit for bit.
+LAUNCH_PDL = True
+
+
+def pdl_ok(device: torch.device) -> bool:
+    """Launch with PDL on `device`: LAUNCH_PDL and a CUDA (not ROCm) device of capability >= 9.0 (griddepcontrol)."""
+    return LAUNCH_PDL and cuda_at_least(device, (9, 0))
+
+
+if gluon is not None:
+    @gluon.jit
+    def grid_dependency_sync():
+        """PDL's two instructions at a kernel's start: wait until the kernels this launch depends on have finished
+        and their writes are visible, then let the next PDL launch schedule its programs (they wait likewise)."""
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+
+
 @functools.lru_cache(maxsize=16)
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (the persistent Gluon kernels size their grids by it)."""

@@ -85,12 +85,14 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kvtool.errors import KernelArgumentError
 from kvtool.kernels import attn_tiles as tiles
 from kvtool.kernels import codecs as kc
 from kvtool.kernels import sparse_attn_gluon as attn_gluon
 from kvtool.kernels.attn_tiles import SCALE_E8M0, SCALE_ROW
+from kvtool.kernels.gluon_port import pdl_ok
 from kvtool.kernels.store import native_fp8 as store_native_fp8
 from kvtool.paged import PagedCache
 
@@ -214,7 +216,11 @@ def _sparse_attn_kernel(
                            # order too), 2 K only (q in that order), 0 neither
     LAZY_L: tl.constexpr,  # softmax denominators as per-column partial sums, reduced after the loop (see _attend)
     JOINT: tl.constexpr,  # E8M0 V factors through one joint max with the softmax max (see _attend)
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (gluon_port.LAUNCH_PDL; CUDA sm_90+)
 ):
+    if PDL:  # wait for the kernels before, then release the next launch, ahead of any global access
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -452,6 +458,9 @@ def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_
     if maxnreg is None:
         maxnreg = 128 if f16 and warps == 4 else 0
     launch_opts = {"maxnreg": int(maxnreg)} if maxnreg and q.device.type == "cuda" and torch.version.cuda else {}
+    pdl = not interp and pdl_ok(q.device)
+    if pdl:
+        launch_opts["launch_pdl"] = True
     if fmt.element is not None and fmt.element.name == "e2m1" and any(
             c.data.stride(i) % 4 for c in (k_cache, v_cache) for i in (0, 1)):
         raise KernelArgumentError("E2M1 caches are read as 4-byte words: page and head slabs must be 4-byte aligned "
@@ -489,7 +498,7 @@ def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_
         P_SPLIT=(not f16) if precise_p is None else bool(precise_p), PREFETCH=prefetch, PAIRED=paired,
         LAZY_L=(DEFAULT_LAZY_L and f16) if lazy_l is None else bool(lazy_l),
         JOINT=fmt.scale_element == "e8m0" and (DEFAULT_JOINT if joint_max is None else bool(joint_max)),
-        num_warps=warps, num_stages=num_stages, **launch_opts,
+        PDL=pdl, num_warps=warps, num_stages=num_stages, **launch_opts,
     )
     if splits > 1:
         _combine_kernel[(rows * hq,)](part, ml, out, v_scalar, splits,

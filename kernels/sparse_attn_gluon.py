@@ -94,12 +94,13 @@ import torch
 import triton
 
 from kvtool.kernels import codecs as kc
-from kvtool.kernels.gluon_port import cuda_at_least, num_sms
+from kvtool.kernels.gluon_port import cuda_at_least, num_sms, pdl_ok
 
 try:  # Gluon ships with Triton >= 3.5; without it the portable kernel runs everywhere
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+    from kvtool.kernels.gluon_port import grid_dependency_sync
 except ImportError:  # pragma: no cover - the pinned Triton has it
     gluon = None
 
@@ -402,7 +403,7 @@ if gluon is not None:
                       v_scalar, stride_qr, stride_qh, stride_kp, stride_kh, stride_vp, stride_vh, stride_tb,
                       stride_ir, stride_ih, n_tiles, tiles_per_split, lo3, sign8, G: gl.constexpr,
                       SPLIT: gl.constexpr, E8M0: gl.constexpr, FUSED: gl.constexpr, OT: gl.constexpr,
-                      NSEL: gl.constexpr):
+                      NSEL: gl.constexpr, PDL: gl.constexpr = False):
         """Grid (requests, KV heads, splits); split s takes tiles s * tiles_per_split onward. O [16, 128] in MS, split
         by head-dim column across the warps; K and V tiles as async copies into a STAGES-deep shared-memory ring; every
         warp's S columns reach every warp through shared memory (P as the A operand [16 heads, OT tokens]) under one
@@ -411,7 +412,10 @@ if gluon is not None:
         exchanges and barriers per token). Scale bytes sit after the page's 128 x 64 payload bytes: nvfp4 8 E4M3 bytes
         per token, mxfp4 4 E8M0 bytes per token (one word). FUSED (with SPLIT): the last split of a (request, KV head)
         to finish merges the partials (`cnt_ptr`: one int32 arrival counter per (request, KV head), zero before the
-        launch and left zero after it)."""
+        launch and left zero after it). PDL: launched with programmatic dependent launch (`gluon_port.LAUNCH_PDL`):
+        wait for the kernels before, then release the next launch, ahead of any global access."""
+        if PDL:
+            grid_dependency_sync()
         TPB: gl.constexpr = 128 // OT  # tiles per 128-token selected block
         W: gl.constexpr = MS.warps_per_cta[1]  # warps (NUM_WARPS)
         if OT == 128:
@@ -713,13 +717,14 @@ def sparse_decode(q: torch.Tensor, k_cache, v_cache, block_table: torch.Tensor, 
     else:
         part = ml = out  # unused
     cnt = cnt if fused else out  # unused without the fused merge
+    pdl = pdl_ok(q.device)
     decode_kernel[(rows, hkv, splits)](
         q, k_cache.data, v_cache.data, out, part, ml, cnt, block_table, context_lens, block_ids, float(qk_scale),
         float(v_scalar), q.stride(0), q.stride(1), k_cache.data.stride(0), k_cache.data.stride(1),
         v_cache.data.stride(0), v_cache.data.stride(1), block_table.stride(0), block_ids.stride(0),
         block_ids.stride(1), n_tiles, per, 0x07070707, -0x7F7F7F80, G=hq // hkv, SPLIT=splits > 1,
         E8M0=k_cache.fmt.scale_element == "e8m0", FUSED=fused, OT=tile, NSEL=triton.next_power_of_2(max(topk, 1)),
-        num_warps=NUM_WARPS, **({"maxnreg": MAXNREG} if MAXNREG else {}))
+        PDL=pdl, num_warps=NUM_WARPS, launch_pdl=pdl, **({"maxnreg": MAXNREG} if MAXNREG else {}))
     if splits > 1 and not fused:
         combine[(rows * hq,)](part, ml, out, float(v_scalar), splits, BLOCK_S=triton.next_power_of_2(splits), D=d,
                               num_warps=4)

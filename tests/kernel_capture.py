@@ -214,6 +214,8 @@ def capture(thunk: Callable[[], Any], target: Target) -> list[Launch]:
         p.setattr(mods["index_gluon"], "device_ok", lambda device: not target.rocm)  # the NVIDIA fast paths
         p.setattr(mods["sparse_attn_gluon"], "device_ok", lambda device: not target.rocm)
         p.setattr(mods["sparse_attn_gluon"], "num_sms", lambda device: target.sms)
+        for mod in (sa, mods["sparse_attn_gluon"]):  # programmatic dependent launch: CUDA sm_90+ only
+            p.setattr(mod, "pdl_ok", lambda device: not target.rocm)
         p.setattr(mods["index_gluon"], "num_sms", lambda device: target.sms)
         p.setattr(mods["store_gluon"], "device_ok", lambda device: not target.rocm)
         p.setattr(mods["dequant"], "stream_ok", lambda device: not target.rocm)  # cache hints: CUDA only
@@ -288,10 +290,12 @@ def compile_thunk(thunk: Callable[[], Any], target: Target) -> dict:
 
 def switches(launch: Launch) -> dict:
     """The device-dependent choices a launch carries: hardware fp8 conversion, the interpreter's fp32 dots (the
-    index scorer's DOT_F32, attention's FP32_DOT), warps and the register cap."""
+    index scorer's DOT_F32, attention's FP32_DOT), warps, the register cap and programmatic dependent launch (the
+    sparse decode kernels' PDL and the launcher's launch_pdl)."""
     kw = launch.kwargs
     return {"name": launch.name, "native_fp8": kw.get("NATIVE_FP8"), "fp32_dots": kw.get("DOT_F32", kw.get("FP32_DOT")),
-            "num_warps": kw.get("num_warps"), "maxnreg": launch.options.get("maxnreg")}
+            "num_warps": kw.get("num_warps"), "maxnreg": launch.options.get("maxnreg"), "pdl": kw.get("PDL"),
+            "launch_pdl": kw.get("launch_pdl")}
 
 
 def _one_line(exc: BaseException) -> str:

@@ -390,6 +390,41 @@ def test_gpu_cuda_graph_replay():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("fmt,gluon", [("nvfp4", True), ("mxfp4", True), ("nvfp4", False), ("fp8", False)],
+                         ids=["nvfp4-gluon", "mxfp4-gluon", "nvfp4-portable", "fp8-portable"])
+def test_gpu_pdl_chain_equals_plain_launches(fmt, gluon, splits, monkeypatch):
+    """Programmatic dependent launch (gluon_port.LAUNCH_PDL): six layers whose query is the output of the layer
+    before, back to back in one CUDA graph, equal the same chain launched without PDL bit for bit. A launch that read
+    its query before the kernel before had finished (griddepcontrol.wait after a load) would see a stale one."""
+    from kvtool.kernels import gluon_port
+
+    lens = [300, 5000, 20000, 9, 129, 1000] * 8
+    q, kc, vc, table, ctx, ids = make_decode(fmt, lens, M3["hq"], M3["hkv"], M3["d"], M3["page"], M3["bs"],
+                                             M3["topk"], seed=10)
+
+    def chain():
+        x = q
+        for _ in range(6):
+            x = sparse_decode(x, kc, vc, table, ctx, ids, 128, num_splits=splits, gluon=gluon)
+        return x
+
+    outs = {}
+    for pdl in (False, True):
+        monkeypatch.setattr(gluon_port, "LAUNCH_PDL", pdl)
+        chain()  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain()
+        graph.replay()
+        torch.cuda.synchronize()
+        outs[pdl] = out.clone()
+    assert torch.equal(outs[True], outs[False])
+    assert torch.isfinite(outs[True].float()).all() and outs[True].float().abs().max() > 0
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("heads", [(16, 1), (16, 2), (8, 2), (5, 1)], ids=["g16", "g8x2", "g4x2", "g5"])
 @pytest.mark.parametrize("fmt", ["nvfp4-rcp", "nvfp4-rcp-auto", "nvfp4-div", "mxfp4-rceil", "mxfp4-floor"])
 def test_gpu_decode_gluon(fmt, heads):

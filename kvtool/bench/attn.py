@@ -11,7 +11,10 @@ fp32: the unfused path), and once per batch PyTorch SDPA over the gathered, alre
 How it is timed, the way engines run it: each case runs `layers` layers back to back (distinct caches and
 selections per layer, enough of them that one step's K/V exceeds the H200's 50 MB L2 three times over, at most M3's
 57 sparse layers), captured once in a CUDA graph and replayed (`BenchCase(cuda_graph=True)`); time and bytes are per
-step of all those layers. Torch eager is not graph-captured (it synchronizes), so it runs eagerly.
+step of all those layers. On CUDA sm_90+ the Triton kernels (portable and Gluon) are launched with programmatic
+dependent launch (`kernels/gluon_port.py`, LAUNCH_PDL), as engines launch their step kernels: each layer's programs
+are scheduled while the layer before drains, and wait for it to finish before their first load. Torch eager is not
+graph-captured (it synchronizes), so it runs eagerly.
 
 Goals (H200): >= 70 % of the copy bandwidth at batch 256 for nvfp4 and mxfp4; nvfp4 faster per step than fp8 at batch
 >= 64. The report's `extra["goals"]` holds those checks.
@@ -232,10 +235,20 @@ def run_attn_bench(batches=DEFAULT_BATCHES, formats=DEFAULT_FORMATS, context: in
                        device, progress=progress)
     layers = {f"batch {b} {steps[(b, n)].fmt.label}": steps[(b, n)].layers for (b, n) in steps}
     report.extra = {"geometry": {**GEOMETRY, "context": context}, "layers": layers,
-                    "goals": _goals(report, batches, layers)}
+                    "goals": _goals(report, batches, layers), "timing": _timing(device)}
     if not run_kernel:
         report.extra["note"] = "kernel rows skipped: no CUDA device (set TRITON_INTERPRET=1 to run the interpreter)"
     return report
+
+
+def _timing(device: str) -> str:
+    """How the kernel rows were timed (the issue asks to say it)."""
+    if not device.startswith("cuda"):
+        return "eager calls (no CUDA device)"
+    from kvtool.kernels.gluon_port import pdl_ok
+
+    pdl = "with" if pdl_ok(torch.device(device)) else "without"
+    return f"layers back to back in one CUDA graph, replayed; kernels launched {pdl} programmatic dependent launch"
 
 
 def _goals(report: BenchReport, batches, layers: dict[str, int]) -> list[dict]:
@@ -263,6 +276,8 @@ def _goals(report: BenchReport, batches, layers: dict[str, int]) -> list[dict]:
 def render_goals(report: BenchReport, console) -> None:
     from rich.table import Table
 
+    if report.extra.get("timing"):
+        console.print(f"timing: {report.extra['timing']}")
     goals = report.extra.get("goals") or []
     if not goals:
         return
