@@ -323,8 +323,12 @@ def _combine_kernel(
     v_scalar,  # V's folded whole-tensor scalar
     num_splits,
     BLOCK_S: tl.constexpr, D: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (as _sparse_attn_kernel)
 ):
     """One program per flat (row, query head) n: merge its num_splits partials (acc, m, l) into its output row."""
+    if PDL:  # the partials come from the kernel before: wait for it before the first load
+        gdc_wait()
+        gdc_launch_dependents()
     n = tl.program_id(0).to(tl.int64)
     sp = tl.arange(0, BLOCK_S)
     smask = sp < num_splits
@@ -502,7 +506,8 @@ def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_
     )
     if splits > 1:
         _combine_kernel[(rows * hq,)](part, ml, out, v_scalar, splits,
-                                      BLOCK_S=triton.next_power_of_2(splits), D=d, num_warps=4)
+                                      BLOCK_S=triton.next_power_of_2(splits), D=d, PDL=pdl, num_warps=4,
+                                      **({"launch_pdl": True} if pdl else {}))
     return out
 
 

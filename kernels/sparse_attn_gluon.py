@@ -724,8 +724,9 @@ def sparse_decode(q: torch.Tensor, k_cache, v_cache, block_table: torch.Tensor, 
         v_cache.data.stride(0), v_cache.data.stride(1), block_table.stride(0), block_ids.stride(0),
         block_ids.stride(1), n_tiles, per, 0x07070707, -0x7F7F7F80, G=hq // hkv, SPLIT=splits > 1,
         E8M0=k_cache.fmt.scale_element == "e8m0", FUSED=fused, OT=tile, NSEL=triton.next_power_of_2(max(topk, 1)),
-        PDL=pdl, num_warps=NUM_WARPS, launch_pdl=pdl, **({"maxnreg": MAXNREG} if MAXNREG else {}))
+        PDL=pdl, num_warps=NUM_WARPS, **({"launch_pdl": True} if pdl else {}),
+        **({"maxnreg": MAXNREG} if MAXNREG else {}))
     if splits > 1 and not fused:
         combine[(rows * hq,)](part, ml, out, float(v_scalar), splits, BLOCK_S=triton.next_power_of_2(splits), D=d,
-                              num_warps=4)
+                              PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}))
     return out

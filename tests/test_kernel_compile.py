@@ -275,8 +275,8 @@ def test_default_launch_compiles(workers, target, case):
         capped = target == "cuda:90" and sw["name"] == "sparse_attn._sparse_attn_kernel" \
             and not case.endswith("/bf16") and sw["num_warps"] == 4
         assert sw["maxnreg"] == (128 if capped else None), f"{case}: {sw}"
-        # the sparse decode kernels launch with programmatic dependent launch on CUDA only (gluon_port.pdl_ok)
-        if sw["name"] in ATTN_DECODE:
+        # the sparse decode kernels and their split merge launch with programmatic dependent launch on CUDA only
+        if sw["name"] in ATTN_DECODE + ("sparse_attn._combine_kernel",):
             pdl = target == "cuda:90"
             assert sw["pdl"] is pdl and sw["launch_pdl"] == (True if pdl else None), f"{case}: {sw}"
     # every autotune config of the autotuned scorer compiled (the launcher's GPU configs, not the interpreter's one)
