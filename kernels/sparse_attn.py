@@ -216,10 +216,10 @@ def _sparse_attn_kernel(
                            # order too), 2 K only (q in that order), 0 neither
     LAZY_L: tl.constexpr,  # softmax denominators as per-column partial sums, reduced after the loop (see _attend)
     JOINT: tl.constexpr,  # E8M0 V factors through one joint max with the softmax max (see _attend)
-    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (gluon_port.LAUNCH_PDL; CUDA sm_90+)
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (see _launch)
 ):
-    if PDL:  # wait for the kernels before, then release the next launch, ahead of any global access
-        gdc_wait()
+    if PDL:  # wait for the kernels before, then release the next launch, ahead of any global access (every input
+        gdc_wait()  # may come from the kernel before)
         gdc_launch_dependents()
     row = tl.program_id(0)
     h = tl.program_id(1)
@@ -462,7 +462,14 @@ def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_
     if maxnreg is None:
         maxnreg = 128 if f16 and warps == 4 else 0
     launch_opts = {"maxnreg": int(maxnreg)} if maxnreg and q.device.type == "cuda" and torch.version.cuda else {}
-    pdl = not interp and pdl_ok(q.device)
+    # programmatic dependent launch (gluon_port.LAUNCH_PDL) only for grids of at most one program per SM. H200, M3
+    # shape, us per layer (session 22, bench/RESULTS.md): batch 1 (32 programs) 5.9-6.2 -> 5.0-5.3 for every
+    # format; beside a full machine of these programs the early-resident dependents (the combine pass, the next
+    # layer) cost time: fp8 batch 64 (512 programs) 20.2 -> 22.0, batch 256 46.7 -> 47.6 (batch 16, 256 programs:
+    # within 0.2). Releasing the next launch after the loop instead: batch 64 18.7, but batch 16 10.1 -> 10.7 (fp8)
+    # and 11.2 -> 13.5 (nvfp4), batch 256 47.5: not kept
+    pdl = not interp and pdl_ok(q.device) and \
+        rows * hkv * splits <= torch.cuda.get_device_properties(q.device).multi_processor_count
     if pdl:
         launch_opts["launch_pdl"] = True
     if fmt.element is not None and fmt.element.name == "e2m1" and any(

@@ -28,6 +28,7 @@ import importlib
 import importlib.util
 import inspect
 import json
+import math
 import os
 import pkgutil
 import queue
@@ -295,7 +296,8 @@ def switches(launch: Launch) -> dict:
     kw = launch.kwargs
     return {"name": launch.name, "native_fp8": kw.get("NATIVE_FP8"), "fp32_dots": kw.get("DOT_F32", kw.get("FP32_DOT")),
             "num_warps": kw.get("num_warps"), "maxnreg": launch.options.get("maxnreg"), "pdl": kw.get("PDL"),
-            "launch_pdl": kw.get("launch_pdl")}
+            "launch_pdl": kw.get("launch_pdl"),
+            "programs": math.prod(launch.grid) if isinstance(launch.grid, tuple) else None}
 
 
 def _one_line(exc: BaseException) -> str:

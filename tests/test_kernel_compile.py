@@ -275,10 +275,19 @@ def test_default_launch_compiles(workers, target, case):
         capped = target == "cuda:90" and sw["name"] == "sparse_attn._sparse_attn_kernel" \
             and not case.endswith("/bf16") and sw["num_warps"] == 4
         assert sw["maxnreg"] == (128 if capped else None), f"{case}: {sw}"
-        # the sparse decode kernels and their split merge launch with programmatic dependent launch on CUDA only
-        if sw["name"] in ATTN_DECODE + ("sparse_attn._combine_kernel",):
-            pdl = target == "cuda:90"
-            assert sw["pdl"] is pdl and sw["launch_pdl"] == (True if pdl else None), f"{case}: {sw}"
+    # programmatic dependent launch, CUDA only: the Gluon decode always, the portable attention kernel for grids of at
+    # most one program per SM, the split merge as the decode launch before it
+    decode_pdl = None
+    for sw in r["switches"]:
+        if sw["name"] == "sparse_attn_gluon.decode_kernel":
+            pdl = decode_pdl = target == "cuda:90"
+        elif sw["name"] == "sparse_attn._sparse_attn_kernel":
+            pdl = decode_pdl = target == "cuda:90" and sw["programs"] <= kernel_capture.TARGETS[target].sms
+        elif sw["name"] == "sparse_attn._combine_kernel":
+            pdl = decode_pdl
+        else:
+            continue
+        assert sw["pdl"] is pdl and sw["launch_pdl"] == (True if pdl else None), f"{case}: {sw}"
     # every autotune config of the autotuned scorer compiled (the launcher's GPU configs, not the interpreter's one)
     if "index_score._tuned_kernel" in r["launches"]:
         assert len([c for c in r["compiled"] if c["name"] == "index_score._tuned_kernel"]) >= 2
