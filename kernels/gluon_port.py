@@ -59,12 +59,13 @@ def cuda_at_least(device: torch.device, capability: tuple[int, int]) -> bool:
     return torch.cuda.get_device_capability(device) >= capability
 
 
-# Programmatic dependent launch (PDL): the sparse decode kernels are launched with it where the device has it, as
-# engines launch their step kernels, so that a layer's programs are scheduled as the previous kernel's programs retire
-# (its tail and the launch gap overlap) and wait in `griddepcontrol.wait` before their first global access: every
-# input may come from the kernel before (the store of this step's token, the indexer's selection), so nothing is read
-# earlier. A launch without the attribute makes both instructions no-ops. Measured on the H200 (session 22, layers back
-# to back in one CUDA graph): 0.6-0.9 us a layer faster at batch 16-256, outputs equal bit for bit.
+# Programmatic dependent launch (PDL), as engines launch their step kernels: a launch's programs are scheduled as the
+# kernel before retires (its tail and the launch gap overlap) and wait in `griddepcontrol.wait` before their first
+# global access: every input may come from the kernel before (the store of this step's token, the indexer's
+# selection), so nothing is read earlier. A launch without the attribute makes both instructions no-ops. Used by the
+# Gluon sparse decode (H200, session 22, layers back to back in one CUDA graph: 0.4-0.9 us a layer faster at batch
+# 16-256, outputs equal bit for bit) and by the portable sparse-attention kernel for grids of at most one program per
+# SM (its rule and measurements: `sparse_attn._launch`). LAUNCH_PDL = False turns it off everywhere.
 LAUNCH_PDL = True
 
 
