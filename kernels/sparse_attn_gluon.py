@@ -68,6 +68,11 @@ Session 21 (2026-11-30 05:0x UTC): the warps' flags by vote.any over per-thread 
 a tile on the common path) with the prologue's loads first: nvfp4 batch 64 / 128 / 256 15.7 / 21.7 / 32.4 -> 15.1 /
 20.7 / 31.6, mxfp4 16.7 / 24.1 / 37.1 -> 16.3 / 23.2 / 35.9; then `codecs.pow2_f16` from fp32 bits (mxfp4's factor
 pass 57 -> 20 SASS a tile): mxfp4 16.7 / 23.3 / 35.9 -> 16.3 / 22.8 / 35.6 (outputs equal bit for bit).
+Session 22 (2026-11-30 06:1x-06:3x UTC): launched with programmatic dependent launch (`gluon_port.LAUNCH_PDL`; PDL
+below): nvfp4 batch 16 / 64 / 256 10.2 / 15.0 / 31.4 -> 9.6 / 14.6 / 30.7, mxfp4 10.8 / 16.1 / 35.3 -> 10.2 / 15.7
+/ 34.6. Probes of a b256 layer (nvfp4; mxfp4 alike): with every copy masked (math only) 30.0 us of the kernel's 31.9,
+with the tile body skipped (loads only) 25.0, a loads-only kernel with its pages looked up in advance 20.7-21.4; each
+of the two dots done twice costs ~3 us (about its tensor-pipe time: the HMMAs do not overlap the decode).
 Tried and not kept (bench/RESULTS.md): TMA tiles (one thread issues a tile's copies: ~16 instructions a copy, more
 than cp.async's per-thread share), copies 3 tiles ahead (slower at every batch), more programs per SM (64-token
 tiles at 128 registers, 4 programs per SM: slower at every batch; session 20, Q in shared memory at <= 128
@@ -76,7 +81,10 @@ prologue; session 21, two warp-specialized partitions of 4 warps at 128 register
 own ring, merged in shared memory: 16 warps an SM, batch 256 2.5 % faster, batches 16-128 2-8 % slower), the loop
 unrolled by two over separately allocated stages (session 21: the barrier that the hazard analysis put before each
 tile's first read gone, 3 -> 2 barriers a tile, 4 -> 2 for mxfp4 with its factors a tile ahead; outputs equal bit for
-bit, 1-10 % slower), the S and P V dots as two 4-step chains each (no faster). ncu at batch 256 (2 programs per SM,
+bit, 1-10 % slower), the S and P V dots as two 4-step chains each (no faster), P V through wgmma (session 22: O^T =
+V^T P^T with V^T decoded into the A registers, which ldmatrix.trans + e2m1_pairs fill as they are, P^T from shared
+memory: outputs equal bit for bit, 0.1-1.3 us slower at every batch: ptxas serializes each HGMMA, the A registers being
+reused between k-steps, and ~200 registers leave no room for a tile's 64). ncu at batch 256 (2 programs per SM,
 session 17): IPC 2.0, the ALU pipe the busiest at 34 %, stalls mostly fixed-latency waits (27 %) on the decode's
 dependent integer chains.
 
