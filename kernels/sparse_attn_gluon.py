@@ -69,10 +69,11 @@ a tile on the common path) with the prologue's loads first: nvfp4 batch 64 / 128
 20.7 / 31.6, mxfp4 16.7 / 24.1 / 37.1 -> 16.3 / 23.2 / 35.9; then `codecs.pow2_f16` from fp32 bits (mxfp4's factor
 pass 57 -> 20 SASS a tile): mxfp4 16.7 / 23.3 / 35.9 -> 16.3 / 22.8 / 35.6 (outputs equal bit for bit).
 Session 22 (2026-11-30 06:1x-06:3x UTC): launched with programmatic dependent launch (`gluon_port.LAUNCH_PDL`,
-decode_kernel's PDL): nvfp4 batch 16 / 64 / 256 10.2 / 15.0 / 31.4 -> 9.6 / 14.6 / 30.7, mxfp4 10.8 / 16.1 / 35.3 -> 10.2 / 15.7
-/ 34.6. Probes of a b256 layer (nvfp4; mxfp4 alike): with every copy masked (math only) 30.0 us of the kernel's 31.9,
-with the tile body skipped (loads only) 25.0, a loads-only kernel with its pages looked up in advance 20.7-21.4; each
-of the two dots done twice costs ~3 us (about its tensor-pipe time: the HMMAs do not overlap the decode).
+decode_kernel's PDL): nvfp4 batch 16 / 64 / 256 10.2 / 15.0 / 31.4 -> 9.6 / 14.6 / 30.7, mxfp4 10.8 / 16.1 / 35.3 ->
+10.2 / 15.7 / 34.6. Probes of a b256 layer (nvfp4; mxfp4 alike): with every copy masked (math only) 30.0 us of the
+kernel's 31.9, with the tile body skipped (loads only) 25.0, a loads-only kernel with its pages looked up in advance
+20.7-21.4; each of the two dots done twice costs ~3 us (about its tensor-pipe time: the HMMAs do not overlap the
+decode).
 Tried and not kept (bench/RESULTS.md): TMA tiles (one thread issues a tile's copies: ~16 instructions a copy, more
 than cp.async's per-thread share), copies 3 tiles ahead (slower at every batch), more programs per SM (64-token
 tiles at 128 registers, 4 programs per SM: slower at every batch; session 20, Q in shared memory at <= 128
