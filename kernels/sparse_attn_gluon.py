@@ -84,8 +84,8 @@ unrolled by two over separately allocated stages (session 21: the barrier that t
 tile's first read gone, 3 -> 2 barriers a tile, 4 -> 2 for mxfp4 with its factors a tile ahead; outputs equal bit for
 bit, 1-10 % slower), the S and P V dots as two 4-step chains each (no faster), P V through wgmma (session 22: O^T =
 V^T P^T with V^T decoded into the A registers, which ldmatrix.trans + e2m1_pairs fill as they are, P^T from shared
-memory: outputs equal bit for bit, 0.1-1.3 us slower at every batch: ptxas serializes each HGMMA, the A registers being
-reused between k-steps, and ~200 registers leave no room for a tile's 64). ncu at batch 256 (2 programs per SM,
+memory: outputs equal bit for bit, 0.1-1.3 us slower at every batch with the wait after the 16 HGMMAs; with the wait
+moved into the next tile ptxas serializes them, reusing one set of A registers). ncu at batch 256 (2 programs per SM,
 session 17): IPC 2.0, the ALU pipe the busiest at 34 %, stalls mostly fixed-latency waits (27 %) on the decode's
 dependent integer chains.
 
