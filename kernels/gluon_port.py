@@ -65,23 +65,14 @@ def cuda_at_least(device: torch.device, capability: tuple[int, int]) -> bool:
 # selection), so nothing is read earlier. A launch without the attribute makes both instructions no-ops. Used by the
 # Gluon sparse decode (H200, session 22, layers back to back in one CUDA graph: 0.4-0.9 us a layer faster at batch
 # 16-256, outputs equal bit for bit) and by the portable sparse-attention kernel for grids of at most one program per
-# SM (its rule and measurements: `sparse_attn._launch`). LAUNCH_PDL = False turns it off everywhere.
+# SM (its rule and measurements: `sparse_attn._launch`). Both call Triton's `gdc_wait` / `gdc_launch_dependents`
+# (triton.language.extra.cuda) first thing. LAUNCH_PDL = False turns it off everywhere.
 LAUNCH_PDL = True
 
 
 def pdl_ok(device: torch.device) -> bool:
     """Launch with PDL on `device`: LAUNCH_PDL and a CUDA (not ROCm) device of capability >= 9.0 (griddepcontrol)."""
     return LAUNCH_PDL and cuda_at_least(device, (9, 0))
-
-
-if gluon is not None:
-    @gluon.jit
-    def grid_dependency_sync():
-        """PDL's two instructions at a kernel's start: wait until the kernels this launch depends on have finished
-        and their writes are visible, then let the next PDL launch schedule its programs (they wait likewise)."""
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                  pack=1)
 
 
 @functools.lru_cache(maxsize=16)

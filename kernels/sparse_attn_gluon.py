@@ -109,7 +109,7 @@ try:  # Gluon ships with Triton >= 3.5; without it the portable kernel runs ever
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
-    from kvtool.kernels.gluon_port import grid_dependency_sync
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover - the pinned Triton has it
     gluon = None
 
@@ -424,7 +424,8 @@ if gluon is not None:
         launch and left zero after it). PDL: launched with programmatic dependent launch (`gluon_port.LAUNCH_PDL`):
         wait for the kernels before, then release the next launch, ahead of any global access."""
         if PDL:
-            grid_dependency_sync()
+            gdc_wait()
+            gdc_launch_dependents()
         TPB: gl.constexpr = 128 // OT  # tiles per 128-token selected block
         W: gl.constexpr = MS.warps_per_cta[1]  # warps (NUM_WARPS)
         if OT == 128:

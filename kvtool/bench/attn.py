@@ -11,10 +11,11 @@ fp32: the unfused path), and once per batch PyTorch SDPA over the gathered, alre
 How it is timed, the way engines run it: each case runs `layers` layers back to back (distinct caches and
 selections per layer, enough of them that one step's K/V exceeds the H200's 50 MB L2 three times over, at most M3's
 57 sparse layers), captured once in a CUDA graph and replayed (`BenchCase(cuda_graph=True)`); time and bytes are per
-step of all those layers. On CUDA sm_90+ the Triton kernels (portable and Gluon) are launched with programmatic
-dependent launch (`kernels/gluon_port.py`, LAUNCH_PDL), as engines launch their step kernels: each layer's programs
-are scheduled while the layer before drains, and wait for it to finish before their first load. Torch eager is not
-graph-captured (it synchronizes), so it runs eagerly.
+step of all those layers. On CUDA sm_90+ the kernels are launched with programmatic dependent launch
+(`kernels/gluon_port.py`, LAUNCH_PDL; the Gluon decode always, the portable kernel for grids of at most one program
+per SM), as engines launch their step kernels: each layer's programs are scheduled while the layer before drains, and
+wait for it to finish before their first load. Torch eager is not graph-captured (it synchronizes), so it runs
+eagerly.
 
 Goals (H200): >= 70 % of the copy bandwidth at batch 256 for nvfp4 and mxfp4; nvfp4 faster per step than fp8 at batch
 >= 64. The report's `extra["goals"]` holds those checks.
@@ -247,8 +248,9 @@ def _timing(device: str) -> str:
         return "eager calls (no CUDA device)"
     from kvtool.kernels.gluon_port import pdl_ok
 
-    pdl = "with" if pdl_ok(torch.device(device)) else "without"
-    return f"layers back to back in one CUDA graph, replayed; kernels launched {pdl} programmatic dependent launch"
+    pdl = ("with programmatic dependent launch (the Gluon decode always, the portable kernel for grids of at most "
+           "one program per SM)" if pdl_ok(torch.device(device)) else "without programmatic dependent launch")
+    return f"layers back to back in one CUDA graph, replayed; kernels launched {pdl}"
 
 
 def _goals(report: BenchReport, batches, layers: dict[str, int]) -> list[dict]:
