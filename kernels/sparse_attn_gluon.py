@@ -78,7 +78,8 @@ decode and the block-factor multiplies the layer still takes 29.1-29.6 us with i
 every copy masked), so the decode costs ~2 us of 31.2 and the skeleton (page lookups, copies, dots, softmax
 exchange) is what misses 70 %; tile j + 2's copies issued right after tile j's P barrier (two tiles in flight in the
 same 2-stage ring, no extra barrier): outputs equal bit for bit, 0-1.2 us slower at every batch, also without the
-decode.
+decode; tile j - 1's P V deferred into tile j's basic block beside the K decode and the S dot (3-stage ring, P and
+V's factors double-buffered): bit for bit, 12 % (nvfp4) to 46 % (mxfp4) slower at b256.
 Tried and not kept (bench/RESULTS.md): TMA tiles (one thread issues a tile's copies: ~16 instructions a copy, more
 than cp.async's per-thread share), copies 3 tiles ahead (slower at every batch), more programs per SM (64-token
 tiles at 128 registers, 4 programs per SM: slower at every batch; session 20, Q in shared memory at <= 128
