@@ -73,7 +73,7 @@ decode_kernel's PDL): nvfp4 batch 16 / 64 / 256 10.2 / 15.0 / 31.4 -> 9.6 / 14.6
 10.2 / 15.7 / 34.6. Probes of a b256 layer (nvfp4; mxfp4 alike): with every copy masked (math only) 30.0 us of the
 kernel's 31.9, with the tile body skipped (loads only) 25.0, a loads-only kernel with its pages looked up in advance
 20.7-21.4; each of the two dots done twice costs ~3 us (about its tensor-pipe time: the HMMAs do not overlap the
-decode). Session 23 (2026-11-30 07:3x UTC), bounds at b256 nvfp4 (probes, not valid kernels): without the E2M1
+decode). Session 23 (2026-11-30 07:1x-07:2x UTC), bounds at b256 nvfp4 (probes, not valid kernels): without the E2M1
 decode and the block-factor multiplies the layer still takes 29.1-29.6 us with its loads (61 % of copy; 23.7 with
 every copy masked), so the decode costs ~2 us of 31.2 and the skeleton (page lookups, copies, dots, softmax
 exchange) is what misses 70 %; tile j + 2's copies issued right after tile j's P barrier (two tiles in flight in the
