@@ -38,11 +38,11 @@ sharded() {
 for stage in "$@"; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case "$stage" in
-    tests-store) sharded tests_store -m gpu tests/test_kernels_store.py tests/test_kernel_codecs.py tests/test_formats.py ;;
-    tests-attn) sharded tests_attn -m gpu tests/test_kernels_attn.py tests/test_attention.py ;;
-    tests-index) sharded tests_index -m gpu tests/test_kernels_index.py tests/test_indexer.py ;;
-    tests-index-gluon) sharded tests_index_gluon -m gpu -k gluon tests/test_kernels_index.py ;;
-    tests-rest) sharded tests_rest -m gpu tests/test_container.py tests/test_decode.py tests/test_models.py ;;
+    tests-store) sharded tests_store -m gpu tests/kernels/test_kernels_store.py tests/kernels/test_kernel_codecs.py tests/formats ;;
+    tests-attn) sharded tests_attn -m gpu tests/kernels/test_kernels_attn.py tests/reference/test_attention.py ;;
+    tests-index) sharded tests_index -m gpu tests/kernels/test_kernels_index.py tests/reference/test_indexer.py ;;
+    tests-index-gluon) sharded tests_index_gluon -m gpu -k gluon tests/kernels/test_kernels_index.py ;;
+    tests-rest) sharded tests_rest -m gpu $(ls -d tests/io tests/workflows tests/cli tests/engines 2>/dev/null) ;;
     bench-quant) python3 -m kvtool bench quant --device cuda --sizes 64M,256M,1G --formats nvfp4,mxfp4,mxfp4-floor,fp8,fp8-token > "$OUT/bench_quant.txt" 2>&1; tail -60 "$OUT/bench_quant.txt" ;;
     bench-attn) python3 -m kvtool bench attn --device cuda > "$OUT/bench_attn.txt" 2>&1; tail -60 "$OUT/bench_attn.txt" ;;
     bench-attn-sweep) python3 -m kvtool bench attn --device cuda --sweep > "$OUT/bench_attn_sweep.txt" 2>&1; tail -80 "$OUT/bench_attn_sweep.txt" ;;

@@ -2,7 +2,7 @@
 re-implements them. Each helper gives the same bits as a torch reference in `kvtool/formats/`: where a rounding step
 decides the result, the same fp32 operations in the same order (IEEE division through `tl.math.div_rn`); elsewhere a
 cheaper sequence that gives the same codes (e.g. `e2m1_encode`'s fma/min form, compared with the torch threshold rule
-in tests/test_kernel_codecs.py on random fp32 bit patterns of every exponent, the edge cases and every E2M1 code).
+in tests/kernels/test_kernel_codecs.py on random fp32 bit patterns of every exponent, the edge cases and every E2M1 code).
 
 Portability: the default paths use only integer bit logic, fp32/fp16 arithmetic and bitcasts: no inline asm, no lookup
 tables in memory (`rcp_table` builds the one optional table, which only the NVIDIA Gluon store gathers from), no fp32
@@ -551,7 +551,7 @@ def e8m0_decode_any(byte):
 
 # ------------------------------------------------------------------------ store engineer: cheaper block-scale steps
 # Same bits as the helpers above, fewer instructions per block (the store kernels are issue-bound). Tests (exhaustive
-# over the subnormal-quotient range for the rceil formula): tests/test_kernel_codecs.py, store engineer section.
+# over the subnormal-quotient range for the rceil formula): tests/kernels/test_kernel_codecs.py, store engineer section.
 @triton.jit
 def mx_rceil_exponent(amax):
     """mx_exponent(amax, RULE_RCEIL) for finite fp32 amax >= 0 without the division, in integer ops.
@@ -581,7 +581,7 @@ def amax_div6(amax, BF16_AMAX: tl.constexpr = False):
     """RN(amax / 6) for an fp32 block amax. BF16_AMAX (the amax is a bf16 value, as in a store of bf16 rows; and the
     code is compiled, with a real fma: the interpreter's fma rounds twice): Markstein's q = RN(a RN(1/6)), r =
     fma(-q, 6, a), fma(r, RN(1/6), q), 3 instructions instead of the IEEE division's ~10 with its slow-path check.
-    It equals RN(a / 6) for every bf16 a (tests/test_kernel_codecs.py checks all 32640 non-negative finite ones in
+    It equals RN(a / 6) for every bf16 a (tests/kernels/test_kernel_codecs.py checks all 32640 non-negative finite ones in
     exact arithmetic, and the GPU test on the device): the sequence is wrong only on exact ties of a subnormal
     quotient, and a / 6 of a bf16 a is never such a tie (a = m 2**-133 would need m 2**16 = 3 (2 j + 1))."""
     if BF16_AMAX:

@@ -74,8 +74,8 @@ Where it runs: CUDA devices with the hardware E4M3 conversion (capability >= 8.9
 request), head dim 128, 128-token blocks within pages of a multiple of 128 tokens, at most 8 (nvfp4) or 4 (mxfp4)
 index heads. Elsewhere
 (and on ROCm: gfx950 gets the portable kernel, whose code is tested in CI) `index_score` runs the portable kernel.
-The interpreter cannot run Gluon: CI compiles this kernel for sm_90 (tests/test_kernel_compile.py); the GPU tests
-compare it with the portable kernel and the reference (tests/test_kernels_index.py, marked gpu).
+The interpreter cannot run Gluon: CI compiles this kernel for sm_90 (tests/kernels/test_kernel_compile.py); the GPU tests
+compare it with the portable kernel and the reference (tests/kernels/test_kernels_index.py, marked gpu).
 """
 
 from __future__ import annotations

@@ -98,7 +98,7 @@ dependent integer chains.
 Where it runs: CUDA devices with Gluon and the hardware E4M3 conversion (capability >= 8.9); decode; nvfp4 or mxfp4
 K and V; head dim 128; at most 16 query heads per KV head; 128-token selection blocks and pages. Elsewhere (gfx950
 included) `sparse_decode` runs the portable kernel, whose code CI tests in the interpreter; CI compiles this one
-for sm_90 (tests/test_kernel_compile.py) and the GPU tests compare it with the portable kernel and the reference.
+for sm_90 (tests/kernels/test_kernel_compile.py) and the GPU tests compare it with the portable kernel and the reference.
 """
 
 from __future__ import annotations

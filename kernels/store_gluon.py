@@ -20,8 +20,8 @@ bandwidth at 64M-1G elements. Here:
   bf16 amax), and the rcp recipe's reciprocal gathered from a 256-entry table per outer scale (`kc.rcp_table`).
 Bytes: `kc.fp4_quantize_blocks` + `kc.pack_nibble_words` (or `kc.fp4_scaled_words` with MUL_PACK), ported to Gluon
 by `kernels/gluon_port.py`, with the portable store's codec choice (store.FAST_CODECS). Tests compare the bytes with
-the torch codec and with the portable kernel (tests/test_kernels_store.py, marked gpu); CI compiles the kernel for
-sm_90 (tests/test_kernel_compile.py).
+the torch codec and with the portable kernel (tests/kernels/test_kernels_store.py, marked gpu); CI compiles the kernel for
+sm_90 (tests/kernels/test_kernel_compile.py).
 
 Measured (H200, 2026-11-29, bench/sweep_quant_variants.py at 16:59 UTC, % of the copy bandwidth at 64M / 256M / 1G
 elements, portable kernel in the same run in brackets): nvfp4-rcp 87.4 / 92.3 / 93.0 (73.8 / 78.6 / 78.6), mxfp4-rceil

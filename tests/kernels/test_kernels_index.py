@@ -21,8 +21,8 @@ from kvtool.indexer import IndexerConfig, accumulation_tolerance, paged_keys, pa
 from kvtool.kernels import index_score as K
 from kvtool.kernels.topk import merge_candidates, select_from_block_scores
 from kvtool.paged import PagedCache, contiguous_slots
-from tests.conftest import DEVICE
-from tests.edge_cases import edge_case_tensor
+from conftest import DEVICE
+from edge_cases import edge_case_tensor
 
 FORMATS = ["bf16", "fp8", "fp8-token", "fp8-tensor", "nvfp4", "nvfp4-auto", "mxfp4", "mxfp4-floor"]
 
@@ -739,7 +739,7 @@ from typer.testing import CliRunner  # noqa: E402
 from kvtool.cli import app  # noqa: E402
 from kvtool.workflows import verify_topk as vt  # noqa: E402
 
-CAPTURE = Path(__file__).resolve().parent.parent / "fixtures" / "smollm2_capture.safetensors"
+CAPTURE = Path(__file__).resolve().parents[2] / "fixtures" / "smollm2_capture.safetensors"
 SMALL = IndexerConfig(block_size=32, topk=4)
 FIXED = {"prefetch": False}  # one launch, no autotuning (the GPU compiles each variant once per constexpr set)
 

@@ -21,7 +21,7 @@ from cli_helpers import kv, kv_json, one_line_error
 from kvtool.formats import get_format
 from kvtool.layouts import read_layout, write_layout
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "fixtures"
 SYNTH = FIXTURES / "synthetic_cache.safetensors"
 VLLM = FIXTURES / "vllm_mxfp4_k.bin"

@@ -32,7 +32,7 @@ from kvtool.layouts import (
 from kvtool.layouts.engine import resolve_format
 from kvtool.paged import PagedCache
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # One representative of every scale kind: none, fp32 tensor, fp32 row (plain and DeepSeek), E4M3 (outer 1 / auto), E8M0.
 FORMATS = ["bf16", "fp8-unit", "fp8-tensor", "fp8-token", "fp8-ds-pow2", "nvfp4", "nvfp4-div-auto", "mxfp4-floor"]
 

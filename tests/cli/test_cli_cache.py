@@ -23,7 +23,7 @@ from cli_helpers import kv, kv_json, one_line_error
 from kvtool.container import read_header
 from kvtool.formats import get_format
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FIX = ROOT / "fixtures" / "synthetic_cache.safetensors"
 
 

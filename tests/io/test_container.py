@@ -2,7 +2,7 @@
 streaming == one-shot bytes, headers that lie, future schemas, foreign inputs (.pt, .npy, plain safetensors), the
 global index of a NaN found in a row block, atomic output, and peak memory while streaming.
 
-Run by hand for the big-file memory figure: `python tests/test_container.py --rss-gib 4` (writes, quantizes and
+Run by hand for the big-file memory figure: `python tests/io/test_container.py --rss-gib 4` (writes, quantizes and
 deletes a 4 GiB bf16 file next to /tmp; prints the peak RSS growth).
 """
 
@@ -29,7 +29,7 @@ from kvtool.readers import open_input
 from kvtool.workflows.cache_ops import dequantize_file, quantize_file
 from kvtool.workflows.inspect import inspect_file
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FIX = ROOT / "fixtures" / "synthetic_cache.safetensors"
 ALL = all_formats()
 TINY_CHUNK_MB = 1e-4  # 104 bytes: one row per row block at D = 64
