@@ -11,6 +11,9 @@ Semantics, for one request with index queries `iq` [Hi, Q, D] at positions `q_po
 - top-k: `k = min(topk, valid_blocks)` ids per (head, query) in descending rank order, padded with -1. NaN ranks as
   -1e30 (so below every finite score, above -inf). Ties: `higher-id` (ATOM) prefers the higher block id, `lower-id`
   (vLLM's AMD selector) the lower, `any` leaves it to torch.topk.
+- NaN / -inf (`nan_rule`): `low` (SPEC) ranks NaN as -1e30 and keeps every valid block, NaN or -inf, ahead of the
+  padding; `neg-inf` ranks NaN as -inf; `any` ranks as `low` but lets a check accept any choice and order among
+  non-finite blocks (an engine may leave them out for -1). A finite block left out for a lower one is never a rule.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 from kvtool.errors import InputError
 
 TIE_RULES = ("higher-id", "lower-id", "any")
+NAN_RULES = ("low", "neg-inf", "any")
 INIT_SCORE = 1e30  # forced init blocks (fp32 1e30)
 LOCAL_SCORE = 1e29  # forced local blocks: below init, above every real score
 NAN_RANK = -1e30  # the key a NaN block score is ranked by
@@ -37,12 +41,15 @@ class IndexerConfig:
     init_blocks: int = 0
     local_blocks: int = 1
     tie_rule: str = "higher-id"  # 'higher-id' | 'lower-id' | 'any'
+    nan_rule: str = "low"  # 'low' | 'neg-inf' | 'any' (module docstring)
 
     def __post_init__(self):
         if self.block_size < 1 or self.topk < 1 or self.init_blocks < 0 or self.local_blocks < 0:
             raise InputError(f"indexer config out of range: {self}")
         if self.tie_rule not in TIE_RULES:
             raise InputError(f"unknown tie rule {self.tie_rule!r} (choose {'|'.join(TIE_RULES)})")
+        if self.nan_rule not in NAN_RULES:
+            raise InputError(f"unknown NaN rule {self.nan_rule!r} (choose {'|'.join(NAN_RULES)})")
 
 
 # ------------------------------------------------------------------------------------------------ reference scorer
@@ -89,9 +96,10 @@ def apply_forced(bscores: torch.Tensor, q_pos, cfg: IndexerConfig) -> torch.Tens
     return out.masked_fill((ids >= valid - cfg.local_blocks) & (ids < valid), LOCAL_SCORE)
 
 
-def rank_keys(bscores: torch.Tensor) -> torch.Tensor:
-    """The values block scores are ranked by: NaN -> -1e30, everything else unchanged."""
-    return torch.nan_to_num(bscores.float(), nan=NAN_RANK, posinf=math.inf, neginf=-math.inf)
+def rank_keys(bscores: torch.Tensor, nan_rule: str = "low") -> torch.Tensor:
+    """The values block scores are ranked by: NaN -> -1e30 (-inf under nan_rule 'neg-inf'), the rest unchanged."""
+    nan = -math.inf if nan_rule == "neg-inf" else NAN_RANK
+    return torch.nan_to_num(bscores.float(), nan=nan, posinf=math.inf, neginf=-math.inf)
 
 
 def select_topk(bscores: torch.Tensor, q_pos, cfg: IndexerConfig) -> torch.Tensor:
@@ -100,7 +108,7 @@ def select_topk(bscores: torch.Tensor, q_pos, cfg: IndexerConfig) -> torch.Tenso
     ties follow cfg.tie_rule (`any` accepts any tie order; the reference then uses the higher-id order)."""
     *lead, nq, nb = bscores.shape
     q_pos = _positions(q_pos, nq, bscores.device)
-    keys = rank_keys(bscores)
+    keys = rank_keys(bscores, cfg.nan_rule)
     valid = (q_pos // cfg.block_size + 1)[:, None]  # [Q, 1]
     # Lexicographic order by stable sorts, least significant first: tie id, then rank key, then validity (a valid
     # -inf block must beat an invalid one).
