@@ -12,6 +12,7 @@ import os
 import torch
 
 from kvtool.errors import KvtoolError
+from kvtool.formats import rotation as _rotation
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -63,6 +64,8 @@ def store(cache, x: torch.Tensor, slot_mapping: torch.Tensor, backend: str = "au
         return cache.store(x, slot_mapping)
     from kvtool.kernels.store import store as triton_store
 
+    if cache.fmt.rotation is not None:  # the kernels know no rotation: they quantize the rotated values (codes = x R)
+        x = _rotation.rotate(x, cache.fmt.rotation)
     return triton_store(cache, x, slot_mapping, validate=validate)
 
 
@@ -73,6 +76,8 @@ def gather_dequantize(cache, slots: torch.Tensor, dtype: torch.dtype = torch.flo
         return cache.dequantize(slots, dtype)
     from kvtool.kernels.dequant import gather_dequantize as triton_gather
 
+    if cache.fmt.rotation is not None:  # the kernel decodes the rotated domain; R^T brings it back
+        return _rotation.unrotate(triton_gather(cache, slots, torch.float32), cache.fmt.rotation).to(dtype)
     return triton_gather(cache, slots, dtype)
 
 
@@ -82,6 +87,8 @@ def quantize(fmt, x: torch.Tensor, tensor_amax: torch.Tensor | None = None, back
         return fmt.quantize(x, tensor_amax=tensor_amax)
     from kvtool.kernels.quant import triton_quantize
 
+    if fmt.rotation is not None:
+        x = _rotation.rotate(x, fmt.rotation)
     return triton_quantize(fmt, x, tensor_amax)
 
 
@@ -91,4 +98,6 @@ def dequantize(q, dtype: torch.dtype = torch.float32, backend: str = "auto") -> 
         return q.dequantize(dtype)
     from kvtool.kernels.quant import triton_dequantize
 
+    if q.fmt.rotation is not None:
+        return _rotation.unrotate(triton_dequantize(q, torch.float32), q.fmt.rotation).to(dtype)
     return triton_dequantize(q, dtype)
