@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from kvtool.errors import FormatError, InputError
-from kvtool.formats import codecs
+from kvtool.formats import codecs, recipes
 from kvtool.formats import rotation as _rot
 from kvtool.formats.elements import E2M1, E4M3, ElementCodec
 from kvtool.formats.rules import Fp8Scale, NvRecipe, ScaleRule, parse_enum
@@ -50,6 +50,9 @@ FAMILIES: dict[str, Family] = {
                     ("recipe", "outer_scale"), "E2M1, one E4M3 scale per 16 elements, optional fp32 outer scale"),
     "mxfp4": Family("mxfp4", E2M1, 4, 32, "e8m0", codecs.mxfp4_quantize, codecs.mxfp4_dequantize,
                     ("scale_rule",), "E2M1, one E8M0 scale per 32 elements"),
+    # SGLang's FP4 KV pool (kvfp4_tensor.py FP4MXBlock16KVQuantizeUtil): MX element and scale, 16-element blocks.
+    "kvfp4": Family("kvfp4", E2M1, 4, 16, "e8m0", codecs.mxfp4_quantize, codecs.mxfp4_dequantize,
+                    ("scale_rule",), "E2M1, one E8M0 scale per 16 elements (SGLang FP4 KV)"),
 }
 ALIASES = {"fp4": "nvfp4", "bfloat16": "bf16", "e4m3": "fp8", "fp8_e4m3": "fp8"}
 
@@ -68,6 +71,7 @@ class Format:
     fp8_scale: Fp8Scale | None = None
     ds_floor: bool | None = None
     pow2: bool | None = None
+    engine: str | None = None  # an engine recipe's name (kvtool.formats.recipes): its choices replace the options
     rotation: int | None = None  # Hadamard block before quantizing (kvtool.formats.rotation; 0 = whole dim)
 
     @property
@@ -118,7 +122,7 @@ class Format:
             parts.append("ds")
         if self.pow2:
             parts.append("pow2")
-        return "-".join(parts) + _rot.label_suffix(self.rotation)
+        return "-".join(parts) + (f"@{self.engine}" if self.engine else "") + _rot.label_suffix(self.rotation)
 
     def payload_bytes(self, dim: int) -> int:
         return dim * self.spec.payload_bits // 8
@@ -155,13 +159,26 @@ class Format:
             require_finite(x, name)
         if self.rotation is not None:  # codes hold x R; dequantize undoes R
             x = _rot.rotate(x, self.rotation)
-        payload, scales, outer = self.spec.quantize(self, x.float(), tensor_amax)
+        if self.engine:
+            payload, scales, outer = recipes.quantize(recipes.get_recipe(self.engine), self, x.float(), tensor_amax)
+        else:
+            payload, scales, outer = self.spec.quantize(self, x.float(), tensor_amax)
         return QTensor(self, payload, scales, outer, tuple(x.shape))
 
     def dequantize(self, q: "QTensor", dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.rotation is not None:
             return _rot.unrotate(self.unrotated.dequantize(q), self.rotation).to(dtype)
+        if self.engine:
+            out = recipes.dequantize(recipes.get_recipe(self.engine), self, q.payload, q.scales, q.outer_scale)
+            return out.to(dtype)
         return self.spec.dequantize(self, q.payload, q.scales, q.outer_scale).to(dtype)
+
+    def require_kvtool_codec(self, what: str = "this kernel") -> None:
+        """Raise FormatError when the format names an engine recipe: kernels implement the SPEC codecs only, so
+        they refuse a recipe rather than write other bytes (the torch path runs every recipe)."""
+        if self.engine:
+            raise FormatError(f"{what} implements kvtool's SPEC codecs and cannot honour engine recipe "
+                              f"{self.engine!r}; use the torch backend (--device cpu / backend torch)")
 
     def to_meta(self) -> dict:
         """Options as plain strings (for the cache file metadata and JSON reports)."""
@@ -169,6 +186,8 @@ class Format:
         for key in self.spec.options:
             value = getattr(self, key)
             out[key] = value.name.lower() if hasattr(value, "name") else value
+        if self.engine:
+            out["engine_recipe"] = self.engine
         out.update(_rot.to_meta(self.rotation))
         return out
 
@@ -178,6 +197,9 @@ class Format:
             base = cls.from_meta({k: v for k, v in meta.items() if k != "rotation"})
             return dataclasses.replace(base, rotation=_rot.from_meta(meta))
         opts = {k: meta[k] for k in FAMILIES[_family(meta["family"])].options if k in meta}
+        if meta.get("engine_recipe"):
+            return get_format(meta["family"], engine=meta["engine_recipe"], strict=False,
+                              **({"outer_scale": opts["outer_scale"]} if "outer_scale" in opts else {}))
         return get_format(meta["family"], **opts)
 
 
@@ -246,14 +268,20 @@ def _outer_scale(value) -> str:
 
 
 def get_format(name: str, *, scale_rule=None, recipe=None, outer_scale=None, fp8_scale=None, ds_floor=None,
-               pow2=None, strict: bool = True, rotation=None) -> Format:
+               pow2=None, strict: bool = True, engine=None, rotation=None) -> Format:
     """Resolve a name or label plus explicit options into a Format. Options that do not apply to the family raise
-    FormatError when `strict` (a user passing `--scale-rule` for nvfp4 made a mistake); otherwise they are ignored."""
+    FormatError when `strict` (a user passing `--scale-rule` for nvfp4 made a mistake); otherwise they are ignored.
+    `engine` (or a label suffix `@<recipe>`, e.g. `nvfp4@vllm.ref_nvfp4`) names an engine recipe
+    (kvtool.formats.recipes), whose choices replace the family's rule options."""
     name, label_rotation = _rot.split_label(name)  # `+rot` / `+rotN` suffix, or `rotation` (kvtool.formats.rotation)
     if rotation is not None or label_rotation is not None:
         base = get_format(name, scale_rule=scale_rule, recipe=recipe, outer_scale=outer_scale, fp8_scale=fp8_scale,
-                          ds_floor=ds_floor, pow2=pow2, strict=strict)
+                          ds_floor=ds_floor, pow2=pow2, strict=strict, engine=engine)
         return _rotated(base, label_rotation if rotation is None else rotation)
+    name, _, at_engine = str(name).partition("@")
+    if engine or at_engine:
+        return _engine_format(name, engine or at_engine, outer_scale=outer_scale, strict=strict,
+                              given=(scale_rule, recipe, fp8_scale, ds_floor, pow2))
     family_name, _, rest = str(name).strip().partition("-")
     family = _family(family_name)
     given = {"scale_rule": scale_rule, "recipe": recipe, "outer_scale": outer_scale, "fp8_scale": fp8_scale,
@@ -292,6 +320,29 @@ def _rotated(base: Format, rotation: int) -> Format:
         raise FormatError(f"rotation ({_rot.label_suffix(rotation)}) does not combine with a whole-tensor scale "
                           f"({base.label}); use a per-token / per-block scale")
     return dataclasses.replace(base, rotation=rotation)
+
+
+def _engine_format(name: str, engine: str, *, outer_scale, strict: bool, given: tuple) -> Format:
+    """The Format of an engine recipe: its family, the family's option fields fixed to what the recipe implies, and
+    an outer scale where the recipe takes one. `name` must be empty or the recipe's family (`nvfp4@vllm.ref_nvfp4`)."""
+    rec = recipes.get_recipe(engine)
+    family, _, rest = str(name).strip().partition("-")
+    if family and _family(family) != rec.family:
+        raise FormatError(f"engine recipe {rec.name} writes {rec.family}, not {_family(family)}")
+    for token in filter(None, rest.lower().split("-")):  # a label's own tokens: only its outer scale is free
+        opt = _label_token(rec.family, token)
+        if "outer_scale" in opt:
+            outer_scale = opt["outer_scale"] if outer_scale is None else outer_scale
+        elif rec.family != "fp8" or token not in ("token", "ds", "pow2"):
+            given += (token,)
+    if strict and any(v not in (None, False) for v in given):
+        raise FormatError(f"engine recipe {rec.name} fixes every rule option; give only the family "
+                          f"({rec.family}) and, for NVFP4 recipes, --outer-scale")
+    if outer_scale not in (None, "1", 1, 1.0) and rec.outer == recipes.OuterDir.NONE:
+        raise FormatError(f"engine recipe {rec.name} takes no outer scale")
+    opts = {"nvfp4": lambda: {"outer_scale": _outer_scale(outer_scale if outer_scale is not None else "1")},
+            "fp8": lambda: {"fp8_scale": Fp8Scale.TOKEN, "ds_floor": True, "pow2": rec.pow2 != recipes.Pow2.NONE}}
+    return Format(rec.family, **opts.get(rec.family, dict)(), engine=rec.name)
 
 
 def _label_token(family: str, token: str) -> dict:

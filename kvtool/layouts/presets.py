@@ -80,6 +80,33 @@ def _shuffle_v_inverse(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(*lead, p // ATOM_X, nb, ATOM_X).transpose(-1, -2).reshape(*lead, p, nb)
 
 
+# vLLM's ROCm DeepSeek V3.2 indexer writer (SHUFFLE, any P > 1): [P, D] -> [P/16, D/16, 16 tokens, 16 bytes];
+# a page of one token is stored linear (the writer's NORMAL layout).
+DS32_TILE = 16
+
+
+def _ds32_shuffle(x: torch.Tensor) -> torch.Tensor:
+    *lead, p, nb = x.shape
+    if p == 1:
+        return x
+    t = DS32_TILE
+    return x.reshape(*lead, p // t, t, nb // t, t).transpose(-3, -2).reshape(*lead, p, nb)
+
+
+def _ds32_shuffle_inverse(x: torch.Tensor) -> torch.Tensor:
+    *lead, p, nb = x.shape
+    if p == 1:
+        return x
+    t = DS32_TILE
+    return x.reshape(*lead, p // t, nb // t, t, t).transpose(-3, -2).reshape(*lead, p, nb)
+
+
+def _ds32_check(p: int, nb: int) -> "str | None":
+    if (p != 1 and p % DS32_TILE) or nb % DS32_TILE:
+        return "the DS V3.2 indexer shuffle needs page == 1 or page % 16 == 0, and payload bytes % 16 == 0"
+    return None
+
+
 def _needs(p_mult: int = 1, nb_mult: int = 1, what: str = "") -> Callable[[int, int], "str | None"]:
     def check(p: int, nb: int) -> "str | None":
         if p % p_mult or nb % nb_mult:
@@ -100,6 +127,9 @@ RULES: dict[str, Rule] = {
     "atom-shuffle-v": Rule(
         "atom-shuffle-v", "[P, D] -> [P/16, D, 16] (off = (t//16)*16*D + d*16 + t%16)", _shuffle_v, _shuffle_v_inverse,
         _needs(ATOM_X, 1, "the ATOM V SHUFFLE needs page % 16 == 0")),
+    "ds32-shuffle": Rule(
+        "ds32-shuffle", "[P, D] -> [P/16, D/16, 16, 16] (off = (t//16)*16*D + (d//16)*256 + (t%16)*16 + d%16; "
+        "P = 1 linear)", _ds32_shuffle, _ds32_shuffle_inverse, _ds32_check),
 }
 
 
@@ -159,7 +189,7 @@ PER_HEAD_PAGE = ("page", "head", "plane", "token")  # per page and head: [P x pa
 PAGE_HND = ("page", "plane", "head", "token")  # per page: [plane0: H x P][plane1: H x P]...
 PAGE_NHD = ("page", "plane", "token", "head")  # per page: [plane0: P x H][plane1: P x H]...
 
-ALL_FAMILIES = ("bf16", "fp8", "nvfp4", "mxfp4")
+ALL_FAMILIES = ("bf16", "fp8", "nvfp4", "mxfp4", "kvfp4")
 
 
 def _kv_planes(v_scale_rule: str = "linear") -> tuple[Plane, ...]:
@@ -202,6 +232,19 @@ PRESETS: dict[str, LayoutPreset] = {p.name: p for p in (
         "vllm-project/vllm csrc/cache_kernels.cu + vllm/v1/attention/ops/rocm_aiter_mla_sparse.py "
         "(indexer_k_quant_and_cache: per block [P x 128 e4m3][P x fp32 scale])",
         "DeepSeek V3.2 lightning-indexer key cache, one head (MQA)"),
+    LayoutPreset(
+        "ds32-indexer-shuffled", ("fp8",), "fp8-ds", 64, False, ("x",),
+        (Region("indexer_k_cache", (Plane("x", PAYLOAD, "ds32-shuffle"), Plane("x", SCALE)), PAGE_HND),),
+        "vllm-project/vllm vllm/v1/attention/ops/rocm_aiter_mla_sparse.py (indexer_k_quant_and_cache_triton, "
+        "LAYOUT SHUFFLE for block_size > 1, BLOCK_TILE_SIZE = HEAD_TILE_SIZE = 16)",
+        "DeepSeek V3.2 indexer keys as vLLM's ROCm writer stores them: per block [P x 128 e4m3, shuffled as "
+        "[P/16, D/16, 16, 16]][P x fp32 scale]; P = 1 is linear"),
+    LayoutPreset(
+        "vllm-m3-nvfp4-sm100", ("nvfp4",), "nvfp4", 128, True, ("k", "v"),
+        (Region("kv_cache", _kv_planes(), PER_HEAD_PAGE),),
+        "vllm-project/vllm vllm/third_party/fmha_sm100/nvfp4_kv.py (nvfp4_head_slot_views: uint8 [pages, 2 * Hkv, "
+        "128, 72], slot 2h = head h's K, 2h + 1 its V, each [128 x 64 data][128 x 8 E4M3 scales])",
+        "MiniMax-M3 SM100 NVFP4 KV: per page and head [K data | K scale | V data | V scale] (9216 B each part pair)"),
     LayoutPreset(
         "sglang-page1", ALL_FAMILIES, None, 1, True, ("k", "v"),
         (Region("k_buffer", (Plane("k", PAYLOAD),), TOKEN_MAJOR),
