@@ -22,7 +22,10 @@ EPILOG = """Examples:\n
   kvtool verify-topk --synthetic --batch 8 --context-lens 1,127,128,129,4097,32768,131072,150000 --device cuda\n
   kvtool verify-topk capture.safetensors --formats nvfp4,mxfp4-floor --layers 3-5 --min-recall 0.9 --device cuda\n
   kvtool verify-topk index_k.safetensors --queries index_q.safetensors --formats fp8,nvfp4 --json\n
-  TRITON_INTERPRET=1 kvtool verify-topk --synthetic --batch 2 --context-lens 700 --formats nvfp4   (kernel on CPU)"""
+  TRITON_INTERPRET=1 kvtool verify-topk --synthetic --batch 2 --context-lens 700 --formats nvfp4   (kernel on CPU)\n
+  kvtool verify-topk --synthetic --impl vllm --formats bf16,fp8 --device cuda   (vLLM's kernel beside kvtool's)\n
+  kvtool verify-topk --edge-scores --impl vllm --device cuda   (top-k alone on -inf / NaN / tie rows)\n
+  kvtool verify-topk --scores rows.safetensors --nan-rule any --impl mypkg.kernels:my_select"""
 
 FORMATS_DEFAULT = "bf16,fp8,nvfp4,mxfp4"
 
@@ -37,6 +40,14 @@ def verify_topk_cmd(
                                                                       "D] queries of the last Q positions.")] = None,
     synthetic: Annotated[bool, typer.Option("--synthetic", help="One synthetic M3 decode step instead of a "
                                                                 "file.")] = False,
+    edge_scores: Annotated[bool, typer.Option("--edge-scores", help="Top-k alone on built-in block-score rows with "
+                                                                    "-inf / NaN blocks and ties.")] = False,
+    scores: Annotated[Optional[Path], typer.Option("--scores", help="Top-k alone on a file of block scores: `scores` "
+                                                                    "[R, NB] fp32 and `q_pos` [R].")] = None,
+    impl: Annotated[Optional[str], typer.Option("--impl", help="Engine implementations to run beside kvtool's kernel "
+                                                               "(vllm, or module:function; comma separated).")] = None,
+    nan_rule: Annotated[str, typer.Option("--nan-rule", help="NaN / -inf blocks: low (SPEC: NaN ranks -1e30) | "
+                                                             "neg-inf | any (free among non-finite).")] = "low",
     formats: Annotated[str, typer.Option("--formats", help="Comma-separated formats or labels (bf16, fp8, nvfp4, "
                                                            "mxfp4-floor, ...).")] = FORMATS_DEFAULT,
     layers: Annotated[Optional[str], typer.Option("--layers", help="Capture: layers to check (0-3, 0,5, all).")] = None,
@@ -63,49 +74,78 @@ def verify_topk_cmd(
     """Select top-k index blocks from quantized paged index caches and compare with (a) the reference scorer fed the
     DEQUANTIZED cache (every difference must be a tie: exit 1 otherwise) and (b) the reference on the original keys
     (exact-set %, recall@k, relative block-score error; --min-recall gates it)."""
-    if synthetic == (file is not None):
-        raise InputError("give either a FILE or --synthetic (not both)")
+    if int(synthetic) + int(file is not None) + int(edge_scores) + int(scores is not None) != 1:
+        raise InputError("give one of FILE, --synthetic, --edge-scores, --scores")
     names = [f.strip() for f in formats.split(",") if f.strip()]
     if not names:
         raise InputError("--formats needs at least one format")
     dev = str(resolve_device(device))
     progress = (lambda msg: stderr.print(f"[dim]{msg}[/dim]"))
-    common = dict(device=dev, backend=backend, min_recall=min_recall, progress=progress)
+    impls = [i.strip() for i in (impl or "").split(",") if i.strip()]
+    common = dict(device=dev, backend=backend, min_recall=min_recall, progress=progress, impls=impls)
+    if synthetic or edge_scores or scores is not None:
+        cfg = IndexerConfig(block_size=block_size or 128, topk=topk or 16, tie_rule=tie_rule, nan_rule=nan_rule)
     if synthetic:
-        cfg = IndexerConfig(block_size=block_size or 128, topk=topk or 16, tie_rule=tie_rule)
         report = vt.verify_topk_synthetic(names, batch=batch, context_lens=context_lens, seed=seed, cfg=cfg,
                                           page_size=page_size or cfg.block_size, **common)
+    elif edge_scores or scores is not None:
+        rows = pos = None
+        if scores is not None:
+            rows, pos = _read_scores(scores)
+        report = vt.verify_topk_scores(rows, pos, cfg=cfg, source=str(scores or "edge cases"), device=dev,
+                                       backend=backend, impls=impls)
     elif queries is not None:
         report = vt.verify_topk_files(file, queries, names, max_queries=max_queries, page_size=page_size,
-                                      block_size=block_size, topk=topk, tie_rule=tie_rule, **common)
+                                      block_size=block_size, topk=topk, tie_rule=tie_rule, nan_rule=nan_rule,
+                                      **common)
     else:
         from kvtool.workflows.capture import parse_layers
 
         report = vt.verify_topk_capture(file, names, layers=parse_layers(layers), max_queries=max_queries,
                                         page_size=page_size, block_size=block_size, topk=topk, tie_rule=tie_rule,
-                                        **common)
+                                        nan_rule=nan_rule, **common)
     emit(report, as_json, _render)
     if not report.passed:
         raise typer.Exit(1)
+
+
+def _read_scores(path: Path):
+    from kvtool.readers import open_input
+
+    with open_input(Path(path)) as f:
+        if "scores" not in f.entries or "q_pos" not in f.entries:
+            raise InputError(f"{path}: needs tensors `scores` [R, NB] and `q_pos` [R] (has {list(f.entries)})")
+        out = []
+        for name in ("scores", "q_pos"):
+            e = f.entries[name]
+            out.append(e.read(0, e.rows).reshape(e.shape))
+    return out[0].float(), out[1].long()
 
 
 def _render(r: vt.VerifyTopkReport) -> None:
     cfg = ", ".join(f"{k} {v}" for k, v in r.config.items() if k != "context_lens")
     table = Table(title=f"verify-topk: {r.source} ({r.backend}, {r.device})", caption=cfg, box=box.SIMPLE_HEAD,
                   pad_edge=False, collapse_padding=True)
-    for col in ("layer", "format", "rows", "a\nexact%", "a\ntie%", "a\nmax err", "b\nexact%", "b\nrecall",
-                "b\nrel err"):
-        text = col in ("layer", "format")  # long names fold (80-column pipes); numbers never shrink
+    for col in ("layer", "format", "impl", "rows", "a\nexact%", "a\ntie%", "a\norder%", "a\nmax err", "b\nexact%",
+                "b\nrecall", "b\nrel err", "rules", "verdict"):
+        text = col in ("layer", "format", "impl", "rules", "verdict")  # names fold (80-column pipes); numbers never shrink
         table.add_column(col, justify="left" if text else "right", no_wrap=not text, overflow="fold",
-                         min_width=(9 if col == "layer" else 11) if text else max(len(p) for p in col.split("\n")))
+                         min_width=({"layer": 9, "format": 11}.get(col, 6)) if text else
+                         max(len(p) for p in col.split("\n")))
     several = len({row.layer for row in r.layers}) > 1
     for i, row in enumerate(r.layers + (r.overall if several else [])):
         if i == len(r.layers):
             table.add_section()  # the overall rows, over every layer
-        a, b = row.vs_dequant, row.vs_original
-        table.add_row(row.layer, row.format, str(row.rows), f"{a.exact_pct:.1f}", f"{a.tie_aware_pct:.1f}",
-                      f"{row.max_score_err:.1e}", "-" if b is None else f"{b.exact_pct:.1f}",
+        a, b, c = row.vs_dequant, row.vs_original, row.checks
+        if a is None:  # skipped: the reason instead of numbers
+            table.add_row(row.layer, row.format, row.impl, str(row.rows), *["-"] * 8, "-", row.verdict, style="dim")
+            continue
+        table.add_row(row.layer, row.format, row.impl, str(row.rows), f"{a.exact_pct:.1f}", f"{a.tie_aware_pct:.1f}",
+                      "-" if c is None else f"{c.order_pct:.1f}",
+                      "-" if row.max_score_err != row.max_score_err else f"{row.max_score_err:.1e}",
+                      "-" if b is None else f"{b.exact_pct:.1f}",
                       "-" if b is None else f"{b.recall:.3f}", "-" if b is None else f"{b.rel_score_err:.1e}",
+                      "-" if c is None else c.rule_text(), row.verdict,
                       style=None if row.passed else "bold red")  # failing rows in red
     stdout.print(table)
     if "context_lens" in r.config:
@@ -114,7 +154,25 @@ def _render(r: vt.VerifyTopkReport) -> None:
                  "accumulation bound; max err = largest block-score difference); b = vs the reference on the "
                  "original keys (recall@k = |A n B| / |B|; rel err = |sum R(A) - sum R(B)| / sum |R(B)| over "
                  "unforced blocks)" + (f"; min recall {r.min_recall:g}" if r.min_recall is not None else ""))
+    stdout.print("order% = rows whose ids are in descending rank order; rules = tie / NaN rules the selection equals "
+                 "exactly on every row (tie any: only tie order differs; nan any: only NaN / -inf blocks differ)")
+    for spec in r.impls:
+        stdout.print(f"impl {spec}")
+    for row in r.layers:
+        c = row.checks
+        if c is None or row.passed:
+            continue
+        kinds = ", ".join(f"{n} {k}" for n, k in ((c.defect, "DEFECT"), (c.nonfinite, "NaN/-inf policy"),
+                                                   (c.order_bad, "out of rank order")) if n)
+        stdout.print(f"[red]{row.impl} {row.layer}/{row.format}[/red]: {kinds} of {c.rows} rows")
+        for e in c.evidence:
+            stdout.print(f"  {e}")
+        for d in c.diagnosis:
+            stdout.print(f"  diagnosis: {d}")
     for note in r.notes:
-        stderr.print(f"note: {note}")
-    failed = [f"{row.layer}/{row.format}" for row in r.layers + r.overall if not row.passed]
-    stdout.print("[green]PASS[/green]" if r.passed else f"[red]FAIL[/red]: {', '.join(failed)}")
+        stdout.print(f"note: {note}")
+    failed = [f"{row.impl} {row.layer}/{row.format}" for row in r.layers + r.overall if not row.passed]
+    if r.verdict.startswith("SKIPPED"):
+        stdout.print(f"[yellow]{r.verdict}[/yellow]")
+    else:
+        stdout.print("[green]PASS[/green]" if r.passed else f"[red]FAIL[/red]: {', '.join(failed)}")
