@@ -9,14 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import sys
 from pathlib import Path
 from typing import Annotated, Iterator, Optional
 
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from kvtool.cli import app
 from kvtool.cli.common import (
@@ -28,11 +24,16 @@ from kvtool.cli.common import (
     OutOpt,
     RecipeOpt,
     ScaleRuleOpt,
+    Table,
     emit,
+    examples,
     format_options,
     handle_errors,
-    stderr,
-    stdout,
+    hint,
+    line,
+    print_table,
+    progress,
+    warn,
 )
 
 FIX = "fixtures/synthetic_cache.safetensors"
@@ -41,36 +42,19 @@ InArg = Annotated[Path, typer.Argument(help="Input: kvtool cache, safetensors, .
                                        show_default=False)]
 IncludeOpt = Annotated[Optional[list[str]], typer.Option("--include", help="Only tensors whose name matches this "
                                                          "glob (fnmatch; repeatable).")]
+CopyExcludeOpt = Annotated[Optional[list[str]], typer.Option("--exclude", help="Leave tensors whose name matches "
+                                                             "this glob as they are: copied unchanged into the "
+                                                             "output (repeatable).")]
 ExcludeOpt = Annotated[Optional[list[str]], typer.Option("--exclude", help="Skip tensors whose name matches this "
-                                                         "glob (repeatable; quantize copies them unchanged).")]
+                                                         "glob (repeatable).")]
 ChunkOpt = Annotated[float, typer.Option("--chunk-mb", help="Row-block size in MiB of fp32 working data: peak memory "
                                                             "follows it, not the file size.")]
-LayoutOpt = Annotated[Optional[str], typer.Option("--layout", help="Engine dump layout of the input "
-                                                                   "(kvtool.layouts), e.g. a paged preset.")]
+LayoutOpt = Annotated[Optional[str], typer.Option("--layout", help="Engine dump layout of the input, e.g. "
+                                                                   "vllm-mxfp4-page (see 'kvtool layouts').")]
 GeometryOpt = Annotated[Optional[str], typer.Option("--geometry", help="Layout geometry KEY=VAL[,KEY=VAL...] (keys "
                                                     "format, page, heads, dim, tokens, tensor_scale, outer), e.g. "
                                                     "format=mxfp4,page=128,heads=2,dim=128,tokens=256.")]
 LAYOUT_GEO = "--layout vllm-mxfp4-page --geometry format=mxfp4,page=128,heads=2,dim=128,tokens=256"
-
-
-def _epilog(*lines: str) -> str:
-    return "Examples:\n\n" + "\n\n".join(f"  {line}" for line in lines)
-
-
-@contextlib.contextmanager
-def _progress(enabled: bool = True) -> Iterator:
-    """A rich progress bar on stderr (only on a terminal); yields the workflows' `progress(done, total, what)`."""
-    if not (enabled and stderr.is_terminal):
-        yield None
-        return
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
-                  TimeElapsedColumn(), console=stderr, transient=True) as bar:
-        task = bar.add_task("", total=None)
-
-        def update(done: int, total: int, what: str) -> None:
-            bar.update(task, completed=done, total=total, description=what[:40])
-
-        yield update
 
 
 @contextlib.contextmanager
@@ -90,26 +74,16 @@ def _sigterm_cleans() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _hint(text: str) -> None:
-    print(f"hint: {text}", file=sys.stderr)
-
-
-def _warn(warnings: list[str]) -> None:
-    for text in warnings:
-        print(f"warning: {text}", file=sys.stderr)
-
-
-def _out() -> Console:
-    """Tables go to stdout; when it is not a terminal (pipes, CI logs) they get 200 columns instead of rich's 80."""
-    return stdout if stdout.is_terminal else Console(width=200)
-
-
 def _mib(n: int) -> str:
     return f"{n / (1 << 20):.2f} MiB" if n >= 1 << 20 else f"{n / 1024:.1f} KiB"
 
 
+def _shape(shape) -> str:
+    return "[" + ",".join(map(str, shape)) + "]"
+
+
 # ------------------------------------------------------------------------------------------------ quantize
-@app.command("quantize", epilog=_epilog(
+@app.command("quantize", epilog=examples(
     f"kvtool quantize {FIX} -o /tmp/k_mxfp4.safetensors --to mxfp4",
     f"kvtool quantize {FIX} -o /tmp/k_nvfp4.safetensors --to nvfp4 --recipe div --outer-scale auto",
     f"kvtool quantize {FIX} -o /tmp/idx_fp8.safetensors --to fp8 --fp8-scale token --include '*.index_k'",
@@ -117,55 +91,59 @@ def _mib(n: int) -> str:
 @handle_errors
 def quantize(src: InArg, output: OutOpt, to: FormatOpt, scale_rule: ScaleRuleOpt = None, recipe: RecipeOpt = None,
              outer_scale: OuterScaleOpt = None, fp8_scale: Fp8ScaleOpt = None, include: IncludeOpt = None,
-             exclude: ExcludeOpt = None, device: DeviceOpt = "cpu", chunk_mb: ChunkOpt = 64.0,
+             exclude: CopyExcludeOpt = None, device: DeviceOpt = "cpu", chunk_mb: ChunkOpt = 64.0,
              layout: LayoutOpt = None, geometry: GeometryOpt = None, as_json: JsonOpt = False) -> None:
-    """Quantize a cache file (each selected floating tensor along its last dimension) into a kvtool cache file.
+    """Quantize a cache file into a kvtool cache file.
 
-    An input that is already quantized is decoded to fp32 first (a hint says so); the errors then compound."""
+    Each selected floating tensor is quantized along its last dimension; the others are copied unchanged. An input
+    that is already quantized is decoded to fp32 first (a hint says so): the errors then compound."""
     from kvtool.workflows.cache_ops import quantize_file
 
-    with _sigterm_cleans(), _progress() as progress:
+    with _sigterm_cleans(), progress("quantize") as tick:
         report = quantize_file(src, output, to, options=format_options(scale_rule, recipe, outer_scale, fp8_scale),
                                include=include, exclude=exclude, device=device, chunk_mb=chunk_mb, layout=layout,
-                               geometry=geometry, progress=progress, hint=_hint)
+                               geometry=geometry, progress=tick, hint=hint)
     emit(report, as_json, _render_ops)
 
 
 # ------------------------------------------------------------------------------------------------ dequantize
-@app.command("dequantize", epilog=_epilog(
+@app.command("dequantize", epilog=examples(
     "kvtool dequantize /tmp/k_mxfp4.safetensors -o /tmp/k_back.safetensors",
-    "kvtool dequantize /tmp/k_nvfp4.safetensors -o /tmp/k_fp32.safetensors --dtype fp32 --json"))
+    "kvtool dequantize /tmp/k_nvfp4.safetensors -o /tmp/k_fp32.safetensors --dtype fp32 --json",
+    f"kvtool dequantize fixtures/vllm_mxfp4_k.bin -o /tmp/k_dump.safetensors {LAYOUT_GEO}"))
 @handle_errors
 def dequantize(src: InArg, output: OutOpt,
                dtype: Annotated[Optional[str], typer.Option("--dtype", help="Output dtype bf16|fp16|fp32 (default: "
                                                             "each tensor's original dtype, bf16 when unknown).")] = None,
                device: DeviceOpt = "cpu", chunk_mb: ChunkOpt = 64.0, layout: LayoutOpt = None,
                geometry: GeometryOpt = None, as_json: JsonOpt = False) -> None:
-    """Decode a kvtool cache file (or an engine dump with --layout) into plain safetensors with the original tensor
-    names and shapes."""
+    """Decode a kvtool cache file into plain safetensors.
+
+    The output has the original tensor names and shapes. An engine dump is read with --layout and --geometry."""
     from kvtool.workflows.cache_ops import dequantize_file
 
-    with _sigterm_cleans(), _progress() as progress:
+    with _sigterm_cleans(), progress("dequantize") as tick:
         report = dequantize_file(src, output, dtype=dtype, device=device, chunk_mb=chunk_mb, layout=layout,
-                                 geometry=geometry, progress=progress, hint=_hint)
+                                 geometry=geometry, progress=tick, hint=hint)
     emit(report, as_json, _render_ops)
 
 
 def _render_ops(r) -> None:
-    table = Table(title=f"{r.command} {r.input} -> {r.output}" + (f" ({r.format})" if r.format else ""))
+    table = Table(f"{r.command} {r.input} -> {r.output}" + (f" ({r.format})" if r.format else ""),
+                  legend="B/token = bytes per token per head (a row of D elements: payload + scales); x vs bf16 = "
+                         "compression against bf16.")
     for col in ("tensor", "action", "format", "shape", "in", "out", "B/token", "x vs bf16"):
-        table.add_column(col, justify="right" if col in ("in", "out", "B/token", "x vs bf16") else "left")
+        table.column(col, justify="right" if col in ("in", "out", "B/token", "x vs bf16") else "left")
     for t in r.tensors:
-        table.add_row(t.name, t.action, t.format, str(t.shape), _mib(t.bytes_in), _mib(t.bytes_out),
-                      str(t.bytes_per_token), f"{t.compression_vs_bf16:.2f}")
-    _out().print(table)
+        table.row(t.name, t.action, t.format, _shape(t.shape), _mib(t.bytes_in), _mib(t.bytes_out),
+                  str(t.bytes_per_token), f"{t.compression_vs_bf16:.2f}")
+    print_table(table)
     ratio = r.bytes_in / r.bytes_out if r.bytes_out else 0.0
-    _out().print(f"wrote {r.output}: {_mib(r.bytes_out)} from {_mib(r.bytes_in)} of input tensor data "
-                 f"({ratio:.2f}x)", markup=False, highlight=False)
+    line(f"wrote {r.output}: {_mib(r.bytes_out)} from {_mib(r.bytes_in)} of input tensor data ({ratio:.2f}x)")
 
 
 # ------------------------------------------------------------------------------------------------ inspect
-@app.command("inspect", epilog=_epilog(
+@app.command("inspect", epilog=examples(
     f"kvtool inspect {FIX}",
     "kvtool inspect /tmp/k_mxfp4.safetensors --verify",
     "kvtool inspect /tmp/k_nvfp4.safetensors --include 'layers.0.*' --json",
@@ -177,50 +155,62 @@ def inspect(path: Annotated[Path, typer.Argument(help="A kvtool cache, safetenso
                                                  "mismatch).")] = False,
             include: IncludeOpt = None, exclude: ExcludeOpt = None, chunk_mb: ChunkOpt = 64.0,
             layout: LayoutOpt = None, geometry: GeometryOpt = None, as_json: JsonOpt = False) -> None:
-    """Per tensor: format, recipe, shape, bytes per token per head, compression vs bf16, scale statistics (range,
+    """Show what a cache file holds, tensor by tensor.
+
+    Per tensor: format, recipe, shape, bytes per token per head, compression vs bf16, scale statistics (range,
     exponent histogram, saturated and all-zero blocks) and checksum status. Engine dumps (--layout) are checked for
     a plausible geometry: warnings on stderr and in the JSON `warnings` (the exit code stays 0)."""
     from kvtool.workflows.inspect import inspect_file
 
-    with _progress() as progress:
+    with progress("inspect") as tick:
         report = inspect_file(path, verify=verify, include=include, exclude=exclude, chunk_mb=chunk_mb,
-                              layout=layout, geometry=geometry, progress=progress)
+                              layout=layout, geometry=geometry, progress=tick)
     emit(report, as_json, _render_inspect)
-    _warn(report.warnings)
+    warn(report.warnings)
     if not report.ok:
         raise typer.Exit(1)
+
+
+INSPECT_LEGEND = "B/token: bytes per token per head (payload + scales); x bf16: compression against bf16"
+SCALE_LEGEND = (
+    "scale range: smallest nonzero .. largest decoded block scale\n"
+    "sat%: blocks at the format's clipping point: mxfp4 and fp8 unit / tensor, blocks (rows) whose largest code is "
+    "the element's max (E2M1 6, E4M3 448); nvfp4, blocks whose E4M3 scale is at its max, 448 (its elements reach 6 "
+    "by design); '-' where nothing clips (fp8 token, bf16)\n"
+    "zero%: all-zero blocks")
 
 
 def _render_inspect(r) -> None:
     head = f"{r.path}: {r.kind}" + (f", kvtool schema {r.schema} (written by kvtool {r.kvtool_version})"
                                     if r.schema else "") + f", {_mib(r.file_bytes)}"
-    table = Table(title=head)
-    cols = ("tensor", "format", "options", "shape", "dtype", "B/token", "x vs bf16", "scale min..max", "sat %",
-            "zero %", "checksum")
-    for col in cols:
-        table.add_column(col)
+    scaled = any(t.scales for t in r.tensors)
+    table = Table(head, legend=INSPECT_LEGEND + ("\n" + SCALE_LEGEND if scaled else ""))
+    for col in ("tensor", "format", "options", "shape", "dtype", "B/token", "x bf16", "scale range", "sat%", "zero%",
+                "checksum"):
+        table.column(col, justify="right" if col in ("B/token", "x bf16", "sat%", "zero%") else "left",
+                     optional=col in ("options", "dtype"))  # both are in the format label / JSON too
     for t in r.tensors:
         s = t.scales
         rng = f"{s.min_nonzero:.3g}..{s.max:.3g}" if s and s.min_nonzero is not None else "-"
-        opts = " ".join(f"{k}={v}" for k, v in t.options.items() if v not in (False, None))
+        opts = [f"{k}={v}" for k, v in t.options.items() if v not in (False, None)]
         if t.outer_scale not in (None, 1.0):
-            opts += f" g={t.outer_scale:.4g}"
+            opts.append(f"g={t.outer_scale:.4g}")
         if t.tensor_scale is not None:
-            opts += f" s={t.tensor_scale:.4g}"
-        table.add_row(t.name, t.format, opts.strip() or "-", str(t.shape), t.dtype, str(t.bytes_per_token),
-                      f"{t.compression_vs_bf16:.2f}", rng, f"{s.saturated_pct:.2f}" if s else "-",
-                      f"{s.zero_pct:.2f}" if s else "-", t.checksum)
-    _out().print(table)
+            opts.append(f"s={t.tensor_scale:.4g}")
+        sat = "-" if s is None or s.saturated_pct is None else f"{s.saturated_pct:.2f}"
+        table.row(t.name, t.format, " ".join(opts) or "-", _shape(t.shape), t.dtype, str(t.bytes_per_token),
+                  f"{t.compression_vs_bf16:.2f}", rng, sat, f"{s.zero_pct:.2f}" if s else "-", t.checksum)
+    print_table(table)
     for t in r.tensors:
         if t.scales and t.scales.exponent_histogram:
             hist = " ".join(f"2^{e}:{c}" for e, c in t.scales.exponent_histogram.items())
-            _out().print(f"{t.name} scale exponents: {hist}", markup=False, highlight=False)
+            line(f"{t.name} scale exponents (2^e: blocks): {hist}")
     if r.verified:
-        _out().print("checksums: ok" if r.ok else "checksums: MISMATCH", markup=False)
+        line("checksums: ok" if r.ok else "checksums: MISMATCH")
 
 
 # ------------------------------------------------------------------------------------------------ diff
-@app.command("diff", epilog=_epilog(
+@app.command("diff", epilog=examples(
     f"kvtool diff /tmp/k_mxfp4.safetensors {FIX}",
     f"kvtool diff /tmp/k_mxfp4.safetensors {FIX} --max-rel-l2 0.2 --min-sqnr 15",
     "kvtool diff /tmp/k_floor.safetensors /tmp/k_mxfp4.safetensors --max-scale-mismatch 0 --json",
@@ -247,17 +237,20 @@ def diff(a: Annotated[Path, typer.Argument(help="Candidate A (any input kvtool r
                                                            "B, e.g. x=layers.0.k (repeatable; only these pairs are "
                                                            "compared).")] = None,
          as_json: JsonOpt = False) -> None:
-    """Compare A with reference B tensor by tensor, across formats: value metrics, decoded-value disagreement, and
-    (when bytes are comparable) scale- and payload-byte disagreement with a scale-rule diagnosis."""
+    """Compare candidate A with reference B, tensor by tensor.
+
+    Across formats: value metrics, decoded-value disagreement, and (when bytes are comparable) scale- and
+    payload-byte disagreement with a scale-rule diagnosis. The thresholds gate the exit code; without any, the
+    verdict is REPORT (exit 0 unless the tensor names or shapes differ)."""
     from kvtool.workflows.diff import diff_files
 
-    with _progress() as progress:
+    with progress("diff") as tick:
         report = diff_files(a, b, max_rel_l2=max_rel_l2, max_abs=max_abs, min_sqnr=min_sqnr,
                             max_scale_mismatch=max_scale_mismatch, include=include, exclude=exclude,
                             chunk_mb=chunk_mb, layout=layout, geometry=geometry, layout_b=layout_b,
-                            geometry_b=geometry_b, plot=plot, pair=pair, progress=progress)
+                            geometry_b=geometry_b, plot=plot, pair=pair, progress=tick)
     emit(report, as_json, _render_diff)
-    _warn(report.warnings)
+    warn(report.warnings)
     if not report.passed:
         raise typer.Exit(1)
 
@@ -266,11 +259,19 @@ def _pct(v) -> str:
     return "-" if v is None else f"{v:.3g}"
 
 
+DIFF_LEGEND = (
+    "SQNR dB: inf when A equals B (null in --json)\n"
+    "value / scale / payload !=%: share of decoded values / scale bytes / payload bytes that differ\n"
+    "rule: one side plain, 'fits F P%' = the variant F of the quantized side's family that reproduces the most "
+    "blocks (P % of them) from the plain values (F other than the declared format: the writer used another rule); "
+    "both sides quantized in different declared formats, 'N blocks' = the blocks that rule change accounts for")
+
+
 def _render_diff(r) -> None:
-    table = Table(title=f"diff A={r.a} vs reference B={r.b}")
+    table = Table(f"diff A={r.a} vs reference B={r.b}", legend=DIFF_LEGEND)
     for col in ("tensor", "A", "B", "rel_l2", "max_abs", "SQNR dB", "cosine", "value !=%", "scale !=%",
                 "payload !=%", "rule", "status"):
-        table.add_column(col)
+        table.column(col, justify="left" if col in ("tensor", "A", "B", "rule", "status") else "right")
     for t in r.tensors:
         m, c = t.metrics, t.codes
         if t.rule_fit:
@@ -280,12 +281,18 @@ def _render_diff(r) -> None:
             rule = f"{c.rule_blocks} blocks"
         else:
             rule = "-"
-        table.add_row(t.name, t.format_a, t.format_b, f"{m.rel_l2:.4g}", f"{m.max_abs:.4g}", f"{m.sqnr_db:.2f}",
-                      f"{m.cosine:.6f}", _pct(t.value_mismatch_pct), _pct(c.scale_mismatch_pct if c else None),
-                      _pct(c.payload_mismatch_pct if c else None), rule, "FAIL" if t.failures else "ok")
-    _out().print(table)
-    for line in r.failures:
-        _out().print(f"FAIL {line}", markup=False, highlight=False)
+        status = "FAIL" if t.failures else ("ok" if r.verdict != "REPORT" else "-")
+        table.row(t.name, t.format_a, t.format_b, f"{m.rel_l2:.4g}", f"{m.max_abs:.4g}", f"{m.sqnr_db:.2f}",
+                  f"{m.cosine:.6f}", _pct(t.value_mismatch_pct), _pct(c.scale_mismatch_pct if c else None),
+                  _pct(c.payload_mismatch_pct if c else None), rule, status,
+                  style="bold red" if t.failures else None)
+    print_table(table)
+    for failure in r.failures:
+        line(f"FAIL {failure}", wrap=False)
     if r.plot:
-        _out().print(f"plot: {r.plot}", markup=False)
-    _out().print("PASS" if r.passed else "FAIL", markup=False)
+        line(f"plot: {r.plot}", wrap=False)
+    if r.verdict == "REPORT":
+        line("REPORT: no threshold given, so nothing was gated (--max-rel-l2, --max-abs, --min-sqnr or "
+             "--max-scale-mismatch give a PASS or FAIL)")
+    else:
+        line(r.verdict, style="bold green" if r.verdict == "PASS" else "bold red")

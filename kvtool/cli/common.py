@@ -1,7 +1,18 @@
-"""Shared CLI plumbing: option aliases named alike in every command, the one error handler, report output."""
+"""Shared CLI plumbing: option aliases named alike in every command, help and error conventions, the one error
+handler, progress, and report output (tables through `kvtool.cli.render`, or `--json`).
+
+Conventions a command follows (tests/cli/test_help_conventions.py checks them for every registered command):
+- its docstring's first line is a one-line summary (at most 60 characters, shown in `kvtool -h`), then a blank line
+  and a short description; its epilog is `examples(...)` (at least one example);
+- it imports nothing heavy at module level (no torch): its workflow is imported inside the function, so that
+  `kvtool -h` and `kvtool CMD -h` start in a fraction of a second;
+- it renders with `render.Table` / `print_table` / `line` (never a rich Table of its own), and prints notes, hints and
+  warnings with `note` / `hint` / `warn` (stderr).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -9,17 +20,21 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
-from typing import Annotated, Callable, Optional
+from typing import Annotated, Callable, Iterator, Optional
 
 import typer
-from rich.console import Console
+from typer.core import TyperGroup
 
+from kvtool.cli.render import Table, line, print_table, stderr, stdout
 from kvtool.errors import KvtoolError
 
-# Progress, tables and hints go to stderr when --json owns stdout; plain runs print tables to stdout.
-stdout = Console()
-stderr = Console(stderr=True)
+__all__ = [
+    "DeviceOpt", "FormatOpt", "Fp8ScaleOpt", "JsonOpt", "KvtoolGroup", "OuterScaleOpt", "OutOpt", "RecipeOpt",
+    "ScaleRuleOpt", "Table", "emit", "examples", "format_options", "handle_errors", "hint", "line", "note",
+    "print_table", "progress", "stderr", "stdout", "to_json", "warn",
+]
 
 FormatOpt = Annotated[str, typer.Option("--to", help="Target format: bf16, fp8, nvfp4 (alias fp4), mxfp4, or a label "
                                                      "such as mxfp4-floor, nvfp4-div-auto, fp8-token.")]
@@ -35,10 +50,82 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print a stable machine-re
 OutOpt = Annotated[Path, typer.Option("-o", "--output", help="Output file (written to a temporary file, then renamed).")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu (torch reference path) or cuda (Triton kernels).")]
 
+EXAMPLE_WIDTH = 78  # examples are broken into shell continuation lines to fit 80-column help
+
 
 def format_options(scale_rule=None, recipe=None, outer_scale=None, fp8_scale=None) -> dict:
     """The recipe options as keyword arguments of `kvtool.formats.get_format` (None where not given)."""
     return {"scale_rule": scale_rule, "recipe": recipe, "outer_scale": outer_scale, "fp8_scale": fp8_scale}
+
+
+# ------------------------------------------------------------------------------------------------ help and errors
+def examples(*commands: str) -> str:
+    """A command's help epilog: "Examples:" and each command, long ones broken before an option into shell
+    continuation lines (so a copied example still runs). Text after two spaces and "(" is a comment kept on the
+    command's last line when it fits."""
+    out = []
+    for cmd in commands:
+        cmd, sep, comment = cmd.partition("  (")
+        comment = f"  ({comment}" if sep else ""
+        words, lines, current = cmd.split(" "), [], ""
+        for word in words:
+            starts_option = word.startswith("-") and current
+            if current and starts_option and len(current) + 1 + len(word) > EXAMPLE_WIDTH - 4:
+                lines.append(current + " \\")
+                current = "    " + word
+            else:
+                current = f"{current} {word}" if current else word
+        if comment and len(current) + len(comment) > EXAMPLE_WIDTH:
+            lines.append(current)
+            current = "    " + comment.strip()
+        else:
+            current += comment
+        lines.append(current)
+        out.append("\n".join(f"  {text}" for text in lines))
+    # "\b" keeps click from rewrapping the paragraph.
+    return "Examples:\n\n" + "\n\n".join(f"\b\n{block}" for block in out)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from kvtool import __version__
+
+        print(f"kvtool {__version__}")
+        raise typer.Exit()
+
+
+VersionOpt = Annotated[bool, typer.Option("--version", help="Print the version and exit.", callback=_version,
+                                          is_eager=True)]
+
+
+class KvtoolGroup(TyperGroup):
+    """The `kvtool` group: a usage error is one line on stderr with a hint, exit 2 (not a boxed panel)."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        from typer._click.exceptions import NoArgsIsHelpError, UsageError
+        from typer.exceptions import Abort
+
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except NoArgsIsHelpError as err:  # `kvtool` / `kvtool bench` alone: the help, as --help prints it
+            print(err.ctx.get_help())
+            sys.exit(0)
+        except UsageError as err:
+            print(usage_error_line(err), file=sys.stderr)
+            sys.exit(2)
+        except Abort:
+            print("error: aborted", file=sys.stderr)
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def usage_error_line(err) -> str:
+    """A click UsageError as one line: `error: <message> (see 'kvtool CMD -h')`."""
+    message = " ".join(err.format_message().split())
+    path = err.ctx.command_path if err.ctx is not None else "kvtool"
+    return f"error: {message} (see '{path} -h')"
 
 
 def handle_errors(fn: Callable) -> Callable:
@@ -66,6 +153,57 @@ def handle_errors(fn: Callable) -> Callable:
     return wrapper
 
 
+# ------------------------------------------------------------------------------------------------ stderr messages
+def note(text: str) -> None:
+    print(f"note: {text}", file=sys.stderr)
+
+
+def hint(text: str) -> None:
+    print(f"hint: {text}", file=sys.stderr)
+
+
+def warn(texts: str | list[str]) -> None:
+    for text in [texts] if isinstance(texts, str) else texts:
+        print(f"warning: {text}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def progress(label: str, *, enabled: bool = True, every_s: float = 5.0) -> Iterator:
+    """Progress of a workflow on stderr; yields its `progress(done, total, what)` callback (or None when disabled).
+    A terminal gets a rich bar (removed when done); otherwise (a pipe, a log) plain lines `LABEL: 42% (done/total)
+    what`, at most one every `every_s` seconds, and (after any of those) a last one with the elapsed time."""
+    if not enabled:
+        yield None
+        return
+    if stderr.is_terminal:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                      TimeElapsedColumn(), console=stderr, transient=True) as bar:
+            task = bar.add_task(label, total=None)
+
+            def update(done: int, total: int, what: str) -> None:
+                bar.update(task, completed=done, total=total, description=f"{label} {what}"[:48])
+
+            yield update
+        return
+    start = time.monotonic()
+    state = {"last": start, "line": None}
+
+    def plain(done: int, total: int, what: str) -> None:
+        pct = 100 * done / total if total else 100.0
+        state["line"] = f"{label}: {pct:3.0f}% ({done}/{total}) {what}".rstrip()
+        now = time.monotonic()
+        if now - state["last"] >= every_s:
+            print(state["line"], file=sys.stderr, flush=True)
+            state["last"] = now
+
+    yield plain
+    if state["line"] is not None and state["last"] > start:  # a run long enough to have shown progress: its end
+        print(f"{state['line']} in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------ output
 def _jsonable(value):
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {k: _jsonable(v) for k, v in dataclasses.asdict(value).items()}
@@ -78,19 +216,20 @@ def _jsonable(value):
     if isinstance(value, Path):
         return str(value)
     if isinstance(value, float) and not math.isfinite(value):
-        return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
+        return None  # JSON has no infinities: null (e.g. the SQNR of two equal tensors, +inf)
     if hasattr(value, "tolist"):
         return _jsonable(value.tolist())
     return value
 
 
 def to_json(report) -> str:
-    """A report dataclass (or dict) as stable JSON: keys in declaration order, non-finite floats as null/'inf'."""
-    return json.dumps(_jsonable(report), indent=2)
+    """A report dataclass (or dict) as stable JSON: keys in declaration order; numbers stay numbers, and a
+    non-finite float (inf, -inf, NaN) is null."""
+    return json.dumps(_jsonable(report), indent=2, allow_nan=False)
 
 
 def emit(report, as_json: bool, render: Callable) -> None:
-    """Print `report` as JSON on stdout, or render it with rich."""
+    """Print `report` as JSON on stdout, or render it (a table through kvtool.cli.render)."""
     if as_json:
         sys.stdout.write(to_json(report) + "\n")
     else:

@@ -2,46 +2,35 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.table import Table
-from rich.text import Text
 
 from kvtool.cli import app
-from kvtool.cli.common import JsonOpt, OutOpt, emit, handle_errors, stdout
-from kvtool.layouts.presets import PRESETS
-from kvtool.layouts.workflows import ConvertReport, LayoutsReport, convert_layout, list_layouts
+from kvtool.cli.common import JsonOpt, OutOpt, Table, emit, examples, handle_errors, line, note, print_table, warn
 
-_NAMES = "|".join(PRESETS)
 GeometryOpt = Annotated[Optional[str], typer.Option(
     "--geometry", help="Input geometry KEY=VAL[,KEY=VAL...]: format, page, heads, dim, tokens, tensor_scale, outer "
                        "(missing keys: file metadata, then the preset, then heads=1, dim=128, whole pages).")]
-
-CONVERT_EXAMPLES = """Examples:
-
-  kvtool convert fixtures/vllm_mxfp4_k.bin -o /tmp/k.planes.safetensors --from-layout vllm-mxfp4-page
-  --to-layout planes --geometry format=mxfp4,page=128,heads=2,dim=128,tokens=256
-
-  kvtool convert /tmp/k_mxfp4.safetensors -o /tmp/k.vllm.bin --from-layout planes --to-layout vllm-mxfp4-page
-  --include 'layers.0.k'
-
-  kvtool convert /tmp/k_mxfp4.safetensors -o /tmp/all.vllm.safetensors --from-layout planes
-  --to-layout vllm-mxfp4-page --json
-
-  kvtool convert kv.safetensors -o trt.bin --from-layout vllm-nvfp4-kv --to-layout trtllm-nvfp4-kv
-"""
+G = "format=mxfp4,page=128,heads=2,dim=128,tokens=256"
 
 
-@app.command("convert", epilog=CONVERT_EXAMPLES)
+@app.command("convert", epilog=examples(
+    f"kvtool convert fixtures/vllm_mxfp4_k.bin -o /tmp/k.planes.safetensors --from-layout vllm-mxfp4-page "
+    f"--to-layout planes --geometry {G}",
+    "kvtool convert /tmp/k_mxfp4.safetensors -o /tmp/k.vllm.bin --from-layout planes --to-layout vllm-mxfp4-page "
+    "--include 'layers.0.k'",
+    "kvtool convert /tmp/k_mxfp4.safetensors -o /tmp/all.vllm.safetensors --from-layout planes "
+    "--to-layout vllm-mxfp4-page --json",
+    "kvtool convert kv.safetensors -o trt.bin --from-layout vllm-nvfp4-kv --to-layout trtllm-nvfp4-kv"))
 @handle_errors
 def convert(
-    input: Annotated[Path, typer.Argument(help="Engine dump: raw .bin, .pt or .safetensors.")],
+    input: Annotated[Path, typer.Argument(help="Engine dump: raw .bin, .pt or .safetensors.", show_default=False)],
     output: OutOpt,
-    from_layout: Annotated[str, typer.Option("--from-layout", help=f"Layout of the input ({_NAMES}).")],
-    to_layout: Annotated[str, typer.Option("--to-layout", help=f"Layout to write ({_NAMES}).")],
+    from_layout: Annotated[str, typer.Option("--from-layout", help="Layout of the input (a preset: see "
+                                                                   "'kvtool layouts').")],
+    to_layout: Annotated[str, typer.Option("--to-layout", help="Layout to write (a preset: see 'kvtool layouts').")],
     geometry: GeometryOpt = None,
     to_geometry: Annotated[Optional[str], typer.Option(
         "--to-geometry", help="Output page size, page=N (default: the target preset's).")] = None,
@@ -52,43 +41,37 @@ def convert(
         "--exclude", help="Leave out tensors whose name matches this glob (repeatable).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Move a quantized cache's bytes from one engine layout to another (the format is unchanged).
+    """Move a quantized cache's bytes between engine layouts.
 
-    A kvtool cache file read as `planes` brings every tensor's own format, shape and scales (plain passthrough
-    tensors are skipped with a note). A raw .bin output holds one cache; a .safetensors output holds each tensor's
-    engine buffers as NAME.BUFFER (read back with --layout), and `planes` as .safetensors is a kvtool cache file."""
+    The format is unchanged. A kvtool cache file read as `planes` brings every tensor's own format, shape and scales
+    (plain passthrough tensors are skipped with a note). A raw .bin output holds one cache; a .safetensors output
+    holds each tensor's engine buffers as NAME.BUFFER (read back with --layout), and `planes` as .safetensors is a
+    kvtool cache file."""
+    from kvtool.layouts.workflows import convert_layout
+
     report = convert_layout(input, output, from_layout, to_layout, geometry, to_geometry, include, exclude)
-    for note in report.notes:
-        print(f"note: {note}", file=sys.stderr)
-    for warning in report.warnings:
-        print(f"warning: {warning}", file=sys.stderr)
+    for text in report.notes:
+        note(text)
+    warn(report.warnings)
     emit(report, as_json, _render_convert)
 
 
-def _render_convert(report: ConvertReport) -> None:
-    table = Table(title=f"convert {report.from_layout} -> {report.to_layout} ({report.format})")
+def _render_convert(report) -> None:
+    table = Table(f"convert {report.from_layout} -> {report.to_layout} ({report.format})")
     for column in ("", "file", "layout", "pages x page", "bytes"):
-        table.add_column(column)
+        table.column(column, justify="right" if column == "bytes" else "left")
     for side, path, layout, geo, nbytes in (
             ("in", report.input, report.from_layout, report.geometry_in, report.input_bytes),
             ("out", report.output, report.to_layout, report.geometry_out, report.output_bytes)):
-        table.add_row(side, Text(path), layout, f"{geo['pages']} x {geo['page']}", f"{nbytes:,}")
-    stdout.print(table)
+        table.row(side, path, layout, f"{geo['pages']} x {geo['page']}", f"{nbytes:,}")
+    print_table(table)
     for item in report.items:
         gi, go = item.geometry_in, item.geometry_out
-        stdout.print(Text(f"{item.name}: {item.format} {item.shape}, tokens={gi['tokens']}, heads={gi['heads']}, "
-                          f"dim={gi['dim']}: {gi['pages']} x {gi['page']} -> {go['pages']} x {go['page']}"))
+        line(f"{item.name}: {item.format} {item.shape}, tokens={gi['tokens']}, heads={gi['heads']}, "
+             f"dim={gi['dim']}: {gi['pages']} x {gi['page']} -> {go['pages']} x {go['page']}")
 
 
-LAYOUTS_EXAMPLES = """Examples:
-
-  kvtool layouts
-
-  kvtool layouts --format fp8-token --heads 4 --json
-"""
-
-
-@app.command("layouts", epilog=LAYOUTS_EXAMPLES)
+@app.command("layouts", epilog=examples("kvtool layouts", "kvtool layouts --format fp8-token --heads 4 --json"))
 @handle_errors
 def layouts(
     dim: Annotated[int, typer.Option("--dim", help="Head dim the byte maps are drawn for.")] = 128,
@@ -97,21 +80,44 @@ def layouts(
                                                                 "holds it (default: the preset's).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """List the engine layout presets with their byte maps (per page, P tokens, H heads)."""
+    """List the engine layout presets and their byte maps.
+
+    Per preset: the formats and tensors it holds, its page size (P tokens), the byte map of one page at head dim
+    --dim, and the page bytes at --heads heads (H)."""
+    from kvtool.layouts.workflows import list_layouts
+
     emit(list_layouts(dim, heads, fmt), as_json, _render_layouts)
 
 
-def _render_layouts(report: LayoutsReport) -> None:
-    table = Table(title=f"layout presets (byte maps per page at D = {report.dim}; bytes at H = {report.heads})",
-                  show_lines=True)
-    for column in ("name", "holds", "tensors", "page", "byte map per page", "page bytes"):
-        table.add_column(column, overflow="fold")
+def _fit_map(text: str, limit: int) -> list[str]:
+    """A byte map `name: [a][b][c]` broken between its brackets (never inside one) to fit `limit` columns."""
+    if len(text) <= limit or "][" not in text:
+        return [text]
+    pieces = text.replace("][", "]\0[").split("\0")
+    out = [pieces[0]]
+    for piece in pieces[1:]:
+        if len(out[-1]) + len(piece) > limit:
+            out.append("  " + piece)
+        else:
+            out[-1] += piece
+    return out
+
+
+def _render_layouts(report) -> None:
+    from kvtool.cli.render import width
+
+    limit = width() - 14  # the records layout's value column
+    table = Table(f"layout presets: byte maps per page (P tokens, H heads) at D = {report.dim}; page bytes at "
+                  f"H = {report.heads}", records=True)
+    for column in ("name", "holds", "tensors", "page", "page bytes", "byte map", "note", "source"):
+        table.column(column, wrap=column in ("note", "source"))
     for row in report.presets:
-        maps = "\n".join(f"{name}: {m}" for name, m in row.byte_map.items())
-        maps += "".join(f"\n{name}: {formula}" for name, formula in row.rules.items())
+        maps = [piece for name, m in row.byte_map.items() for piece in _fit_map(f"{name}: {m}", limit)]
+        for name, formula in row.rules.items():  # a long formula continues at its "(off = ...)" part
+            rule = f"{name}: {formula}"
+            head, sep, tail = rule.partition(" (")
+            maps += [rule] if len(rule) <= limit or not sep else [head, f"  ({tail}"]
         page = f"{row.page_size}" + (" (fixed)" if row.page_fixed else "")
-        table.add_row(row.name, "/".join(row.families), "/".join(row.tensors), page,
-                      Text(f"({row.format})\n{maps}"), f"{row.page_bytes:,}")
-    stdout.print(table)
-    for row in report.presets:
-        stdout.print(Text(f"{row.name}: {row.note}. Source: {row.source}"))
+        table.row(row.name, "/".join(row.families), "/".join(row.tensors), page, f"{row.page_bytes:,}",
+                  "\n".join([f"(drawn for {row.format})"] + maps), row.note, row.source)
+    print_table(table)

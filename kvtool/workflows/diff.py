@@ -29,7 +29,9 @@ are compared (names outside them are not "only in A/B"). Shapes pair when they a
 
 Exit status (CLI): 1 when a threshold is exceeded (`max_rel_l2`, `max_abs`, `min_sqnr`, `max_scale_mismatch` in %;
 a scale threshold on a tensor without comparable scale bytes also fails) or when the files' tensor names or shapes
-differ; 0 otherwise. Value differences alone are a report, not a failure.
+differ; 0 otherwise. Value differences alone are a report, not a failure: `verdict` is FAIL when a check failed,
+PASS when at least one threshold was given and every check held, and REPORT when no threshold was given (nothing
+about the values was gated; `passed` is then true only in the sense that nothing failed).
 """
 
 from __future__ import annotations
@@ -87,7 +89,8 @@ class DiffReport:
     overall: ValueMetrics | None
     thresholds: dict
     failures: list[str]
-    passed: bool
+    passed: bool  # no check failed (exit 0)
+    verdict: str = "REPORT"  # PASS | FAIL | REPORT (no threshold given: see the module docstring)
     plot: str | None = None
     warnings: list[str] = field(default_factory=list)  # engine dumps: the layout or geometry looks wrong
 
@@ -144,6 +147,8 @@ def diff_files(a: Path, b: Path, *, max_rel_l2: float | None = None, max_abs: fl
     report.failures += [f"only in A: {n}" for n in only_a] + [f"only in B: {n}" for n in only_b]
     report.failures += [f"shape differs: {s}" for s in report.shape_mismatch]
     report.passed = not report.failures
+    gated = any(v is not None for v in thresholds.values())
+    report.verdict = "FAIL" if report.failures else ("PASS" if gated else "REPORT")
     if plot is not None and samples:
         _plot(samples, plot, f"{Path(a).name} vs {Path(b).name} (reference)")
         report.plot = str(plot)
@@ -332,6 +337,7 @@ def _plot(samples: dict[str, torch.Tensor], path: Path, title: str) -> None:
             ax.hist(torch.log10(nz).numpy(), bins=60, color="tab:blue")
         ax.set_title(f"{name}\n{100 * (1 - nz.numel() / max(err.numel(), 1)):.1f}% exact", fontsize=9)
         ax.set_xlabel("log10 |A - B|", fontsize=8)
+        ax.set_ylabel(f"elements (of {err.numel():,} sampled)", fontsize=8)
     for ax in list(axes.flat)[len(names):]:
         ax.axis("off")
     fig.suptitle(title, fontsize=10)
