@@ -21,7 +21,9 @@ EPILOG = """Examples:\n
   kvtool verify-attn --synthetic --batch 8 --context-lens 1,127,128,129,4097,32768,65536,150000 --device cuda\n
   kvtool verify-attn --synthetic --batch 128 --device cuda --formats nvfp4,mxfp4 --kernel gluon   (the fast path)\n
   kvtool verify-attn m3.safetensors --formats nvfp4,nvfp4-rcp-auto,mxfp4-floor --layers 3-5 --device cuda\n
-  TRITON_INTERPRET=1 kvtool verify-attn --synthetic --batch 2 --context-lens 300 --formats nvfp4   (kernel on CPU)"""
+  TRITON_INTERPRET=1 kvtool verify-attn --synthetic --batch 2 --context-lens 300 --formats nvfp4   (kernel on CPU)\n
+  kvtool verify-attn --synthetic --impl vllm --formats bf16,fp8,fp8-token --device cuda   (vLLM's kernel beside)\n
+  kvtool verify-attn fixtures/smollm2_capture.safetensors --impl vllm --block-size 128 --device cuda"""
 
 FORMATS_DEFAULT = "nvfp4,mxfp4,fp8-token,fp8,bf16"
 
@@ -39,6 +41,11 @@ def verify_attn_cmd(
                                                                    "spaced, with the last; 0 = all).")] = 256,
     page_size: Annotated[Optional[int], typer.Option("--page-size", help="File: page size (default: the block "
                                                                          "size).")] = None,
+    block_size: Annotated[Optional[int], typer.Option("--block-size", help="File: sparse block size of the "
+                                                                           "selection (default: the file's).")] = None,
+    topk: Annotated[Optional[int], typer.Option("--topk", help="File: blocks per query (default: the file's).")] = None,
+    impl: Annotated[Optional[str], typer.Option("--impl", help="Engine implementations to run beside kvtool's kernel "
+                                                               "(vllm, or module:function; comma separated).")] = None,
     batch: Annotated[int, typer.Option("--batch", help="Synthetic: requests in the step.")] = 4,
     context_lens: Annotated[Optional[str], typer.Option("--context-lens", help="Synthetic: one length for all or "
                                                         "one per request (default: random in [1, 8192]).")] = None,
@@ -63,15 +70,18 @@ def verify_attn_cmd(
         raise InputError("--formats needs at least one format")
     dev = str(resolve_device(device))
     progress = (lambda msg: stderr.print(f"[dim]{msg}[/dim]"))
+    impls = [i.strip() for i in (impl or "").split(",") if i.strip()]
     if synthetic:
         report = va.verify_attn_synthetic(names, batch=batch, context_lens=context_lens, seed=seed, device=dev,
-                                          backend=backend, tolerance=tolerance, kernel=kernel, progress=progress)
+                                          backend=backend, tolerance=tolerance, kernel=kernel, progress=progress,
+                                          impls=impls)
     else:
         from kvtool.workflows.capture import parse_layers
 
         report = va.verify_attn_file(file, names, layers=parse_layers(layers), max_queries=max_queries,
                                      page_size=page_size, seed=seed, device=dev, backend=backend,
-                                     tolerance=tolerance, kernel=kernel, progress=progress)
+                                     tolerance=tolerance, kernel=kernel, progress=progress, impls=impls,
+                                     block_size=block_size, topk=topk)
     emit(report, as_json, _render)
     if not report.passed:
         raise typer.Exit(1)
@@ -82,27 +92,37 @@ def _render(r: va.VerifyAttnReport) -> None:
     # Compact enough for 80 columns: the JSON report also has max_abs and cosine of (a).
     table = Table(title=f"verify-attn: {r.source} — {r.backend} on {r.device}", caption=geo, box=box.SIMPLE_HEAD,
                   pad_edge=False, padding=(0, 0), collapse_padding=True)
-    for col in ("layer", "format", "q", "a\nrel_l2", "a\nmax_rel", "a bf16\nmax_rel", "b\nrel_l2", "b\nmax_rel",
-                "b\ncos", "ok"):
-        table.add_column(col, justify="left" if col in ("layer", "format") else "right", no_wrap=True,
-                         min_width=None if col in ("layer", "format", "q", "ok") else 7)
+    for col in ("layer", "format", "impl", "q", "a\nrel_l2", "a\nmax_rel", "a bf16\nmax_rel", "b\nrel_l2",
+                "b\nmax_rel", "b\ncos", "verdict"):
+        text = col in ("layer", "format", "impl", "verdict")
+        table.add_column(col, justify="left" if text else "right", no_wrap=col != "verdict", overflow="fold",
+                         min_width=None if text or col == "q" else 7)
     several = len({row.layer for row in r.layers}) > 1
     for i, row in enumerate(r.layers + (r.overall if several else [])):
         if i == len(r.layers):
             table.add_section()  # the overall rows, over every layer
         a, b = row.vs_dequant, row.vs_original
-        table.add_row(row.layer, row.format, str(row.queries), f"{a.rel_l2:.1e}", f"{a.max_rel:.1e}",
+        if a is None:  # skipped: the reason instead of numbers
+            table.add_row(row.layer, row.format, row.impl, str(row.queries), *["-"] * 6, row.verdict, style="dim")
+            continue
+        verdict = "[green]PASS[/green]" if row.passed else f"[red]FAIL (> {row.tolerance:.2g})[/red]"
+        table.add_row(row.layer, row.format, row.impl, str(row.queries), f"{a.rel_l2:.1e}", f"{a.max_rel:.1e}",
                       f"{row.bf16_out_max_rel:.1e}", f"{b.rel_l2:.3f}", f"{b.max_rel:.3f}", f"{b.cosine:.4f}",
-                      "[green]yes[/green]" if row.passed else "[red]NO[/red]")
+                      verdict)
     stdout.print(table)
     if "context_lens" in r.geometry:
         stdout.print(f"context lengths: {r.geometry['context_lens']}")
-    ran = {row.format: row.kernel for row in r.layers if row.kernel}
+    ran = {row.format: row.kernel for row in r.layers if row.kernel and row.impl == "kvtool"}
     if ran:
         stdout.print("kernel: " + ", ".join(f"{fmt} {k}" for fmt, k in ran.items()))
     stdout.print(f"selection: {r.selection}. a = kernel (fp32 out) vs the reference on the dequantized cache (goal "
                  f"max_rel <= {r.tolerance:g}); a bf16 = a's max_rel with the bf16 output rounding; b = vs the "
                  f"reference on the bf16 original; q = queries")
+    for spec in r.impls:
+        stdout.print(f"impl {spec} (held to the tolerance + 2^-8 when its output path is bf16)")
     for note in r.notes:
-        stderr.print(f"note: {note}")
-    stdout.print("[green]PASS[/green]" if r.passed else "[red]FAIL: kernel beyond accumulation noise[/red]")
+        stdout.print(f"note: {note}")
+    if r.verdict.startswith("SKIPPED"):
+        stdout.print(f"[yellow]{r.verdict}[/yellow]")
+    else:
+        stdout.print("[green]PASS[/green]" if r.passed else "[red]FAIL: kernel beyond accumulation noise[/red]")

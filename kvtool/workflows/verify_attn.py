@@ -23,6 +23,12 @@ synthetic step runs the decode kernel engines run for a decode step (`sparse_dec
 NVIDIA Gluon fast path for nvfp4 / mxfp4 where it applies (`kernels/sparse_attn_gluon.py`: CUDA >= 8.9, M3's head
 shape, from 16 requests). `kernel` picks: "auto" (that default), "portable" (the portable Triton kernel), or
 "gluon" (the fast path, an error where it cannot run). Each row's `kernel` says which one ran.
+
+Implementations (`impls`, kvtool.engines.protocol: `--impl vllm` or module:function) run on the same caches and
+selections beside kvtool's kernel, through the same metrics; rows say which implementation ran (`impl`). An engine
+whose output path rounds P or its partial outputs to bf16 (`precision` "bf16") is held to the tolerance plus the bf16
+rounding bound 2^-8. A case an implementation cannot run is SKIPPED with its reason; without a kernel (CPU, no
+interpreter) kvtool's rows compare the reference with itself and are SKIPPED too, never PASS.
 """
 
 from __future__ import annotations
@@ -54,11 +60,14 @@ class AttnRow:
     layer: str  # layer id, or "all" for the overall rows
     format: str  # format label
     queries: int
-    vs_dequant: ValueMetrics  # kernel (fp32 out) vs the reference on the dequantized cache
+    vs_dequant: ValueMetrics | None  # kernel (fp32 out) vs the reference on the dequantized cache (None: skipped)
     bf16_out_max_rel: float  # the same, with the kernel's bf16 output rounding
-    vs_original: ValueMetrics  # kernel vs the reference on the bf16 original K/V
+    vs_original: ValueMetrics | None  # kernel vs the reference on the bf16 original K/V
     passed: bool  # vs_dequant.max_rel within the tolerance (and no NaN)
     kernel: str = ""  # which kernel ran: "decode gluon", "decode portable", "prefill", "torch" ("" for overall rows)
+    impl: str = "kvtool"  # kvtool's kernel or an engine adapter's name
+    verdict: str = ""  # PASS | FAIL | SKIPPED: <why>
+    tolerance: float = 0.0  # the bound this row was held to
 
 
 @dataclass
@@ -74,6 +83,11 @@ class VerifyAttnReport:
     overall: list[AttnRow] = field(default_factory=list)
     passed: bool = True
     notes: list[str] = field(default_factory=list)
+    impls: list[str] = field(default_factory=list)  # "name: source" of the implementations run beside kvtool's
+    verdict: str = "PASS"  # PASS | FAIL | SKIPPED: no kernel ran
+
+
+BF16_BOUND = 2.0 ** -8  # bf16 rounding of P / partial outputs, relative to the largest output (half an ulp, low binade)
 
 
 # ----------------------------------------------------------------------------------------------- synthetic inputs
@@ -141,7 +155,7 @@ class _Scores:
     def __init__(self):
         self.deq, self.deq16, self.orig, self.queries = {}, {}, {}, {}
 
-    def add(self, label: str, out: torch.Tensor, ref_deq: torch.Tensor, ref_orig: torch.Tensor) -> None:
+    def add(self, label, out: torch.Tensor, ref_deq: torch.Tensor, ref_orig: torch.Tensor) -> None:
         self.deq.setdefault(label, ValueAccumulator()).update(out, ref_deq)
         self.deq16.setdefault(label, ValueAccumulator()).update(out.to(torch.bfloat16).float(), ref_deq)
         self.orig.setdefault(label, ValueAccumulator()).update(out, ref_orig)
@@ -149,9 +163,29 @@ class _Scores:
 
 
 def _row(layer: str, label: str, queries: int, deq: ValueMetrics, deq16: ValueMetrics, orig: ValueMetrics,
-         tol: float, kernel: str = "") -> AttnRow:
+         tol: float, kernel: str = "", impl: str = "kvtool") -> AttnRow:
     ok = math.isfinite(deq.max_rel) and deq.max_rel <= tol
-    return AttnRow(layer, label, queries, deq, deq16.max_rel, orig, ok, kernel)
+    return AttnRow(layer, label, queries, deq, deq16.max_rel, orig, ok, kernel, impl, "PASS" if ok else "FAIL", tol)
+
+
+SKIP_TORCH = ("SKIPPED: no kernel ran (torch backend: the reference compared with itself; run on cuda, or on the "
+              "CPU with TRITON_INTERPRET=1)")
+
+
+def _skipped(layer, label, queries, impl, why) -> AttnRow:
+    return AttnRow(layer, label, queries, None, math.nan, None, True, "", impl, why)
+
+
+def _impl_tolerance(impl, tol: float) -> float:
+    return tol + BF16_BOUND if getattr(impl, "precision", "fp32") == "bf16" else tol
+
+
+def _resolve_impls(impls, report: VerifyAttnReport) -> list:
+    from kvtool.engines.protocol import resolve_impl
+
+    out = [resolve_impl(i, "attend") if isinstance(i, str) else i for i in impls or []]
+    report.impls = [f"{i.name}: {i.source}" for i in out]
+    return out
 
 
 KERNELS = ("auto", "portable", "gluon")
@@ -166,44 +200,77 @@ def _check_kernel(kernel: str) -> None:
 def _run_case(layer: str, fmts: list[Format], q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor],
               q_req: torch.Tensor, q_pos: torch.Tensor, ids: torch.Tensor, ref_orig: torch.Tensor, block_size: int,
               page_size: int, device, backend: str, gen: torch.Generator, report: VerifyAttnReport,
-              scores: _Scores, decode: bool = False, kernel: str = "auto") -> None:
+              scores: _Scores, decode: bool = False, kernel: str = "auto", impls: list | None = None) -> None:
     """One layer (or synthetic step): q [N, Hq, D] bf16, per-request K/V, rows' request / position, ids
     [N, Hkv, topk]; ref_orig [N, Hq, D] fp32 (the reference on the original K/V). decode: the rows are one decode
     step (row b is request b at its last position): run the decode kernel, with `kernel`'s choice of launch."""
-    from kvtool.kernels.sparse_attn import sparse_decode, sparse_prefill, uses_gluon
+    from kvtool.engines.protocol import AttnCall
 
     for fmt in fmts:
         k_cache, v_cache, table = build_paged(fmt, ks, vs, page_size, device, gen)
         ref_deq = paged_sparse_prefill_ref(q, k_cache, v_cache, table, q_req, q_pos, ids, block_size)
-        if backend == "triton" and decode:
-            gluon = _GLUON_OPTION[kernel]
-            ran = gluon if gluon is not None else uses_gluon(q, k_cache, v_cache, block_size)
-            out = sparse_decode(q, k_cache, v_cache, table, (q_pos + 1).to(torch.int32), ids.to(torch.int32),
-                                block_size, out_dtype=torch.float32, gluon=gluon).float()
-            used = "decode gluon" if ran else "decode portable"
-        elif backend == "triton":
-            out = sparse_prefill(q, k_cache, v_cache, table, q_req.to(torch.int32), q_pos.to(torch.int32),
-                                 ids.to(torch.int32), block_size, out_dtype=torch.float32).float()
-            used = "prefill"
+        if backend != "triton":
+            report.layers.append(_skipped(layer, fmt.label, q.shape[0], "kvtool", SKIP_TORCH))
         else:
-            out = ref_deq
-            used = "torch"
-        m_deq = ValueAccumulator().update(out, ref_deq).result()
-        m16 = ValueAccumulator().update(out.to(torch.bfloat16).float(), ref_deq).result()
-        m_orig = ValueAccumulator().update(out, ref_orig).result()
-        scores.add(fmt.label, out, ref_deq, ref_orig)
-        row = _row(layer, fmt.label, q.shape[0], m_deq, m16, m_orig, report.tolerance, used)
-        report.layers.append(row)
-        report.passed &= row.passed
+            _kvtool_row(layer, fmt, q, k_cache, v_cache, table, q_req, q_pos, ids, ref_deq, ref_orig, block_size,
+                        report, scores, decode, kernel)
+        for impl in impls or []:
+            why = impl.unsupported("attend", fmt, block_size=block_size, page_size=page_size, head_dim=q.shape[-1],
+                                   device=q.device)
+            if why:
+                report.layers.append(_skipped(layer, fmt.label, q.shape[0], impl.name, f"SKIPPED: {why}"))
+                continue
+            call = AttnCall(q, k_cache, v_cache, table, q_req.to(torch.int32), q_pos.to(torch.int32),
+                            ids.to(torch.int32), block_size, decode, 1.0 / math.sqrt(q.shape[-1]))
+            out = impl.attend(call).float()
+            if tuple(out.shape) != tuple(q.shape):
+                raise InputError(f"--impl {impl.name}: output must be [N, Hq, D] = {list(q.shape)}, got "
+                                 f"{list(out.shape)}")
+            _add_row(layer, fmt.label, out, ref_deq, ref_orig, report, scores, "decode" if decode else "prefill",
+                     impl.name, _impl_tolerance(impl, report.tolerance))
+
+
+def _add_row(layer, label, out, ref_deq, ref_orig, report, scores, used, impl, tol) -> None:
+    m_deq = ValueAccumulator().update(out, ref_deq).result()
+    m16 = ValueAccumulator().update(out.to(torch.bfloat16).float(), ref_deq).result()
+    m_orig = ValueAccumulator().update(out, ref_orig).result()
+    scores.add((impl, label), out, ref_deq, ref_orig)
+    row = _row(layer, label, out.shape[0], m_deq, m16, m_orig, tol, used, impl)
+    report.layers.append(row)
+    report.passed &= row.passed
+
+
+def _kvtool_row(layer, fmt, q, k_cache, v_cache, table, q_req, q_pos, ids, ref_deq, ref_orig, block_size, report,
+                scores, decode, kernel) -> None:
+    from kvtool.kernels.sparse_attn import sparse_decode, sparse_prefill, uses_gluon
+
+    if decode:
+        gluon = _GLUON_OPTION[kernel]
+        ran = gluon if gluon is not None else uses_gluon(q, k_cache, v_cache, block_size)
+        out = sparse_decode(q, k_cache, v_cache, table, (q_pos + 1).to(torch.int32), ids.to(torch.int32),
+                            block_size, out_dtype=torch.float32, gluon=gluon).float()
+        used = "decode gluon" if ran else "decode portable"
+    else:
+        out = sparse_prefill(q, k_cache, v_cache, table, q_req.to(torch.int32), q_pos.to(torch.int32),
+                             ids.to(torch.int32), block_size, out_dtype=torch.float32).float()
+        used = "prefill"
+    _add_row(layer, fmt.label, out, ref_deq, ref_orig, report, scores, used, "kvtool", report.tolerance)
 
 
 def _finish(report: VerifyAttnReport, scores: _Scores) -> VerifyAttnReport:
-    for label in report.formats:
-        if label in scores.deq:
-            report.overall.append(_row("all", label, scores.queries[label], scores.deq[label].result(),
-                                       scores.deq16[label].result(), scores.orig[label].result(), report.tolerance))
+    tols = {row.impl: row.tolerance for row in report.layers if row.vs_dequant is not None}
+    for impl in ["kvtool"] + [i.split(":")[0] for i in report.impls]:
+        for label in report.formats:
+            key = (impl, label)
+            if key in scores.deq:
+                row = _row("all", label, scores.queries[key], scores.deq[key].result(), scores.deq16[key].result(),
+                           scores.orig[key].result(), tols.get(impl, report.tolerance), "", impl)
+                report.overall.append(row)
+                report.passed &= row.passed
+    ran = [row for row in report.layers if row.vs_dequant is not None]
+    report.verdict = "FAIL" if not report.passed else ("PASS" if ran else "SKIPPED: no kernel ran")
     if report.backend == "torch":
-        report.notes.append("torch backend: the candidate is the reference path itself, so (a) is 0 by definition; "
+        report.notes.append("torch backend: kvtool's rows compare the reference with itself, so they are SKIPPED; "
                             "run on cuda (or TRITON_INTERPRET=1) to check the kernel")
     return report
 
@@ -211,7 +278,8 @@ def _finish(report: VerifyAttnReport, scores: _Scores) -> VerifyAttnReport:
 def verify_attn_synthetic(formats: list[str], *, batch: int = 4, context_lens: str | None = None, seed: int = 0,
                           device: str = "cpu", backend: str = "auto", tolerance: float = DEFAULT_TOLERANCE,
                           geometry: dict | None = None, kernel: str = "auto",
-                          progress: Callable[[str], None] | None = None) -> VerifyAttnReport:
+                          progress: Callable[[str], None] | None = None, impls: list | None = None
+                          ) -> VerifyAttnReport:
     """One decode step at M3's TP4 shape (or `geometry`, keys as M3_TP4) for `batch` requests, through the decode
     kernel (`kernel`: auto | portable | gluon; see the module docstring). Returns the report (per-format rows under
     layer 'synthetic' and 'all')."""
@@ -226,6 +294,7 @@ def verify_attn_synthetic(formats: list[str], *, batch: int = 4, context_lens: s
     report = VerifyAttnReport(f"synthetic (seed {seed})", str(dev), label, {**geo, "batch": batch,
                               "context_lens": lens}, "random (own block always selected)", tolerance,
                               [f.label for f in fmts])
+    impls = _resolve_impls(impls, report)
     ks = [synthetic_kv(n, hkv, d, gen) for n in lens]
     vs = [synthetic_kv(n, hkv, d, gen, outliers=False) for n in lens]
     q = torch.randn(batch, hq, d, generator=gen).to(torch.bfloat16)
@@ -239,7 +308,8 @@ def verify_attn_synthetic(formats: list[str], *, batch: int = 4, context_lens: s
         progress(f"synthetic step: batch {batch}, contexts {lens}")
     scores = _Scores()
     _run_case("synthetic", fmts, q.to(dev), ks, vs, torch.arange(batch, device=dev), pos.to(dev), ids.to(dev),
-              ref_orig.to(dev), bs, geo["page_size"], dev, backend, gen, report, scores, decode=True, kernel=kernel)
+              ref_orig.to(dev), bs, geo["page_size"], dev, backend, gen, report, scores, decode=True, kernel=kernel,
+              impls=impls)
     return _finish(report, scores)
 
 
@@ -252,7 +322,8 @@ def _query_rows(n: int, max_queries: int) -> torch.Tensor:
 def verify_attn_file(path: Path, formats: list[str], *, layers: list[int] | None = None, max_queries: int = 256,
                      page_size: int | None = None, seed: int = 0, device: str = "cpu", backend: str = "auto",
                      tolerance: float = DEFAULT_TOLERANCE, kernel: str = "auto",
-                     progress: Callable[[str], None] | None = None) -> VerifyAttnReport:
+                     progress: Callable[[str], None] | None = None, impls: list | None = None,
+                     block_size: int | None = None, topk: int | None = None) -> VerifyAttnReport:
     """Every captured layer (or `layers`) of a capture file, through the prefill kernel (`kernel` "gluon", the
     decode-only fast path, is refused); see the module docstring."""
     _check_kernel(kernel)
@@ -265,7 +336,7 @@ def verify_attn_file(path: Path, formats: list[str], *, layers: list[int] | None
     dev = torch.device(device)
     backend, label = resolve_check_backend(backend, dev)
     meta, tensors = read_capture(Path(path))
-    cfg = IndexerConfig(block_size=int(meta.get("block_size", 128)), topk=int(meta.get("topk", 16)),
+    cfg = IndexerConfig(block_size=block_size or int(meta.get("block_size", 128)), topk=topk or int(meta.get("topk", 16)),
                         init_blocks=int(meta.get("init", 0)), local_blocks=int(meta.get("local", 1)))
     found = sorted({int(k.split(".")[1]) for k in tensors if k.startswith("layers.") and k.endswith(".q")})
     chosen = found if layers is None else layers
@@ -279,6 +350,7 @@ def verify_attn_file(path: Path, formats: list[str], *, layers: list[int] | None
                               "topk": cfg.topk, "init_blocks": cfg.init_blocks, "local_blocks": cfg.local_blocks},
                               "reference indexer (kvtool.indexer.select_blocks) on the bf16 index tensors",
                               tolerance, [f.label for f in fmts])
+    impls = _resolve_impls(impls, report)
     scores = _Scores()
     for i in chosen:
         t = {kind: tensors[f"layers.{i}.{kind}"] for kind in ("q", "k", "v", "index_q", "index_k")}
@@ -296,7 +368,8 @@ def verify_attn_file(path: Path, formats: list[str], *, layers: list[int] | None
         if progress:
             progress(f"layer {i}: {rows.numel()} of {s_len} queries")
         _run_case(str(i), fmts, q.to(dev), [t["k"]], [t["v"]], torch.zeros_like(rows).to(dev), rows.to(dev),
-                  ids.to(dev), ref_orig.to(dev), cfg.block_size, page, dev, backend, gen, report, scores)
+                  ids.to(dev), ref_orig.to(dev), cfg.block_size, page, dev, backend, gen, report, scores,
+                  impls=impls)
     if max_queries > 0:
         report.notes.append(f"at most {max_queries} query positions per layer (evenly spaced, with the last)")
     return _finish(report, scores)
