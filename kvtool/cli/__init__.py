@@ -34,6 +34,7 @@ def _root(version: VersionOpt = False) -> None:
 # The order is the order of `kvtool -h`: files, layouts, checks, end to end, models, benchmarks.
 from kvtool.cli import cache_cmds  # noqa: E402,F401
 from kvtool.cli import layout_cmds  # noqa: E402,F401
+from kvtool.cli import recipe_cmds  # noqa: E402,F401
 from kvtool.cli import topk_cmds  # noqa: E402,F401
 from kvtool.cli import attn_cmds  # noqa: E402,F401
 from kvtool.cli import decode_cmds  # noqa: E402,F401

@@ -223,7 +223,7 @@ class EngineRecipe:
     exp_rule: ExpRule | None = None
     byte0: Byte0 | None = None
     pow2: Pow2 | None = None
-    nan: str = "kvtool rejects non-finite input before any recipe runs"
+    nan: str = "reject"  # kvtool refuses non-finite input before any recipe runs; engine NaN codes are not reproduced
     oracle: str = ""
     note: str = ""
 
@@ -568,3 +568,25 @@ def _fp8_dequantize(r: EngineRecipe, fmt: "Format", payload, scales, outer_scale
 
 QUANTIZE = {"nvfp4": _nv_quantize, "mxfp4": _mx_quantize, "kvfp4": _mx_quantize, "fp8": _fp8_quantize}
 DEQUANTIZE = {"nvfp4": _nv_dequantize, "mxfp4": _mx_dequantize, "kvfp4": _mx_dequantize, "fp8": _fp8_dequantize}
+
+
+# ------------------------------------------------------------------------------------------------- the listing
+@dataclass(frozen=True)
+class RecipesReport:
+    """`kvtool recipes`: every engine recipe as engine, version, function, format label and its choices."""
+
+    recipes: list
+
+
+def list_recipes(engine: str | None = None) -> RecipesReport:
+    """The registry as a report, optionally only the recipes whose name or engine contains `engine`."""
+    from kvtool.formats.registry import get_format
+
+    rows = []
+    for rec in RECIPES.values():
+        if engine and engine.lower() not in f"{rec.name} {rec.engine}".lower():
+            continue
+        rows.append({**rec.to_dict(), "label": get_format(f"@{rec.name}").label})
+    if engine and not rows:
+        raise FormatError(f"no engine recipe matches {engine!r} (choose from {', '.join(RECIPES)})")
+    return RecipesReport(rows)
