@@ -62,6 +62,7 @@ def store(cache, x: torch.Tensor, slot_mapping: torch.Tensor, backend: str = "au
     slot-range checks, which cost a pass and a host sync)."""
     if resolve_backend(backend, x.device) == "torch":
         return cache.store(x, slot_mapping)
+    cache.fmt.require_kvtool_codec("the Triton store kernel")
     from kvtool.kernels.store import store as triton_store
 
     if cache.fmt.rotation is not None:  # the kernels know no rotation: they quantize the rotated values (codes = x R)
@@ -74,6 +75,7 @@ def gather_dequantize(cache, slots: torch.Tensor, dtype: torch.dtype = torch.flo
     """Decoded values [N, H, D] in `dtype` (fp32 / bf16; fp16 on triton) of the cache tokens at `slots` [N]."""
     if resolve_backend(backend, cache.data.device) == "torch":
         return cache.dequantize(slots, dtype)
+    cache.fmt.require_kvtool_codec("the Triton dequantize kernel")
     from kvtool.kernels.dequant import gather_dequantize as triton_gather
 
     if cache.fmt.rotation is not None:  # the kernel decodes the rotated domain; R^T brings it back
@@ -85,6 +87,7 @@ def quantize(fmt, x: torch.Tensor, tensor_amax: torch.Tensor | None = None, back
     """`fmt.quantize(x, tensor_amax=...)` -> QTensor, on either backend (x [..., D], rows along the last dim)."""
     if resolve_backend(backend, x.device) == "torch":
         return fmt.quantize(x, tensor_amax=tensor_amax)
+    fmt.require_kvtool_codec("the Triton quantize kernel")
     from kvtool.kernels.quant import triton_quantize
 
     if fmt.rotation is not None:
@@ -96,6 +99,7 @@ def dequantize(q, dtype: torch.dtype = torch.float32, backend: str = "auto") -> 
     """`q.dequantize(dtype)` -> [..., D] values, on either backend."""
     if resolve_backend(backend, q.payload.device) == "torch":
         return q.dequantize(dtype)
+    q.fmt.require_kvtool_codec("the Triton dequantize kernel")
     from kvtool.kernels.quant import triton_dequantize
 
     if q.fmt.rotation is not None:
