@@ -17,6 +17,10 @@ per SM), as engines launch their step kernels: each layer's programs are schedul
 wait for it to finish before their first load. Torch eager is not graph-captured (it synchronizes), so it runs
 eagerly.
 
+Peers (`engines`, `--peer vllm`): an engine's own decode kernel (vLLM 0.33.0's `minimax_m3_sparse_attn_decode`) on the
+same caches, selections, layer count and CUDA-graph replay, for the formats it takes; `report.extra["peer_ratios"]`
+holds engine time / kvtool time per case (> 1: kvtool faster).
+
 Goals (H200): >= 70 % of the copy bandwidth at batch 256 for nvfp4 and mxfp4; nvfp4 faster per step than fp8 at batch
 >= 64. The report's `extra["goals"]` holds those checks.
 """
@@ -180,12 +184,16 @@ def layers_for(batch: int, context: int, fmt_name: str, device: str) -> int:
 
 def run_attn_bench(batches=DEFAULT_BATCHES, formats=DEFAULT_FORMATS, context: int = 8000, device: str = "cuda",
                    peers: bool = True, sweep: bool = False, seed: int = 0,
-                   progress: Callable[[str], None] | None = None) -> BenchReport:
+                   progress: Callable[[str], None] | None = None, engines: list[str] | None = None) -> BenchReport:
     """Build the case table and run it (see the module docstring). On the CPU the kernel rows need
     TRITON_INTERPRET=1 (the interpreter; times are meaningless there, the run checks the plumbing)."""
     from kvtool.kernels import sparse_attn_gluon as attn_gluon
+    from kvtool.bench.index import _peer_fn, peer_impls, peer_ratios
     from kvtool.kernels.sparse_attn import launch_plan, uses_gluon
 
+    impls = peer_impls(engines, device)
+    pairs: list[tuple[str, str, str]] = []
+    skipped: list[str] = []
     gen = torch.Generator().manual_seed(seed)
     how = "graph" if device.startswith("cuda") else "eager"
     run_kernel = device.startswith("cuda") or interpreting()
@@ -227,6 +235,17 @@ def run_attn_bench(batches=DEFAULT_BATCHES, formats=DEFAULT_FORMATS, context: in
                                            step.kernel(ids), step.selection_bytes(ids), group,
                                            f"{how} x {layers} layers; default launch",
                                            cuda_graph=device.startswith("cuda")))
+            for impl in impls if run_kernel else ():
+                why = impl.unsupported("attend", step.fmt, device=device)
+                make = _peer_fn(impl, "bench_attn_decode")
+                if why or make is None:
+                    skipped.append(f"{impl.name} {group} {label}: {why or 'no decode entry point'}")
+                    continue
+                fns = [make(impl, step.q, k, v, step.table, step.ctx, ids, GEOMETRY["block_size"])
+                       for k, v, ids in zip(step.k, step.v, step.ids)]
+                cases.append(BenchCase(f"{impl.name} {label}", lambda fns=fns: [f() for f in fns], step.bytes, group,
+                                       f"{how} x {layers} layers", cuda_graph=device.startswith("cuda")))
+                pairs.append((group, f"triton {label}", f"{impl.name} {label}"))
             if peers:
                 cases.append(BenchCase(f"torch eager {label}", step.eager(), step.bytes, group,
                                        f"eager x {layers} layers"))
@@ -237,6 +256,9 @@ def run_attn_bench(batches=DEFAULT_BATCHES, formats=DEFAULT_FORMATS, context: in
     layers = {f"batch {b} {steps[(b, n)].fmt.label}": steps[(b, n)].layers for (b, n) in steps}
     report.extra = {"geometry": {**GEOMETRY, "context": context}, "layers": layers,
                     "goals": _goals(report, batches, layers), "timing": _timing(device)}
+    if impls:
+        report.extra.update(peer_ratios=peer_ratios(report, pairs), peer_skipped=skipped,
+                            peers=[f"{i.name}: {i.source}" for i in impls])
     if not run_kernel:
         report.extra["note"] = "kernel rows skipped: no CUDA device (set TRITON_INTERPRET=1 to run the interpreter)"
     return report
@@ -278,6 +300,9 @@ def _goals(report: BenchReport, batches, layers: dict[str, int]) -> list[dict]:
 def render_goals(report: BenchReport, console) -> None:
     from rich.table import Table
 
+    from kvtool.bench.index import render_peers
+
+    render_peers(report, console)
     if report.extra.get("timing"):
         console.print(f"timing: {report.extra['timing']}")
     goals = report.extra.get("goals") or []

@@ -16,6 +16,11 @@ Timing: each decode case scores `layers` layers back to back (distinct caches; e
 times the H200's 50 MB L2, at most M3's 57 sparse layers), captured in a CUDA graph and replayed, so the numbers are
 what an engine's step sees; time and bytes are per step of all those layers. Torch eager runs eagerly, one layer.
 
+Peers (`engines`, `--peer vllm`): an engine's own kernels (kvtool.engines, e.g. vLLM 0.33.0's
+`minimax_m3_index_decode` and `minimax_m3_index_score` + `minimax_m3_index_topk`) on the same caches, layer count and
+CUDA-graph replay, for the formats they take; `report.extra["peer_ratios"]` holds engine time / kvtool time per case
+(> 1: kvtool faster) and `report.extra["peer_skipped"]` what an engine cannot run.
+
 Goals (H200, batch 64 x 150K): FP4 score+topk within 1.15x of its byte floor at the measured copy bandwidth; FP4
 time <= 0.62x FP8 time; score+topk within 1.1x of score alone (`report.extra["goals"]`).
 """
@@ -187,8 +192,52 @@ def layers_for(batch: int, context: int, fmt_name: str, device: str) -> int:
     return max(1, min(MAX_LAYERS, math.ceil(L2_TARGET_BYTES / per_layer)))
 
 
+def peer_impls(engines, device: str) -> list:
+    """Engine implementations for `--peer` (names in kvtool.engines.protocol.IMPLS)."""
+    from kvtool.engines.protocol import resolve_impl
+
+    return [resolve_impl(e, "index") for e in engines or []]
+
+
+def _peer_fn(impl, name: str):
+    """The engine module's bench entry point `name` (kvtool.engines.vllm_m3.bench_index_decode, ...), or None."""
+    import sys
+
+    return getattr(sys.modules[type(impl).__module__], name, None)
+
+
+def peer_ratios(report: BenchReport, pairs: list[tuple[str, str, str]]) -> list[dict]:
+    """pairs (group, kvtool case, peer case) -> [{group, case, kvtool_us, peer_us, ratio = peer / kvtool}]."""
+    rows = {(r.group, r.name): r for r in report.rows}
+    out = []
+    for group, ours, theirs in pairs:
+        a, b = rows.get((group, ours)), rows.get((group, theirs))
+        if a is not None and b is not None:
+            out.append({"group": group, "case": ours, "peer": theirs, "kvtool_us": round(a.time_us, 2),
+                        "peer_us": round(b.time_us, 2), "ratio": round(b.time_us / a.time_us, 3)})
+    return out
+
+
+def render_peers(report: BenchReport, console) -> None:
+    from rich.table import Table
+
+    ratios = report.extra.get("peer_ratios") or []
+    if ratios:
+        table = Table(title="Peers: engine kernel beside kvtool's (same data, same timing); ratio = engine / kvtool "
+                            "(> 1: kvtool faster)")
+        for col in ("group", "kvtool case", "peer case", "kvtool us", "peer us", "ratio"):
+            table.add_column(col, justify="right" if col.endswith(("us", "ratio")) else "left")
+        for r in ratios:
+            table.add_row(r["group"], r["case"], r["peer"], f"{r['kvtool_us']:.1f}", f"{r['peer_us']:.1f}",
+                          f"{r['ratio']:.3f}")
+        console.print(table)
+    for line in report.extra.get("peer_skipped") or []:
+        console.print(f"peer skipped: {line}")
+
+
 def _prefill_cases(fmt_name: str, context: int, device: str, gen: torch.Generator, cfg: IndexerConfig,
-                   peers: bool, run_kernel: bool) -> list[BenchCase]:
+                   peers: bool, run_kernel: bool, engines: list | None = None,
+                   pairs: list | None = None, skipped: list | None = None) -> list[BenchCase]:
     one = _Decode(fmt_name, 1, context, 1, device, gen, cfg)
     hi, d = GEOMETRY["index_heads"], GEOMETRY["head_dim"]
     iq = torch.randn(1, context, hi, d, generator=gen).to(torch.bfloat16).to(device)
@@ -202,6 +251,16 @@ def _prefill_cases(fmt_name: str, context: int, device: str, gen: torch.Generato
         fn = lambda: prefill_topk(iq, one.caches[0], one.table, one.ctx, cfg, max_context=context)  # noqa: E731
         cases.append(BenchCase(f"triton score+topk {label}", fn, nbytes, group, f"causal, {flops / 1e9:.0f} GFLOP",
                                cuda_graph=device.startswith("cuda")))
+        for impl in engines or []:
+            why = impl.unsupported("index", one.fmt, device=device)
+            make = _peer_fn(impl, "bench_index_prefill")
+            if why or make is None:
+                skipped.append(f"{impl.name} {group} {label}: {why or 'no prefill entry point'}")
+                continue
+            cases.append(BenchCase(f"{impl.name} score+topk {label}", make(impl, iq, one.caches[0], one.table,
+                                   one.ctx, cfg), nbytes, group, f"causal, {flops / 1e9:.0f} GFLOP",
+                                   cuda_graph=device.startswith("cuda")))
+            pairs.append((group, f"triton score+topk {label}", f"{impl.name} score+topk {label}"))
     if peers:
         fn = lambda: eager_prefill_topk(iq, one.caches[0], one.table, one.ctx, cfg)  # noqa: E731
         cases.append(BenchCase(f"torch eager {label}", fn, nbytes, group, "query chunks of 1024"))
@@ -210,10 +269,15 @@ def _prefill_cases(fmt_name: str, context: int, device: str, gen: torch.Generato
 
 def run_index_bench(batches=DEFAULT_BATCHES, contexts=DEFAULT_CONTEXTS, prefill=DEFAULT_PREFILL,
                     formats=DEFAULT_FORMATS, device: str = "cuda", peers: bool = True, sweep: bool = False,
-                    seed: int = 0, progress: Callable[[str], None] | None = None) -> BenchReport:
+                    seed: int = 0, progress: Callable[[str], None] | None = None,
+                    engines: list[str] | None = None) -> BenchReport:
     """Build the case table and run it (see the module docstring). On the CPU the kernel rows need
-    TRITON_INTERPRET=1 (the interpreter: times are meaningless there, the run checks the plumbing)."""
+    TRITON_INTERPRET=1 (the interpreter: times are meaningless there, the run checks the plumbing). engines: peer
+    names (`--peer`)."""
     cfg = IndexerConfig()
+    impls = peer_impls(engines, device)
+    pairs: list[tuple[str, str, str]] = []
+    skipped: list[str] = []
     gen = torch.Generator().manual_seed(seed)
     on_cuda = device.startswith("cuda")
     how = "graph" if on_cuda else "eager"
@@ -238,6 +302,16 @@ def run_index_bench(batches=DEFAULT_BATCHES, contexts=DEFAULT_CONTEXTS, prefill=
                             continue
                         cases.append(BenchCase(f"triton score+topk {label} {vname}", step.topk(**options),
                                                step.bytes_topk, group, note, cuda_graph=on_cuda))
+                for impl in impls if run_kernel else ():
+                    why = impl.unsupported("index", step.fmt, device=device)
+                    make = _peer_fn(impl, "bench_index_decode")
+                    if why or make is None:
+                        skipped.append(f"{impl.name} {group} {label}: {why or 'no decode entry point'}")
+                        continue
+                    fns = [make(impl, step.iq, c, step.table, step.ctx, cfg, context) for c in step.caches]
+                    cases.append(BenchCase(f"{impl.name} score+topk {label}", lambda fns=fns: [f() for f in fns],
+                                           step.bytes_topk, group, note, cuda_graph=on_cuda))
+                    pairs.append((group, f"triton score+topk {label}", f"{impl.name} score+topk {label}"))
                 if peers:
                     cases.append(BenchCase(f"torch eager {label}", step.eager(), step.bytes_topk // layers, group,
                                            "eager x 1 layer"))
@@ -245,11 +319,14 @@ def run_index_bench(batches=DEFAULT_BATCHES, contexts=DEFAULT_CONTEXTS, prefill=
         for name in formats:
             if progress:
                 progress(f"building prefill {context} {name}")
-            cases += _prefill_cases(name, context, device, gen, cfg, peers, run_kernel)
+            cases += _prefill_cases(name, context, device, gen, cfg, peers, run_kernel, impls, pairs, skipped)
     report = run_cases("M3 lightning indexer (4 index heads, D 128, 128-token blocks, top-16)", cases, device,
                        progress=progress)
     report.extra = {"geometry": {**GEOMETRY, "block_size": cfg.block_size, "topk": cfg.topk},
                     "goals": _goals(report)}
+    if impls:
+        report.extra.update(peer_ratios=peer_ratios(report, pairs), peer_skipped=skipped,
+                            peers=[f"{i.name}: {i.source}" for i in impls])
     if not run_kernel:
         report.extra["note"] = "kernel rows skipped: no CUDA device (set TRITON_INTERPRET=1 to run the interpreter)"
     return report
@@ -277,6 +354,7 @@ def _goals(report: BenchReport) -> list[dict]:
 
 
 def render_goals(report: BenchReport, console) -> None:
+    render_peers(report, console)
     for g in report.extra.get("goals", []):
         mark = "[green]met[/green]" if g["met"] else "[red]missed[/red]"
         console.print(f"goal: {g['goal']}: {g['value']:.3f} (target {g['target']}) {mark}")

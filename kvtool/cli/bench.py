@@ -34,8 +34,11 @@ def _emit_bench(report, as_json: bool, render_extra) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ bench codecs
-@bench_app.command("codecs", epilog="Examples:\n\n  kvtool bench codecs\n\n  kvtool bench codecs --size 32 --json\n\n"
-                                    "  kvtool bench codecs --device cuda --size 256")
+@bench_app.command("codecs", epilog=examples(
+    'kvtool bench codecs',
+    'kvtool bench codecs --size 32 --json',
+    'kvtool bench codecs --device cuda --size 256',
+))
 @handle_errors
 def bench_codecs(
     size: Annotated[float, typer.Option("--size", help="MB of bf16 input ([rows, 128]).")] = 8.0,
@@ -53,9 +56,12 @@ def bench_codecs(
 
 
 # -------------------------------------------------------------------------------------------------- bench attn
-@bench_app.command("attn", epilog="Examples:\n\n  kvtool bench attn --device cuda\n\n"
-                                  "  kvtool bench attn --device cuda --batches 64,256 --formats fp8,nvfp4 --sweep\n\n"
-                                  "  kvtool bench attn --device cuda --json > attn.json")
+@bench_app.command("attn", epilog=examples(
+    'kvtool bench attn --device cuda',
+    'kvtool bench attn --device cuda --batches 64,256 --formats fp8,nvfp4 --sweep',
+    'kvtool bench attn --device cuda --json > attn.json',
+    'kvtool bench attn --device cuda --peer vllm --formats bf16,fp8,fp8-token',
+))
 @handle_errors
 def bench_attn(
     batches: Annotated[str, typer.Option("--batches", help="Comma-separated batch sizes.")] = "1,16,64,256",
@@ -63,6 +69,8 @@ def bench_attn(
     = "bf16,fp8,fp8-token,nvfp4,mxfp4",
     context: Annotated[int, typer.Option("--context", help="Tokens per request (16 of its blocks are read).")] = 8000,
     peers: Annotated[bool, typer.Option("--peers/--no-peers", help="Also time torch eager and SDPA.")] = True,
+    peer: Annotated[str, typer.Option("--peer", help="Engine kernels timed beside kvtool's, same data and method "
+                                                     "(vllm; comma separated), with the ratio per case.")] = "",
     sweep: Annotated[bool, typer.Option("--sweep", help="Also time launch variants (splits, tile, warps) and "
                                         "fixed-cost probes (0 / 1 / 4 of the 16 blocks).")] = False,
     device: DeviceOpt = "cuda",
@@ -82,16 +90,18 @@ def bench_attn(
     if not sizes or min(sizes) < 1 or not names or context < 1:
         raise InputError("--batches, --formats and --context need positive values")
     report = run_attn_bench(sizes, names, context=context, device=str(resolve_device(device)), peers=peers,
-                            sweep=sweep, progress=_progress)
+                            sweep=sweep, progress=_progress, engines=[x.strip() for x in peer.split(",") if x.strip()])
 
     _emit_bench(report, as_json, render_goals)
 
 
 # ------------------------------------------------------------------------------------------------- bench quant
-@bench_app.command("quant", epilog="Examples:\n\n  kvtool bench quant --device cuda\n\n"
-                                   "  kvtool bench quant --device cuda --sizes 64M,1G --formats nvfp4,mxfp4 --json\n\n"
-                                   "  kvtool bench quant --device cuda --sizes 256M --configs 16x4,64x4,64x8\n\n"
-                                   "  TRITON_INTERPRET=1 kvtool bench quant --device cpu --sizes 16K --formats mxfp4")
+@bench_app.command("quant", epilog=examples(
+    'kvtool bench quant --device cuda',
+    'kvtool bench quant --device cuda --sizes 64M,1G --formats nvfp4,mxfp4 --json',
+    'kvtool bench quant --device cuda --sizes 256M --configs 16x4,64x4,64x8',
+    'TRITON_INTERPRET=1 kvtool bench quant --device cpu --sizes 16K --formats mxfp4',
+))
 @handle_errors
 def bench_quant(
     sizes: Annotated[str, typer.Option("--sizes", help="Comma-separated element counts (K/M/G = 2**10/20/30).")]
@@ -122,9 +132,11 @@ def bench_quant(
 
 
 # ------------------------------------------------------------------------------------------------ bench decode
-@bench_app.command("decode", epilog="Examples:\n\n  kvtool bench decode                     (smollm2, batch 1, 1K context, CPU)\n\n"
-                                    "  kvtool bench decode --device cuda       (synthetic-m3, 4 layers, batch 64, 32K)\n\n"
-                                    "  kvtool bench decode --device cuda --kv nvfp4,fp8 --index fp4,fp8 --json")
+@bench_app.command("decode", epilog=examples(
+    'kvtool bench decode  (smollm2, batch 1, 1K context, CPU)',
+    'kvtool bench decode --device cuda  (synthetic-m3, 4 layers, batch 64, 32K)',
+    'kvtool bench decode --device cuda --kv nvfp4,fp8 --index fp4,fp8 --json',
+))
 @handle_errors
 def bench_decode(
     model: Annotated[Optional[str], typer.Option("--model", help="Default: smollm2 on cpu, synthetic-m3 on cuda.")]
@@ -151,11 +163,13 @@ def bench_decode(
 
 
 # ------------------------------------------------------------------------------------------------- bench index
-@bench_app.command("index", epilog="Examples:\n\n  kvtool bench index --device cuda\n\n"
-                                   "  kvtool bench index --device cuda --batches 64 --contexts 150000 --prefill '' "
-                                   "--sweep\n\n  kvtool bench index --device cuda --formats nvfp4,fp8 --json > index.json\n\n"
-                                   "  TRITON_INTERPRET=1 kvtool bench index --device cpu --batches 1 --contexts 512 "
-                                   "--prefill 256 --formats nvfp4")
+@bench_app.command("index", epilog=examples(
+    'kvtool bench index --device cuda',
+    "kvtool bench index --device cuda --batches 64 --contexts 150000 --prefill '' --sweep",
+    'kvtool bench index --device cuda --formats nvfp4,fp8 --json > index.json',
+    'TRITON_INTERPRET=1 kvtool bench index --device cpu --batches 1 --contexts 512 --prefill 256 --formats nvfp4',
+    'kvtool bench index --device cuda --peer vllm --formats bf16,fp8',
+))
 @handle_errors
 def bench_index(
     batches: Annotated[str, typer.Option("--batches", help="Comma-separated decode batch sizes.")] = "1,16,64",
@@ -166,6 +180,8 @@ def bench_index(
     formats: Annotated[str, typer.Option("--formats", help="Comma-separated index cache formats / labels.")]
     = "bf16,fp8,nvfp4,mxfp4",
     peers: Annotated[bool, typer.Option("--peers/--no-peers", help="Also time the torch eager scorer.")] = True,
+    peer: Annotated[str, typer.Option("--peer", help="Engine kernels timed beside kvtool's, same data and method "
+                                                     "(vllm; comma separated), with the ratio per case.")] = "",
     sweep: Annotated[bool, typer.Option("--sweep", help="Also time fixed launch variants (chunk, prefetch / "
                                                         "pipelining, warps, portable fp8) at 64 x 150K.")] = False,
     device: DeviceOpt = "cuda",
@@ -191,6 +207,6 @@ def bench_index(
         raise InputError("--formats needs at least one format")
     report = run_index_bench(ints(batches, "--batches"), ints(contexts, "--contexts"), ints(prefill, "--prefill"),
                              names, device=str(resolve_device(device)), peers=peers, sweep=sweep,
-                             progress=_progress)
+                             progress=_progress, engines=[x.strip() for x in peer.split(",") if x.strip()])
 
     _emit_bench(report, as_json, render_goals)

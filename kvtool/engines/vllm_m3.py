@@ -44,7 +44,7 @@ from kvtool.engines.wheels import VLLM, EngineUnavailable, extract
 from kvtool.errors import InputError
 from kvtool.indexer import IndexerConfig, apply_forced
 
-__all__ = ["VllmM3", "load_ops", "OPS_DIR", "FILES"]
+__all__ = ["VllmM3", "load_ops", "OPS_DIR", "FILES", "bench_index_decode", "bench_index_prefill", "bench_attn_decode"]
 
 OPS_DIR = "vllm/models/minimax_m3/common/ops"
 FILES = ("index_topk.py", "sparse_attn.py")
@@ -304,3 +304,54 @@ def _rescale(scores: torch.Tensor, cache) -> torch.Tensor:
     s = cache.fp8_tensor_scale()
     real = torch.isfinite(scores) & (scores.abs() < 1e28)
     return torch.where(real, scores * s, scores)
+
+
+# ------------------------------------------------------------------------------------------- bench entry points
+# `kvtool bench ... --peer vllm`: the arguments converted once, then a zero-argument call of the engine's function,
+# as an engine's step runs it (ids only; no score read-back), for kvtool.bench.common.time_fn (CUDA-graph replay).
+def bench_index_decode(impl: VllmM3, iq: torch.Tensor, cache, table: torch.Tensor, ctx: torch.Tensor,
+                       cfg: IndexerConfig, max_context: int):
+    """iq bf16 [B, Hi, D] -> callable running minimax_m3_index_decode (block ids [Hi, B, topk])."""
+    ops = impl.ops["index"]
+    kcache, q = index_cache_tensor(cache), iq.to(torch.bfloat16).contiguous()
+    table, ctx = table.to(torch.int32).contiguous(), ctx.to(torch.int32).contiguous()
+    hi = q.shape[1]
+    return lambda: ops.minimax_m3_index_decode(q, kcache, table, ctx, max_context, cfg.topk, cfg.init_blocks,
+                                               cfg.local_blocks, hi, 1, 1)
+
+
+def bench_index_prefill(impl: VllmM3, iq: torch.Tensor, cache, table: torch.Tensor, ctx: torch.Tensor,
+                        cfg: IndexerConfig):
+    """One request, every position a query: iq bf16 [1, Q, Hi, D] (the last Q positions of ctx[0]) -> callable
+    running minimax_m3_index_score then minimax_m3_index_topk, as vLLM's prefill does."""
+    ops = impl.ops["index"]
+    kcache, q = index_cache_tensor(cache), iq[0].to(torch.bfloat16).contiguous()
+    n, nq, hi = int(ctx[0]), q.shape[0], q.shape[1]
+    dev = q.device
+    cu = torch.tensor([0, nq], dtype=torch.int32, device=dev)
+    seq = torch.tensor([n], dtype=torch.int32, device=dev)
+    prefix = torch.tensor([n - nq], dtype=torch.int32, device=dev)
+    table = table.to(torch.int32).contiguous()
+
+    def run():
+        score = ops.minimax_m3_index_score(q, kcache, table, cu, seq, prefix, nq, n, hi)
+        return ops.minimax_m3_index_topk(score, cu, prefix, nq, cfg.topk, cfg.init_blocks, cfg.local_blocks)
+
+    return run
+
+
+def bench_attn_decode(impl: VllmM3, q: torch.Tensor, k_cache, v_cache, table: torch.Tensor, ctx: torch.Tensor,
+                      ids: torch.Tensor, block_size: int):
+    """q bf16 [B, Hq, D], ids [B, Hkv, topk] -> callable running minimax_m3_sparse_attn_decode (bf16 output)."""
+    ops = impl.ops["attn"]
+    if block_size != BLOCK or k_cache.page_size != BLOCK:
+        raise InputError(f"vLLM's M3 kernels fix block and page at {BLOCK} tokens")
+    kv = kv_cache_tensor(k_cache, v_cache)
+    k_scale, v_scale = kv_scale_tensors(k_cache, v_cache)
+    q = q.to(torch.bfloat16).contiguous()
+    topk_idx = ids.to(torch.int32).permute(1, 0, 2).contiguous()
+    table, seq = table.to(torch.int32).contiguous(), ctx.to(torch.int32).contiguous()
+    out = torch.empty_like(q)
+    hkv, scale = k_cache.num_heads, 1.0 / math.sqrt(q.shape[-1])
+    return lambda: ops.minimax_m3_sparse_attn_decode(q, kv, topk_idx, table, seq, hkv, scale, out, 1, k_scale,
+                                                     v_scale)
