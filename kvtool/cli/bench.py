@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from kvtool.cli import app
-from kvtool.cli.common import DeviceOpt, JsonOpt, emit, handle_errors, stderr, stdout
+from kvtool.cli.common import DeviceOpt, JsonOpt, emit, examples, handle_errors, stderr, stdout
 
 bench_app = typer.Typer(help="Benchmarks: time, bytes, bandwidth and fraction of the copy bandwidth of the same run.",
                         no_args_is_help=True)
