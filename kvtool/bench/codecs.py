@@ -9,7 +9,6 @@ case, the speed-up over its peer (peer time / kvtool time): the issue's goal on 
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -46,8 +45,9 @@ CODEC_ROWS: tuple[CodecRow, ...] = (
 
 
 def _torchao():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    from kvtool.bench.common import quiet_third_party
+
+    with quiet_third_party():
         from torchao.prototype.mx_formats.config import ScaleCalculationMode
         from torchao.prototype.mx_formats.mx_tensor import to_mx
         from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize

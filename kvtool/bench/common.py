@@ -8,14 +8,33 @@ replays (or CUDA-graph replay when a case asks for it); on CPU, wall-clock time.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import logging
 import platform
 import statistics
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+
+
+@contextlib.contextmanager
+def quiet_third_party(loggers: tuple[str, ...] = ("torchao", "torch.utils._pytree")):
+    """Silence a peer library's import noise on stderr (torchao logs a warning per optional CUDA .so it cannot load,
+    torch's pytree a deprecation note per enum torchao registers): warnings and those loggers' records below ERROR."""
+    saved = [(logging.getLogger(name), logging.getLogger(name).level) for name in loggers]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for logger, _ in saved:
+            logger.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for logger, level in saved:
+                logger.setLevel(level)
 
 
 @dataclass

@@ -98,10 +98,9 @@ def torchao_status() -> str:
 def _torchao_peer(fmt: Format, x2: torch.Tensor) -> tuple[str, Callable[[], object]] | None:
     """torchao's quantizer doing the same job as `fmt` on x2 [rows, D] bf16, if there is one and torchao imports."""
     try:
-        import warnings
+        from kvtool.bench.common import quiet_third_party
 
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with quiet_third_party():
             from torchao.prototype.mx_formats.config import ScaleCalculationMode
             from torchao.prototype.mx_formats.mx_tensor import to_mx
             from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize

@@ -7,11 +7,16 @@ from typing import Annotated, Optional
 import typer
 
 from kvtool.cli import app
-from kvtool.cli.common import DeviceOpt, JsonOpt, emit, examples, handle_errors, stderr, stdout
+from kvtool.cli.common import DeviceOpt, JsonOpt, KvtoolGroup, emit, examples, handle_errors, note, stderr, stdout
 
-bench_app = typer.Typer(help="Benchmarks: time, bytes, bandwidth and fraction of the copy bandwidth of the same run.",
-                        no_args_is_help=True)
-app.add_typer(bench_app, name="bench")
+bench_app = typer.Typer(
+    cls=KvtoolGroup, rich_markup_mode=None, no_args_is_help=True,
+    help="Time kvtool's codecs and kernels beside their peers.\n\nEach benchmark measures the copy bandwidth first, "
+         "then prints per case the time, the bytes it must move, the bandwidth and the fraction of the copy "
+         "bandwidth, with the goals of the project.",
+    epilog=examples("kvtool bench codecs", "kvtool bench quant --device cuda --sizes 64M --json",
+                    "kvtool bench decode", "kvtool bench attn --device cuda"))
+app.add_typer(bench_app, name="bench", short_help="Time kvtool's codecs and kernels beside their peers.")
 
 # One section per benchmark table; each calls one workflow in kvtool/bench/ and renders its report.
 
@@ -28,7 +33,7 @@ def _emit_bench(report, as_json: bool, render_extra) -> None:
         render_report(r, stdout)
         render_extra(r, stdout)
         if r.extra.get("note"):
-            stderr.print(f"note: {r.extra['note']}")
+            note(r.extra["note"])
 
     emit(report, as_json, render)
 
@@ -41,13 +46,15 @@ def _emit_bench(report, as_json: bool, render_extra) -> None:
 ))
 @handle_errors
 def bench_codecs(
-    size: Annotated[float, typer.Option("--size", help="MB of bf16 input ([rows, 128]).")] = 8.0,
+    size: Annotated[float, typer.Option("--size", help="MB of bf16 input, as rows of 128 elements.")] = 8.0,
     device: Annotated[str, typer.Option("--device", help="Where the torch codecs and peers run (cpu | cuda); the "
                                         "Triton kernels are timed by `kvtool bench quant`.")] = "cpu",
     as_json: JsonOpt = False,
 ) -> None:
-    """Quantize throughput of every torch codec (the bit-exact reference path) beside torchao / torch peers, with the
-    speed-up over each peer."""
+    """Quantize throughput of the torch codecs beside their peers.
+
+    Every torch codec (the bit-exact reference path) beside torchao / torch peers, with the speed-up over each
+    peer."""
     from kvtool.bench.codecs import render_speedups, run_codec_bench
 
     report = run_codec_bench(size_mb=size, device=device, progress=_progress)
@@ -76,8 +83,10 @@ def bench_attn(
     device: DeviceOpt = "cuda",
     as_json: JsonOpt = False,
 ) -> None:
-    """M3 sparse decode attention (TP4 shape, top-16 x 128-token blocks): the Triton kernel per format beside torch
-    eager and SDPA; CUDA-graph replay of several layers back to back, time per step."""
+    """M3 sparse decode attention per cache format.
+
+    TP4 shape, top-16 x 128-token blocks: the Triton kernel per format beside torch eager and SDPA; CUDA-graph replay
+    of several layers back to back, time per step."""
     from kvtool.backend import resolve_device
     from kvtool.bench.attn import render_goals, run_attn_bench
     from kvtool.errors import InputError
@@ -116,8 +125,10 @@ def bench_quant(
     device: DeviceOpt = "cuda",
     as_json: JsonOpt = False,
 ) -> None:
-    """Store (quantize-on-write into a paged cache) and gather-dequantize kernels per format and size, beside the torch
-    eager codec and torchao; fraction of the copy bandwidth and the issue's goals."""
+    """Store and gather-dequantize kernels per format and size.
+
+    Store (quantize-on-write into a paged cache) and gather-dequantize, beside the torch eager codec and torchao;
+    fraction of the copy bandwidth and the goals."""
     from kvtool.backend import resolve_device
     from kvtool.bench.quant import parse_configs, parse_sizes, render_goals, run_quant_bench
     from kvtool.errors import InputError
@@ -146,17 +157,24 @@ def bench_decode(
     batch: Annotated[Optional[int], typer.Option("--batch", help="Sequences per step (cpu 1, cuda 64).")] = None,
     context: Annotated[Optional[int], typer.Option("--context", help="Tokens in the cache (cpu 1024, cuda 32768).")]
     = None,
-    layers: Annotated[Optional[int], typer.Option("--layers", help="Layers of the synthetic model (cuda 4).")] = None,
+    model_layers: Annotated[Optional[int], typer.Option("--model-layers", help="Depth of the synthetic model "
+                                                        "(cuda 4).")] = None,
+    old_layers: Annotated[Optional[int], typer.Option("--layers", hidden=True, help="Deprecated spelling of "
+                                                      "--model-layers.")] = None,
     backend: Annotated[str, typer.Option("--backend", help="auto | torch | triton.")] = "auto",
     device: DeviceOpt = "cpu",
     as_json: JsonOpt = False,
 ) -> None:
-    """One decode step of the whole model per cache configuration (plain bf16 dense SDPA, bf16 paged sparse, each
-    candidate), as tokens/s with the issue's goals."""
+    """One decode step of the whole model per cache configuration.
+
+    Plain bf16 dense SDPA, bf16 paged sparse and each candidate, as tokens/s with the goals."""
     from kvtool.bench.decode import render_goals, run_decode_bench
 
+    if old_layers is not None:
+        note("--layers is deprecated here: use --model-layers (the model's depth)")
+        model_layers = model_layers if model_layers is not None else old_layers
     split = lambda text: tuple(t.strip() for t in text.split(",") if t.strip())  # noqa: E731
-    report = run_decode_bench(model, device, split(kv), split(index), batch, context, layers, backend,
+    report = run_decode_bench(model, device, split(kv), split(index), batch, context, model_layers, backend,
                               progress=_progress)
 
     _emit_bench(report, as_json, render_goals)
@@ -187,8 +205,10 @@ def bench_index(
     device: DeviceOpt = "cuda",
     as_json: JsonOpt = False,
 ) -> None:
-    """M3 lightning indexer: decode scoring (block scores) and fused score + top-k per index-cache format, and causal
-    prefill top-k, beside a torch eager scorer; bandwidth, fraction of copy and the issue's goals."""
+    """M3 lightning indexer scoring and top-k per index format.
+
+    Decode scoring (block scores) and fused score + top-k per index-cache format, and causal prefill top-k, beside a
+    torch eager scorer; bandwidth, fraction of copy and the goals."""
     from kvtool.backend import resolve_device
     from kvtool.bench.index import render_goals, run_index_bench
     from kvtool.errors import InputError

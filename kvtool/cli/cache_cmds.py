@@ -22,12 +22,15 @@ from kvtool.cli.common import (
     JsonOpt,
     OuterScaleOpt,
     OutOpt,
+    RecipeOfDumpOpt,
+    RecipeOfOpt,
     RecipeOpt,
     ScaleRuleOpt,
     Table,
     emit,
     examples,
     format_options,
+    geometry_with_recipe,
     handle_errors,
     hint,
     line,
@@ -38,20 +41,20 @@ from kvtool.cli.common import (
 
 FIX = "fixtures/synthetic_cache.safetensors"
 
-InArg = Annotated[Path, typer.Argument(help="Input: kvtool cache, safetensors, .pt (weights_only) or .npy file.",
+InArg = Annotated[Path, typer.Argument(metavar="INPUT", help="Input: kvtool cache, safetensors, .pt (weights_only) or .npy file.",
                                        show_default=False)]
-IncludeOpt = Annotated[Optional[list[str]], typer.Option("--include", help="Only tensors whose name matches this "
+IncludeOpt = Annotated[Optional[list[str]], typer.Option("--include", metavar="GLOB", help="Only tensors whose name matches this "
                                                          "glob (fnmatch; repeatable).")]
-CopyExcludeOpt = Annotated[Optional[list[str]], typer.Option("--exclude", help="Leave tensors whose name matches "
+CopyExcludeOpt = Annotated[Optional[list[str]], typer.Option("--exclude", metavar="GLOB", help="Leave tensors whose name matches "
                                                              "this glob as they are: copied unchanged into the "
                                                              "output (repeatable).")]
-ExcludeOpt = Annotated[Optional[list[str]], typer.Option("--exclude", help="Skip tensors whose name matches this "
+ExcludeOpt = Annotated[Optional[list[str]], typer.Option("--exclude", metavar="GLOB", help="Skip tensors whose name matches this "
                                                          "glob (repeatable).")]
-ChunkOpt = Annotated[float, typer.Option("--chunk-mb", help="Row-block size in MiB of fp32 working data: peak memory "
+ChunkOpt = Annotated[float, typer.Option("--chunk-mb", metavar="MIB", help="Row-block size in MiB of fp32 working data: peak memory "
                                                             "follows it, not the file size.")]
-LayoutOpt = Annotated[Optional[str], typer.Option("--layout", help="Engine dump layout of the input, e.g. "
+LayoutOpt = Annotated[Optional[str], typer.Option("--layout", metavar="NAME", help="Engine dump layout of the input, e.g. "
                                                                    "vllm-mxfp4-page (see 'kvtool layouts').")]
-GeometryOpt = Annotated[Optional[str], typer.Option("--geometry", help="Layout geometry KEY=VAL[,KEY=VAL...] (keys "
+GeometryOpt = Annotated[Optional[str], typer.Option("--geometry", metavar="K=V,...", help="Layout geometry KEY=VAL[,KEY=VAL...] (keys "
                                                     "format, page, heads, dim, tokens, tensor_scale, outer), e.g. "
                                                     "format=mxfp4,page=128,heads=2,dim=128,tokens=256.")]
 LAYOUT_GEO = "--layout vllm-mxfp4-page --geometry format=mxfp4,page=128,heads=2,dim=128,tokens=256"
@@ -87,10 +90,12 @@ def _shape(shape) -> str:
     f"kvtool quantize {FIX} -o /tmp/k_mxfp4.safetensors --to mxfp4",
     f"kvtool quantize {FIX} -o /tmp/k_nvfp4.safetensors --to nvfp4 --recipe div --outer-scale auto",
     f"kvtool quantize {FIX} -o /tmp/idx_fp8.safetensors --to fp8 --fp8-scale token --include '*.index_k'",
-    f"kvtool quantize {FIX} -o /tmp/k_floor.safetensors --to mxfp4-floor --exclude '*.v' --json"))
+    f"kvtool quantize {FIX} -o /tmp/k_floor.safetensors --to mxfp4-floor --exclude '*.v' --json",
+    f"kvtool quantize {FIX} -o /tmp/k_vllm.safetensors --to nvfp4 --recipe-of vllm.ref_nvfp4 --outer-scale auto"))
 @handle_errors
 def quantize(src: InArg, output: OutOpt, to: FormatOpt, scale_rule: ScaleRuleOpt = None, recipe: RecipeOpt = None,
-             outer_scale: OuterScaleOpt = None, fp8_scale: Fp8ScaleOpt = None, include: IncludeOpt = None,
+             outer_scale: OuterScaleOpt = None, fp8_scale: Fp8ScaleOpt = None, recipe_of: RecipeOfOpt = None,
+             include: IncludeOpt = None,
              exclude: CopyExcludeOpt = None, device: DeviceOpt = "cpu", chunk_mb: ChunkOpt = 64.0,
              layout: LayoutOpt = None, geometry: GeometryOpt = None, as_json: JsonOpt = False) -> None:
     """Quantize a cache file into a kvtool cache file.
@@ -100,7 +105,7 @@ def quantize(src: InArg, output: OutOpt, to: FormatOpt, scale_rule: ScaleRuleOpt
     from kvtool.workflows.cache_ops import quantize_file
 
     with _sigterm_cleans(), progress("quantize") as tick:
-        report = quantize_file(src, output, to, options=format_options(scale_rule, recipe, outer_scale, fp8_scale),
+        report = quantize_file(src, output, to, options=format_options(scale_rule, recipe, outer_scale, fp8_scale, recipe_of),
                                include=include, exclude=exclude, device=device, chunk_mb=chunk_mb, layout=layout,
                                geometry=geometry, progress=tick, hint=hint)
     emit(report, as_json, _render_ops)
@@ -116,7 +121,7 @@ def dequantize(src: InArg, output: OutOpt,
                dtype: Annotated[Optional[str], typer.Option("--dtype", help="Output dtype bf16|fp16|fp32 (default: "
                                                             "each tensor's original dtype, bf16 when unknown).")] = None,
                device: DeviceOpt = "cpu", chunk_mb: ChunkOpt = 64.0, layout: LayoutOpt = None,
-               geometry: GeometryOpt = None, as_json: JsonOpt = False) -> None:
+               geometry: GeometryOpt = None, recipe_of: RecipeOfDumpOpt = None, as_json: JsonOpt = False) -> None:
     """Decode a kvtool cache file into plain safetensors.
 
     The output has the original tensor names and shapes. An engine dump is read with --layout and --geometry."""
@@ -124,7 +129,8 @@ def dequantize(src: InArg, output: OutOpt,
 
     with _sigterm_cleans(), progress("dequantize") as tick:
         report = dequantize_file(src, output, dtype=dtype, device=device, chunk_mb=chunk_mb, layout=layout,
-                                 geometry=geometry, progress=tick, hint=hint)
+                                 geometry=geometry_with_recipe(geometry, recipe_of, layout), progress=tick,
+                                 hint=hint)
     emit(report, as_json, _render_ops)
 
 
@@ -149,12 +155,13 @@ def _render_ops(r) -> None:
     "kvtool inspect /tmp/k_nvfp4.safetensors --include 'layers.0.*' --json",
     f"kvtool inspect fixtures/vllm_mxfp4_k.bin {LAYOUT_GEO}"))
 @handle_errors
-def inspect(path: Annotated[Path, typer.Argument(help="A kvtool cache, safetensors, .pt or .npy file.",
+def inspect(path: Annotated[Path, typer.Argument(metavar="FILE", help="A kvtool cache, safetensors, .pt or .npy file.",
                                                  show_default=False)],
             verify: Annotated[bool, typer.Option("--verify", help="Recompute the checksums (exit 1 on a "
                                                  "mismatch).")] = False,
             include: IncludeOpt = None, exclude: ExcludeOpt = None, chunk_mb: ChunkOpt = 64.0,
-            layout: LayoutOpt = None, geometry: GeometryOpt = None, as_json: JsonOpt = False) -> None:
+            layout: LayoutOpt = None, geometry: GeometryOpt = None, recipe_of: RecipeOfDumpOpt = None,
+            as_json: JsonOpt = False) -> None:
     """Show what a cache file holds, tensor by tensor.
 
     Per tensor: format, recipe, shape, bytes per token per head, compression vs bf16, scale statistics (range,
@@ -164,7 +171,8 @@ def inspect(path: Annotated[Path, typer.Argument(help="A kvtool cache, safetenso
 
     with progress("inspect") as tick:
         report = inspect_file(path, verify=verify, include=include, exclude=exclude, chunk_mb=chunk_mb,
-                              layout=layout, geometry=geometry, progress=tick)
+                              layout=layout, geometry=geometry_with_recipe(geometry, recipe_of, layout),
+                              progress=tick)
     emit(report, as_json, _render_inspect)
     warn(report.warnings)
     if not report.ok:
@@ -217,8 +225,8 @@ def _render_inspect(r) -> None:
     f"kvtool diff /tmp/k_nvfp4.safetensors {FIX} --plot /tmp/errors.png",
     f"kvtool diff fixtures/vllm_mxfp4_k.bin /tmp/k_mxfp4.safetensors {LAYOUT_GEO} --pair x=layers.0.k"))
 @handle_errors
-def diff(a: Annotated[Path, typer.Argument(help="Candidate A (any input kvtool reads).", show_default=False)],
-         b: Annotated[Path, typer.Argument(help="Reference B (e.g. the bf16 original).", show_default=False)],
+def diff(a: Annotated[Path, typer.Argument(metavar="A", help="Candidate A (any input kvtool reads).", show_default=False)],
+         b: Annotated[Path, typer.Argument(metavar="B", help="Reference B (e.g. the bf16 original).", show_default=False)],
          max_rel_l2: Annotated[Optional[float], typer.Option("--max-rel-l2", help="Fail (exit 1) when a tensor's "
                                                              "rel_l2 exceeds this.")] = None,
          max_abs: Annotated[Optional[float], typer.Option("--max-abs", help="Fail when a tensor's max |A - B| "
@@ -228,7 +236,7 @@ def diff(a: Annotated[Path, typer.Argument(help="Candidate A (any input kvtool r
          max_scale_mismatch: Annotated[Optional[float], typer.Option("--max-scale-mismatch", help="Fail when the "
                                                                      "scale-byte disagreement % exceeds this.")] = None,
          include: IncludeOpt = None, exclude: ExcludeOpt = None, chunk_mb: ChunkOpt = 64.0,
-         layout: LayoutOpt = None, geometry: GeometryOpt = None,
+         layout: LayoutOpt = None, geometry: GeometryOpt = None, recipe_of: RecipeOfDumpOpt = None,
          layout_b: Annotated[Optional[str], typer.Option("--layout-b", help="Engine dump layout of B.")] = None,
          geometry_b: Annotated[Optional[str], typer.Option("--geometry-b", help="Layout geometry of B.")] = None,
          plot: Annotated[Optional[Path], typer.Option("--plot", help="Write error histograms to this PNG "
@@ -247,7 +255,8 @@ def diff(a: Annotated[Path, typer.Argument(help="Candidate A (any input kvtool r
     with progress("diff") as tick:
         report = diff_files(a, b, max_rel_l2=max_rel_l2, max_abs=max_abs, min_sqnr=min_sqnr,
                             max_scale_mismatch=max_scale_mismatch, include=include, exclude=exclude,
-                            chunk_mb=chunk_mb, layout=layout, geometry=geometry, layout_b=layout_b,
+                            chunk_mb=chunk_mb, layout=layout,
+                            geometry=geometry_with_recipe(geometry, recipe_of, layout), layout_b=layout_b,
                             geometry_b=geometry_b, plot=plot, pair=pair, progress=tick)
     emit(report, as_json, _render_diff)
     warn(report.warnings)

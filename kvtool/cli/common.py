@@ -31,50 +31,76 @@ from kvtool.cli.render import Table, line, print_table, stderr, stdout
 from kvtool.errors import KvtoolError
 
 __all__ = [
-    "DeviceOpt", "FormatOpt", "Fp8ScaleOpt", "JsonOpt", "KvtoolGroup", "OuterScaleOpt", "OutOpt", "RecipeOpt",
+    "DeviceOpt", "FormatOpt", "Fp8ScaleOpt", "JsonOpt", "KvtoolGroup", "OuterScaleOpt", "OutOpt", "RecipeOfOpt",
+    "RecipeOfDumpOpt", "RecipeOpt", "geometry_with_recipe",
     "ScaleRuleOpt", "Table", "emit", "examples", "format_options", "handle_errors", "hint", "line", "note",
     "print_table", "progress", "stderr", "stdout", "to_json", "warn",
 ]
 
-FormatOpt = Annotated[str, typer.Option("--to", help="Target format: bf16, fp8, nvfp4 (alias fp4), mxfp4, or a label "
+FormatOpt = Annotated[str, typer.Option("--to", metavar="FORMAT", help="Target format: bf16, fp8, nvfp4 (alias fp4), mxfp4, or a label "
                                                      "such as mxfp4-floor, nvfp4-div-auto, fp8-token.")]
-ScaleRuleOpt = Annotated[Optional[str], typer.Option("--scale-rule", help="MXFP4 scale rule: floor|even|ceil|rceil "
+ScaleRuleOpt = Annotated[Optional[str], typer.Option("--scale-rule", metavar="RULE", help="MXFP4 scale rule: floor|even|ceil|rceil "
                                                                           "(default rceil).")]
-RecipeOpt = Annotated[Optional[str], typer.Option("--recipe", help="NVFP4 element recipe: rcp|div|unrounded "
+RecipeOpt = Annotated[Optional[str], typer.Option("--recipe", metavar="RECIPE", help="NVFP4 element recipe: rcp|div|unrounded "
                                                                    "(default rcp).")]
-OuterScaleOpt = Annotated[Optional[str], typer.Option("--outer-scale", help="NVFP4 decode-direction outer scale: "
+OuterScaleOpt = Annotated[Optional[str], typer.Option("--outer-scale", metavar="G", help="NVFP4 decode-direction outer scale: "
                                                                             "1|auto|VALUE (default 1).")]
-Fp8ScaleOpt = Annotated[Optional[str], typer.Option("--fp8-scale", help="FP8 scale: unit|tensor|token "
+Fp8ScaleOpt = Annotated[Optional[str], typer.Option("--fp8-scale", metavar="SCALE", help="FP8 scale: unit|tensor|token "
                                                                         "(default unit).")]
+RecipeOfOpt = Annotated[Optional[str], typer.Option("--recipe-of", help="Engine recipe ENGINE.FUNCTION (see 'kvtool "
+                                                                       "recipes'): write that engine function's "
+                                                                       "bytes instead of the SPEC's.")]
+RecipeOfDumpOpt = Annotated[Optional[str], typer.Option("--recipe-of", help="Engine recipe of the dump read with "
+                                                                           "--layout (see 'kvtool recipes'); kvtool "
+                                                                           "cache files record their own.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print a stable machine-readable JSON report on stdout.")]
-OutOpt = Annotated[Path, typer.Option("-o", "--output", help="Output file (written to a temporary file, then renamed).")]
-DeviceOpt = Annotated[str, typer.Option("--device", help="cpu (torch reference path) or cuda (Triton kernels).")]
+OutOpt = Annotated[Path, typer.Option("-o", "--output", metavar="PATH", help="Output file (written to a temporary file, then renamed).")]
+DeviceOpt = Annotated[str, typer.Option("--device", metavar="DEVICE", help="cpu (torch reference path) or cuda (Triton kernels).")]
 
-EXAMPLE_WIDTH = 78  # examples are broken into shell continuation lines to fit 80-column help
+EXAMPLE_WIDTH = 76  # examples are broken into shell continuation lines to fit 80-column help (click indents 2)
 
 
-def format_options(scale_rule=None, recipe=None, outer_scale=None, fp8_scale=None) -> dict:
-    """The recipe options as keyword arguments of `kvtool.formats.get_format` (None where not given)."""
-    return {"scale_rule": scale_rule, "recipe": recipe, "outer_scale": outer_scale, "fp8_scale": fp8_scale}
+def format_options(scale_rule=None, recipe=None, outer_scale=None, fp8_scale=None, recipe_of=None) -> dict:
+    """The recipe options as keyword arguments of `kvtool.formats.get_format` (None where not given; the engine
+    recipe only when one is named)."""
+    out = {"scale_rule": scale_rule, "recipe": recipe, "outer_scale": outer_scale, "fp8_scale": fp8_scale}
+    if recipe_of:
+        out["engine"] = recipe_of
+    return out
+
+
+def geometry_with_recipe(geometry: "str | None", recipe_of: "str | None", layout: "str | None") -> "str | None":
+    """--geometry plus the dump's engine recipe (the `recipe_of` geometry key). A recipe without --layout is an
+    error: a kvtool cache file records its recipe in its format metadata."""
+    if not recipe_of:
+        return geometry
+    if not layout:
+        raise KvtoolError("--recipe-of reads an engine dump with --layout; a kvtool cache file records its recipe")
+    return f"{geometry},recipe_of={recipe_of}" if geometry else f"recipe_of={recipe_of}"
 
 
 # ------------------------------------------------------------------------------------------------ help and errors
 def examples(*commands: str) -> str:
-    """A command's help epilog: "Examples:" and each command, long ones broken before an option into shell
-    continuation lines (so a copied example still runs). Text after two spaces and "(" is a comment kept on the
-    command's last line when it fits."""
+    """A command's help epilog: "Examples:" and each command, a long one broken before an option (kept with its
+    value) into shell continuation lines, so that it fits 80-column help and still runs when copied. Text after two
+    spaces and "(" is a comment, kept on the command's last line when it fits."""
     out = []
     for cmd in commands:
         cmd, sep, comment = cmd.partition("  (")
         comment = f"  ({comment}" if sep else ""
-        words, lines, current = cmd.split(" "), [], ""
-        for word in words:
-            starts_option = word.startswith("-") and current
-            if current and starts_option and len(current) + 1 + len(word) > EXAMPLE_WIDTH - 4:
-                lines.append(current + " \\")
-                current = "    " + word
+        units: list[str] = []  # the command and its positionals one by one; an option with the value after it
+        for word in cmd.split(" "):
+            if units and not word.startswith("-") and units[-1].startswith("-") and " " not in units[-1]:
+                units[-1] += " " + word
             else:
-                current = f"{current} {word}" if current else word
+                units.append(word)
+        lines, current = [], ""
+        for unit in units:
+            if current and len(current) + 1 + len(unit) > EXAMPLE_WIDTH - 2:
+                lines.append(current + " \\")
+                current = "    " + unit
+            else:
+                current = f"{current} {unit}" if current else unit
         if comment and len(current) + len(comment) > EXAMPLE_WIDTH:
             lines.append(current)
             current = "    " + comment.strip()
@@ -82,8 +108,8 @@ def examples(*commands: str) -> str:
             current += comment
         lines.append(current)
         out.append("\n".join(f"  {text}" for text in lines))
-    # "\b" keeps click from rewrapping the paragraph.
-    return "Examples:\n\n" + "\n\n".join(f"\b\n{block}" for block in out)
+    # "\b" keeps click from rewrapping the paragraph (one paragraph: no blank line inside).
+    return "Examples:\n\n\b\n" + "\n".join(out)
 
 
 def _version(value: bool) -> None:

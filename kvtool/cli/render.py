@@ -31,17 +31,31 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from rich.console import Console
+from rich.console import Console as RichConsole
+from rich.table import Table as RichTable
 from rich.text import Text
 
 LOG_WIDTH = 120  # no terminal and no $COLUMNS: a log file or a pipe into a program
 GAP = 2  # spaces between columns
 INDENT = 2  # records: the header/value lines under a row's first cell
 
+
+
+class Console(RichConsole):
+    """A rich Console whose `print(table)` of a rich Table goes through this renderer (`from_rich`), so modules that
+    build rich Tables (benchmarks, older commands) get the same width-aware layouts without a rewrite."""
+
+    def print(self, *objects, **kwargs) -> None:
+        if len(objects) == 1 and isinstance(objects[0], RichTable):
+            print_table(from_rich(objects[0]), self)
+            return
+        super().print(*objects, **kwargs)
+
+
 stdout = Console(highlight=False)
 stderr = Console(stderr=True, highlight=False)
 
-__all__ = ["Column", "Table", "print_table", "render_lines", "paragraph", "line", "width", "stdout", "stderr"]
+__all__ = ["Column", "Console", "Table", "from_rich", "print_table", "render_lines", "paragraph", "line", "width", "stdout", "stderr"]
 
 
 def width(console: Console | None = None) -> int:
@@ -225,3 +239,28 @@ def line(text: str, console: Console | None = None, *, style: str | None = None,
     pieces = paragraph(text, width(console), indent="  ") if wrap else [text]
     for piece in pieces:
         console.print(Text(piece, style=style or ""), soft_wrap=True)
+
+
+def _text(value) -> Text:
+    if value is None:
+        return Text("")
+    if isinstance(value, Text):
+        return value.copy()
+    if isinstance(value, str):
+        return Text.from_markup(value)
+    return Text(str(value))
+
+
+def from_rich(rich_table: RichTable) -> Table:
+    """A rich Table (title, caption, columns with their justification, rows with styles and sections) as a Table."""
+    title = _text(rich_table.title).plain or None
+    table = Table(title, _text(rich_table.caption).plain or None)
+    for col in rich_table.columns:
+        table.column(_text(col.header).plain, justify="right" if col.justify == "right" else "left")
+    cells = [list(col.cells) for col in rich_table.columns]
+    for r, row in enumerate(rich_table.rows):
+        table.row(*(_text(c[r]) if r < len(c) else Text("") for c in cells),
+                  style=str(row.style) if row.style else None)
+        if row.end_section:
+            table.section()
+    return table
