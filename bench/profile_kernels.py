@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 
 import torch
 
+from kvtool.backend import interpreting
 from kvtool.formats import get_format
 
 
@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="small shapes (smoke run)")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
-    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if not cuda and not interpreting():
         raise SystemExit("profile_kernels: needs a CUDA device (or TRITON_INTERPRET=1 with --small)")
     run = CASES[args.kernel](args.format, args.small, "cuda" if cuda else "cpu")
     for _ in range(2):

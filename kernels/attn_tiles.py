@@ -15,16 +15,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kvtool.formats import kernel_desc as kd
 from kvtool.kernels import codecs as kc
 
-# Element and scale kinds (constexpr codes). The launcher maps Format fields onto them (formats are data).
-ELEM_BF16 = tl.constexpr(0)
-ELEM_E4M3 = tl.constexpr(1)
-ELEM_E2M1 = tl.constexpr(2)
-SCALE_NONE = tl.constexpr(0)  # no per-token scale (a whole-tensor scale, if any, is a folded scalar)
-SCALE_ROW = tl.constexpr(1)  # one fp32 per (token, head)
-SCALE_E4M3 = tl.constexpr(2)  # one E4M3 byte per BLOCK elements
-SCALE_E8M0 = tl.constexpr(3)  # one E8M0 byte per BLOCK elements
+# Element and scale kinds: a format descriptor's `elem` and `token_scale` codes (kvtool.formats.kernel_desc, where
+# they are numbered once), as constexprs.
+ELEM_BF16 = tl.constexpr(kd.ELEM_BF16)
+ELEM_E4M3 = tl.constexpr(kd.ELEM_E4M3)
+ELEM_E2M1 = tl.constexpr(kd.ELEM_E2M1)
+SCALE_NONE = tl.constexpr(kd.SCALE_NONE)  # no per-token scale (a whole-tensor scale, if any, is a folded scalar)
+SCALE_ROW = tl.constexpr(kd.SCALE_ROW)  # one fp32 per (token, head)
+SCALE_E4M3 = tl.constexpr(kd.SCALE_E4M3)  # one E4M3 byte per BLOCK elements
+SCALE_E8M0 = tl.constexpr(kd.SCALE_E8M0)  # one E8M0 byte per BLOCK elements
 
 
 @triton.jit

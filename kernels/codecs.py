@@ -18,10 +18,10 @@ layouts and integer-op counts, and each kernel keeps the one it was verified wit
 who uses it and how it differs. Decodes to `value * 2**-14` (or 2**-8) leave that power of two to the caller's scale.
 """
 
-import os
-
 import triton
 import triton.language as tl
+
+from kvtool.kernels import platform
 
 # Constexpr copies of kvtool.formats.rules values (a kernel cannot import Python enums). Tests assert they agree.
 RULE_FLOOR = tl.constexpr(0)
@@ -488,7 +488,7 @@ def fp8_encode_scaled(x, s, NATIVE: tl.constexpr = False):
 
 # ----------------------------------------------------------------------------- added for the store / dequant kernels
 DS_AMAX_FLOOR = tl.constexpr(1e-4)  # DeepSeek V3.2 indexer floor on the row amax (formats.codecs.DS_AMAX_FLOOR)
-INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")  # fixed at import, like every jit constant
+INTERPRET = tl.constexpr(platform.INTERPRET)  # fixed at import, like every jit constant
 
 
 @triton.jit

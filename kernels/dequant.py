@@ -24,12 +24,12 @@ import triton
 import triton.language as tl
 
 from kvtool.errors import KernelArgumentError
+from kvtool.formats import kernel_desc as kd
 from kvtool.kernels import codecs as kc
 from kvtool.kernels.paged_rows import row_addresses
 from kvtool.kernels.store import (
     INTERPRET,
     SCALE_E8M0,
-    SCALE_KINDS,
     SCALE_ROW,
     SCALE_TENSOR,
     KernelFormat,
@@ -74,7 +74,7 @@ def _dequant_kernel(
     PB: tl.constexpr,  # payload bytes per row
     SB: tl.constexpr,  # scale bytes per row
     BITS: tl.constexpr,  # payload bits per element: 16 (bf16), 8 (e4m3), 4 (e2m1)
-    SCALE: tl.constexpr,  # store.SCALE_KINDS value
+    SCALE: tl.constexpr,  # kernel_desc scale code (store.SCALE_*)
     BLOCK: tl.constexpr,  # elements per block scale (4-bit formats)
     OUT_BF16: tl.constexpr,  # output is bf16 (rounded by kc.bf16_encode)
     NATIVE_FP8: tl.constexpr,  # hardware e4m3 -> fp32 conversion (CUDA sm_89+, see kc.e4m3_decode_any)
@@ -188,7 +188,7 @@ def launch_dequant(payload: torch.Tensor, scales: torch.Tensor | None, slots: to
         block_r, num_warps = launch_config(dp, 8, config)  # 2-D tiles for every format
     # packed bf16 products are exact only where no outer scale rounds; compiled only (interpreter bf16 math)
     bf16_math = (out.dtype == torch.bfloat16 and fp4_words
-                 and (kf.SCALE == SCALE_KINDS["e8m0"] or float(g32) == 1.0))
+                 and (kf.SCALE == kd.SCALE_E8M0 or float(g32) == 1.0))
     stream = fp4_words and stream_ok(out.device)
     opts = dict(WORDS=words, G_FOLD=g_fold, BF16_MATH=bf16_math, STREAM=stream)
     opts.update(variant or {})
@@ -222,9 +222,7 @@ def gather_dequantize(cache, slots: torch.Tensor, dtype: torch.dtype = torch.flo
     check_output_dtype(dtype)
     check_slot_ids(slots, slots.shape[0] if slots.dim() == 1 else -1, cache.data.device, "gather: slots")
     if validate:
-        from kvtool.paged import check_slots
-
-        check_slots(slots, cache.num_slots, allow_skip=False)
+        kd.check_slots(slots, cache.num_slots, allow_skip=False)
     tensor_scale = require_tensor_scale(cache) if cache.fmt.scale_element == "fp32-tensor" else 1.0
     H, D = cache.num_heads, cache.head_dim
     shape = (slots.shape[0], H, D)

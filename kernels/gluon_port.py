@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import types
 
-import torch
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
@@ -48,34 +47,3 @@ def port(module: types.ModuleType) -> types.ModuleType:
     twin_module = types.ModuleType(module.__name__ + ".gluon")
     twin_module.__dict__.update(twins)
     return twin_module
-
-
-@functools.lru_cache(maxsize=None)
-def cuda_at_least(device: torch.device, capability: tuple[int, int]) -> bool:
-    """The device rule of the Gluon fast paths: Gluon is importable and `device` is a CUDA (not ROCm) device of at
-    least `capability` (memoized per device)."""
-    if gluon is None or device.type != "cuda" or torch.version.cuda is None:
-        return False
-    return torch.cuda.get_device_capability(device) >= capability
-
-
-# Programmatic dependent launch (PDL), as engines launch their step kernels: a launch's programs are scheduled as the
-# kernel before retires (its tail and the launch gap overlap) and wait in `griddepcontrol.wait` before their first
-# global access: every input may come from the kernel before (the store of this step's token, the indexer's
-# selection), so nothing is read earlier. A launch without the attribute makes both instructions no-ops. Used by the
-# Gluon sparse decode (H200, session 22, layers back to back in one CUDA graph: 0.4-0.9 us a layer faster at batch
-# 16-256, outputs equal bit for bit) and by the portable sparse-attention kernel for grids of at most one program per
-# SM (its rule and measurements: `sparse_attn._launch`). Both call Triton's `gdc_wait` / `gdc_launch_dependents`
-# (triton.language.extra.cuda) first thing. LAUNCH_PDL = False turns it off everywhere.
-LAUNCH_PDL = True
-
-
-def pdl_ok(device: torch.device) -> bool:
-    """Launch with PDL on `device`: LAUNCH_PDL and a CUDA (not ROCm) device of capability >= 9.0 (griddepcontrol)."""
-    return LAUNCH_PDL and cuda_at_least(device, (9, 0))
-
-
-@functools.lru_cache(maxsize=16)
-def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (the persistent Gluon kernels size their grids by it)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count

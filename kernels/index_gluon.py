@@ -86,7 +86,7 @@ import triton
 
 from kvtool.kernels import codecs as kc
 from kvtool.kernels import index_blocks as ib
-from kvtool.kernels.gluon_port import cuda_at_least, num_sms
+from kvtool.kernels.platform import cuda_at_least, num_sms
 
 try:  # Gluon ships with Triton >= 3.5; without it the portable kernel runs everywhere
     from triton.experimental import gluon

@@ -71,21 +71,21 @@ NaN codes (E4M3 0x7F/0xFF, E8M0 255) decode to NaN as in torch; a NaN token scor
 
 from __future__ import annotations
 
-import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from kvtool.errors import KernelArgumentError
+from kvtool.formats import kernel_desc as kd
 from kvtool.kernels import index_gluon
 from kvtool.kernels import index_tiles as tiles
 from kvtool.kernels.index_blocks import MODE_BLOCKS, MODE_TOPK, pair_step, tile_step, write_forced
-from kvtool.kernels.index_tiles import SCALE_KIND
-from kvtool.kernels.store import native_fp8
+from kvtool.kernels.platform import INTERPRET  # the interpreter dots in fp32
+from kvtool.kernels.store import cache_scales, native_fp8, require_tensor_scale
 from kvtool.kernels.topk import MAX_SELECT_BLOCKS, merge_candidates, pick_next, select_from_block_scores
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # fixed at import: the interpreter dots in fp32
 
 # ----------------------------------------------------------------------------------------------------------- kernel
 @triton.jit
@@ -322,10 +322,21 @@ def _num_sms(device: torch.device) -> int:
     return 1  # CPU / interpreter: few, long programs (each program start costs more than a block there)
 
 
+# The formats the tiles decode, by descriptor (element, per-token scale kind, block): bf16, fp8 (unit, tensor or
+# token scale), nvfp4 (E4M3 per 16 elements) and mxfp4 (E8M0 per 32).
+FORMATS = {(kd.ELEM_BF16, kd.SCALE_NONE, 0), (kd.ELEM_E4M3, kd.SCALE_NONE, 0), (kd.ELEM_E4M3, kd.SCALE_ROW, 0),
+           (kd.ELEM_E2M1, kd.SCALE_E4M3, 16), (kd.ELEM_E2M1, kd.SCALE_E8M0, 32)}
+
+
+def _format_key(fmt) -> tuple[int, int, int]:
+    d = kd.kernel_desc(fmt)
+    return d.elem, d.token_scale, d.block
+
+
 def _check(iq4: torch.Tensor, cache, block_table: torch.Tensor, context_lens: torch.Tensor, cfg) -> None:
     dev = iq4.device
     fmt = cache.fmt
-    if fmt.family not in ("bf16", "fp8", "nvfp4", "mxfp4"):
+    if _format_key(fmt) not in FORMATS:
         raise KernelArgumentError(f"index scorer: unsupported cache format {fmt.label}")
     if iq4.dtype != torch.bfloat16:
         raise KernelArgumentError(f"index scorer: queries must be bf16, got {iq4.dtype}")
@@ -407,6 +418,7 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
     pos = _positions(q_pos, iq4, context_lens)
     bsz, nq, hi, d = iq4.shape
     fmt, bs = cache.fmt, cfg.block_size
+    desc = kd.kernel_desc(fmt)
     fp4_words = options.get("fp4_words")
     fp4_words = d >= 128 if fp4_words is None else bool(fp4_words)
     if fp4_words and fmt.spec.payload_bits == 4 and d < MIN_WORDS_DIM:
@@ -463,13 +475,13 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
     out = torch.full((bsz, nq, hi, n_out), float("-inf"), dtype=torch.float32, device=iq4.device)
     ids = torch.empty((bsz, nq, hi, n_out) if kmode == 2 else (1,), dtype=torch.int32, device=iq4.device)
     if bsz * nq and n_out:
-        gscale = cache.fp8_tensor_scale() if fmt.scale_element == "fp32-tensor" else cache.outer_scale()
+        gscale = require_tensor_scale(cache) if fmt.scale_element == "fp32-tensor" else cache_scales(cache)[1]
         native = options.get("native_fp8")
         args = (iq4, cache.data, block_table, context_lens, pos, tile_pos, out, ids, float(gscale),
                 nq, hi, cache.num_pages, cache.page_bytes, n_qtiles, n_out,
                 iq4.stride(0), iq4.stride(1), iq4.stride(2), block_table.stride(0), pos.stride(0))
         consts = dict(D=d, PAGE=cache.page_size, PB=cache.payload_bytes, SB=cache.scale_bytes,
-                      PAYLOAD_BITS=fmt.spec.payload_bits, SCALE_KIND=SCALE_KIND[fmt.scale_element],
+                      PAYLOAD_BITS=desc.payload_bits, SCALE_KIND=desc.token_scale,
                       SCALE_BLOCK=fmt.block or 1, BS=bs, TILE_T=tile_t, QT=qt, HIP=hip, MP=mp,
                       CH=ch, KC=kc_, INIT=cfg.init_blocks, LOCAL=cfg.local_blocks,
                       HIGHER_ID=cfg.tie_rule != "lower-id", MODE=kmode,
@@ -551,7 +563,18 @@ def prefill_scores(iq, cache, block_table, context_lens, cfg=None, q_pos=None,
     return _launch(iq, cache, block_table, context_lens, q_pos, cfg, 0, max_context, **options)
 
 
-def _default_cfg():
-    from kvtool.indexer import IndexerConfig  # layer 3 type, used only for its defaults
+@dataclass(frozen=True)
+class IndexGeometry:
+    """What the scorer and the selection read of an indexer configuration (`cfg`: this or any object with these
+    fields, `kvtool.indexer.IndexerConfig` among them). The defaults are M3's, as IndexerConfig's (a test keeps
+    them equal): 128-token blocks, top-16, no init blocks, one local block, ties to the higher block id."""
 
-    return IndexerConfig()
+    block_size: int = 128
+    topk: int = 16
+    init_blocks: int = 0
+    local_blocks: int = 1
+    tie_rule: str = "higher-id"  # 'higher-id' | 'lower-id' | 'any'
+
+
+def _default_cfg() -> IndexGeometry:
+    return IndexGeometry()

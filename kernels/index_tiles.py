@@ -16,13 +16,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kvtool.formats import kernel_desc as kd
 from kvtool.kernels import codecs as kc
 
-# Format.scale_element -> the kernel's SCALE_KIND constexpr (whole-tensor scales arrive as the runtime `gscale`).
-SCALE_KIND = {"none": 0, "fp32-tensor": 0, "fp32-row": 1, "e4m3": 2, "e8m0": 3}
-SK_ROW = tl.constexpr(1)
-SK_E4M3 = tl.constexpr(2)
-SK_E8M0 = tl.constexpr(3)
+# SCALE_KIND is a descriptor's `token_scale` code (kvtool.formats.kernel_desc): whole-tensor scales read as none
+# there and arrive as the runtime `gscale`: the codes run none < row < e4m3 < e8m0, so `>= SK_E4M3` is a block scale.
+SK_ROW = tl.constexpr(kd.SCALE_ROW)
+SK_E4M3 = tl.constexpr(kd.SCALE_E4M3)
+SK_E8M0 = tl.constexpr(kd.SCALE_E8M0)
 
 
 @triton.jit

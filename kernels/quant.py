@@ -10,6 +10,7 @@ import torch
 from kvtool.errors import InputError, KernelArgumentError
 from kvtool.formats import Format, QTensor, require_finite
 from kvtool.formats.codecs import fp8_row_scale, nvfp4_outer_scale
+from kvtool.formats.kernel_desc import qtensor_of_bytes
 from kvtool.kernels.dequant import OUTPUT_DTYPES, check_output_dtype, launch_dequant
 from kvtool.kernels.store import check_floating, launch_store
 
@@ -38,7 +39,7 @@ def triton_quantize(fmt: Format, x: torch.Tensor, tensor_amax: torch.Tensor | No
     if check_finite:
         require_finite(x, "quantize")
     rows, lead = x2.shape[0], tuple(x.shape[:-1])
-    g_dec, tensor_scale, scales_out = 1.0, 1.0, None
+    g_dec, tensor_scale, scales_out = 1.0, 1.0, None  # scales_out: the fp8 `tensor` scale, 0-dim
     if fmt.outer_scale is not None:  # nvfp4: fp32 outer scale from the tensor (or the given) amax
         g_dec = nvfp4_outer_scale(fmt, x2, tensor_amax)
     payload = torch.empty(rows, fmt.payload_bytes(D), dtype=torch.uint8, device=x.device)
@@ -49,14 +50,7 @@ def triton_quantize(fmt: Format, x: torch.Tensor, tensor_amax: torch.Tensor | No
         tensor_scale = float(scales_out)
     launch_store(x2.unsqueeze(1), None, payload, scales if scales.numel() else None, fmt, tensor_scale=tensor_scale,
                  g_dec=g_dec, config=config)
-    if fmt.scale_element in ("e4m3", "e8m0"):
-        scales_out = scales.reshape(*lead, -1)
-    elif fmt.scale_element == "fp32-row":
-        scales_out = scales.view(torch.float32).reshape(*lead, 1)
-    payload = payload.reshape(*lead, -1)
-    if fmt.spec.payload_bits == 16:
-        payload = payload.view(torch.bfloat16)
-    return QTensor(fmt, payload, scales_out, g_dec, tuple(x.shape))
+    return qtensor_of_bytes(fmt, payload, scales, tuple(x.shape), lead=lead, tensor_scale=scales_out, outer_scale=g_dec)
 
 
 def triton_dequantize(q: QTensor, dtype: torch.dtype = torch.float32, *,

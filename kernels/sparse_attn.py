@@ -80,7 +80,6 @@ NaN for the affected query heads, as the reference does (see kvtool.attention).
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -88,18 +87,20 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kvtool.errors import KernelArgumentError
+from kvtool.formats import kernel_desc as kd
 from kvtool.kernels import attn_tiles as tiles
 from kvtool.kernels import codecs as kc
 from kvtool.kernels import sparse_attn_gluon as attn_gluon
 from kvtool.kernels.attn_tiles import SCALE_E8M0, SCALE_ROW
-from kvtool.kernels.gluon_port import pdl_ok
+from kvtool.kernels.platform import INTERPRET, pdl_ok
+from kvtool.kernels.store import cache_scales
 from kvtool.kernels.store import native_fp8 as store_native_fp8
-from kvtool.paged import PagedCache
 
 
-_ELEMENT_CODE = {"bf16": 0, "e4m3": 1, "e2m1": 2}
-_SCALE_CODE = {"none": 0, "fp32-tensor": 0, "fp32-row": 1, "e4m3": 2, "e8m0": 3}
 LOG2E = 1.4426950408889634
+# What the launchers read of a cache (kvtool.paged.PagedCache has them): the format, the uint8 pages [num_pages, H,
+# page_bytes], the page size, heads, head dim and the whole-tensor amax the fp8 `tensor` / nvfp4 `auto` scales come from.
+PAGED_FIELDS = ("fmt", "data", "page_size", "num_heads", "head_dim", "tensor_amax")
 E2M1_UNIT = 2.0**14  # e2m1_words_f16 returns value * 2**-14
 DEFAULT_TILE = 64  # tokens per tile on the GPU (launch_plan)
 RESIDENT = 4  # programs per SM of the default quantized launch (2 warps: ~240 registers, 41 KB shared memory)
@@ -348,19 +349,20 @@ def _combine_kernel(
 
 
 # ------------------------------------------------------------------------------------------------------ launchers
-def _scalar_of(cache: PagedCache, name: str) -> float:
+def _scalar_of(cache, name: str) -> float:
     """The whole-tensor factor a cache's dequantized values carry (fp8 `tensor` scale, nvfp4 g_dec; else 1)."""
     if cache.fmt.scale_element == "fp32-tensor":
         if cache.tensor_amax is None:
             raise KernelArgumentError(f"{name}: an fp8 tensor-scaled cache without tensor_amax (nothing stored yet)")
-        return cache.fp8_tensor_scale()
-    return float(cache.outer_scale())
+        return cache_scales(cache)[0]
+    return float(cache_scales(cache)[1])
 
 
-def _check_caches(k_cache: PagedCache, v_cache: PagedCache, q: torch.Tensor, hq: int, d: int, block_size: int) -> None:
+def _check_caches(k_cache, v_cache, q: torch.Tensor, hq: int, d: int, block_size: int) -> None:
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if not isinstance(c, PagedCache):
-            raise KernelArgumentError(f"{name} must be a kvtool.paged.PagedCache, got {type(c).__name__}")
+        if not all(hasattr(c, a) for a in PAGED_FIELDS):
+            raise KernelArgumentError(f"{name} must be a paged cache ({', '.join(PAGED_FIELDS)}, as "
+                                      f"kvtool.paged.PagedCache), got {type(c).__name__}")
         if c.data.device != q.device or c.data.dtype != torch.uint8 or not c.data.is_contiguous():
             raise KernelArgumentError(f"{name}: data must be contiguous uint8 on {q.device}")
         if c.head_dim != d:
@@ -395,7 +397,7 @@ def launch_plan(rows: int, num_kv_heads: int, topk: int, block_size: int, page_s
       programs per SM, never more splits than tiles.
     Warps are capped at tile / 8 (the score dot [16, T] spreads its T columns over the warps 8 at a time; beyond
     that warps only hold copies)."""
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    interp = INTERPRET
     t = min(tile_tokens or (128 if interp else DEFAULT_TILE), page_size)
     if page_size % t or (t < 16 and not interp):
         raise KernelArgumentError(f"a tile of {t} tokens must divide the page size {page_size} and be >= 16")
@@ -433,11 +435,12 @@ def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_
     rows, hq, d = q.shape
     hkv, topk = k_cache.num_heads, block_ids.shape[-1]
     fmt = k_cache.fmt
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    interp = INTERPRET
     if native_fp8 is None:
         native_fp8 = store_native_fp8(q.device)  # the store's rule: CUDA (not ROCm) capability >= 8.9, compiled
     f16 = uses_fp16_dots(fmt)
-    e2m1 = fmt.element is not None and fmt.element.name == "e2m1"
+    desc = kd.kernel_desc(fmt)
+    e2m1 = desc.elem == kd.ELEM_E2M1
     t, splits, tiles_per_split, warps = launch_plan(rows, hkv, topk, block_size, k_cache.page_size, q.device,
                                                     num_splits, tile_tokens, num_warps, quantized=f16)
     # bf16 tiles feed the dots as loaded, which Triton's pipeliner handles (copies straight to shared memory)
@@ -462,7 +465,7 @@ def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_
     if maxnreg is None:
         maxnreg = 128 if f16 and warps == 4 else 0
     launch_opts = {"maxnreg": int(maxnreg)} if maxnreg and q.device.type == "cuda" and torch.version.cuda else {}
-    # programmatic dependent launch (gluon_port.LAUNCH_PDL) only for grids of at most one program per SM. H200, M3
+    # programmatic dependent launch (platform.LAUNCH_PDL) only for grids of at most one program per SM. H200, M3
     # shape, us per layer (session 22, bench/RESULTS.md): batch 1 (32 programs) 5.9-6.2 -> 5.0-5.3 for every
     # format; beside a full machine of these programs the early-resident dependents (the combine pass, the next
     # layer) cost time: fp8 batch 64 (512 programs) 20.2 -> 22.0, batch 256 46.7 -> 47.6 (batch 16, 256 programs:
@@ -472,12 +475,12 @@ def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_
         rows * hkv * splits <= torch.cuda.get_device_properties(q.device).multi_processor_count
     if pdl:
         launch_opts["launch_pdl"] = True
-    if fmt.element is not None and fmt.element.name == "e2m1" and any(
+    if e2m1 and any(
             c.data.stride(i) % 4 for c in (k_cache, v_cache) for i in (0, 1)):
         raise KernelArgumentError("E2M1 caches are read as 4-byte words: page and head slabs must be 4-byte aligned "
                                   f"(page size {k_cache.page_size} x {fmt.bytes_per_token(d)} bytes per token)")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    unit = E2M1_UNIT if fmt.element is not None and fmt.element.name == "e2m1" else 1.0  # e2m1_words_f16's 2**-14
+    unit = E2M1_UNIT if e2m1 else 1.0  # e2m1_words_f16's 2**-14
     qk_scale = scale * LOG2E * _scalar_of(k_cache, "k_cache") * unit
     v_scalar = _scalar_of(v_cache, "v_cache") * unit
     _check_out_dtype(out_dtype)
@@ -489,7 +492,7 @@ def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_
         ml = torch.empty(rows * hq * splits, 2, dtype=torch.float32, device=q.device)
     else:
         part = ml = out  # unused
-    payload_view = torch.bfloat16 if fmt.element is None else torch.uint8
+    payload_view = torch.bfloat16 if desc.elem == kd.ELEM_BF16 else torch.uint8
     k_data, v_data = k_cache.data.view(payload_view), v_cache.data.view(payload_view)
     g = hq // hkv
     grid = (rows, hkv, splits)
@@ -503,7 +506,7 @@ def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_
         topk,
         G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d,
         P=k_cache.page_size, BS=block_size, T=t, TW=tw,
-        ELEM=_ELEMENT_CODE[fmt.element.name if fmt.element else "bf16"], SCALE=_SCALE_CODE[fmt.scale_element],
+        ELEM=desc.elem, SCALE=desc.token_scale,
         QBLOCK=max(fmt.block, 1), PB=fmt.payload_bytes(d), TILES=tiles_per_split,
         DECODE=decode, SPLIT=splits > 1, NATIVE_FP8=bool(native_fp8), FP32_DOT=interp, F16=f16,
         P_SPLIT=(not f16) if precise_p is None else bool(precise_p), PREFETCH=prefetch, PAIRED=paired,
@@ -518,7 +521,7 @@ def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_
     return out
 
 
-def uses_gluon(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, block_size: int) -> bool:
+def uses_gluon(q: torch.Tensor, k_cache, v_cache, block_size: int) -> bool:
     """Whether `sparse_decode`'s default launch (no options) takes the Gluon fast path for these inputs."""
     return _use_gluon(q, k_cache, v_cache, block_size, None, {})
 
@@ -539,7 +542,7 @@ def _use_gluon(q, k_cache, v_cache, block_size: int, want: bool | None, portable
             raise KernelArgumentError(f"sparse_decode: gluon=True needs a positive softmax scale, got {scale}")
         return False
     ok = attn_gluon.device_ok(q.device) and attn_gluon.applies(q, k_cache, v_cache, block_size)
-    if want is None and ok and q.shape[0] * k_cache.num_heads < attn_gluon.MIN_PROGRAMS[k_cache.fmt.family]:
+    if want is None and ok and q.shape[0] * k_cache.num_heads < attn_gluon.MIN_PROGRAMS[attn_gluon.format_key(k_cache.fmt)]:
         return False  # small batches: the portable kernel's splits were faster (attn_gluon.MIN_PROGRAMS)
     if want and not ok:
         raise KernelArgumentError("sparse_decode: gluon=True needs a CUDA device with capability >= 8.9, nvfp4 or "
@@ -561,7 +564,7 @@ def _check_q(q: torch.Tensor, name: str = "q") -> None:
         raise KernelArgumentError(f"head dim must be a power of two >= 32, got {q.shape[-1]}")
 
 
-def sparse_decode(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, block_table: torch.Tensor,
+def sparse_decode(q: torch.Tensor, k_cache, v_cache, block_table: torch.Tensor,
                   context_lens: torch.Tensor, block_ids: torch.Tensor, block_size: int, scale: float | None = None,
                   num_splits: int | None = None, *, tile_tokens: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None, native_fp8: bool | None = None,
@@ -611,7 +614,7 @@ def sparse_decode(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, blo
                    precise_p, prefetch, paired, maxnreg, lazy_l, joint_max)
 
 
-def sparse_prefill(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, block_table: torch.Tensor,
+def sparse_prefill(q: torch.Tensor, k_cache, v_cache, block_table: torch.Tensor,
                    q_req: torch.Tensor, q_pos: torch.Tensor, block_ids: torch.Tensor, block_size: int,
                    scale: float | None = None, num_splits: int | None = None, *, tile_tokens: int | None = None,
                    num_warps: int | None = None, num_stages: int | None = None, native_fp8: bool | None = None,

@@ -68,7 +68,7 @@ Session 21 (2026-11-30 05:0x UTC): the warps' flags by vote.any over per-thread 
 a tile on the common path) with the prologue's loads first: nvfp4 batch 64 / 128 / 256 15.7 / 21.7 / 32.4 -> 15.1 /
 20.7 / 31.6, mxfp4 16.7 / 24.1 / 37.1 -> 16.3 / 23.2 / 35.9; then `codecs.pow2_f16` from fp32 bits (mxfp4's factor
 pass 57 -> 20 SASS a tile): mxfp4 16.7 / 23.3 / 35.9 -> 16.3 / 22.8 / 35.6 (outputs equal bit for bit).
-Session 22 (2026-11-30 06:1x-06:3x UTC): launched with programmatic dependent launch (`gluon_port.LAUNCH_PDL`,
+Session 22 (2026-11-30 06:1x-06:3x UTC): launched with programmatic dependent launch (`platform.LAUNCH_PDL`,
 decode_kernel's PDL): nvfp4 batch 16 / 64 / 256 10.2 / 15.0 / 31.4 -> 9.6 / 14.6 / 30.7, mxfp4 10.8 / 16.1 / 35.3 ->
 10.2 / 15.7 / 34.6. Probes of a b256 layer (nvfp4; mxfp4 alike): with every copy masked (math only) 30.0 us of the
 kernel's 31.9, with the tile body skipped (loads only) 25.0, a loads-only kernel with its pages looked up in advance
@@ -108,8 +108,9 @@ import math
 import torch
 import triton
 
+from kvtool.formats import kernel_desc as kd
 from kvtool.kernels import codecs as kc
-from kvtool.kernels.gluon_port import cuda_at_least, num_sms, pdl_ok
+from kvtool.kernels.platform import cuda_at_least, num_sms, pdl_ok
 
 try:  # Gluon ships with Triton >= 3.5; without it the portable kernel runs everywhere
     from triton.experimental import gluon
@@ -125,7 +126,16 @@ DIM = 128  # head dim
 MAX_GROUP = 16  # query heads per KV head (the mma's M)
 NUM_WARPS = 4  # each: 8 of every 32 token columns of S, 32 head-dim columns of O
 PAYLOAD = DIM // 2  # nvfp4 payload bytes per token
-SCALE_BYTES = {"nvfp4": DIM // 16, "mxfp4": DIM // 32}  # scale bytes per token (E4M3 per 16, E8M0 per 32 elements)
+# The two E2M1 formats this kernel reads, by (scale kind, block) of their descriptors: nvfp4 (E4M3 per 16 elements)
+# and mxfp4 (E8M0 per 32); scale bytes per token.
+NVFP4, MXFP4 = (kd.SCALE_E4M3, 16), (kd.SCALE_E8M0, 32)
+SCALE_BYTES = {NVFP4: DIM // 16, MXFP4: DIM // 32}
+
+
+def format_key(fmt) -> tuple[int, int] | None:
+    """(scale kind, block) of an E2M1 format (the keys of SCALE_BYTES and MIN_PROGRAMS), None for other elements."""
+    d = kd.kernel_desc(fmt)
+    return (d.token_scale, d.block) if d.elem == kd.ELEM_E2M1 else None
 
 
 def twice_the_tokens(layout, dim: int):
@@ -427,7 +437,7 @@ if gluon is not None:
         exchanges and barriers per token). Scale bytes sit after the page's 128 x 64 payload bytes: nvfp4 8 E4M3 bytes
         per token, mxfp4 4 E8M0 bytes per token (one word). FUSED (with SPLIT): the last split of a (request, KV head)
         to finish merges the partials (`cnt_ptr`: one int32 arrival counter per (request, KV head), zero before the
-        launch and left zero after it). PDL: launched with programmatic dependent launch (`gluon_port.LAUNCH_PDL`):
+        launch and left zero after it). PDL: launched with programmatic dependent launch (`platform.LAUNCH_PDL`):
         wait for the kernels before, then release the next launch, ahead of any global access."""
         if PDL:
             gdc_wait()
@@ -646,8 +656,8 @@ def applies(q: torch.Tensor, k_cache, v_cache, block_size: int) -> bool:
     (one format), head dim 128, <= 16 query heads per KV head, 128-token blocks and pages."""
     rows, hq, d = q.shape
     hkv = k_cache.num_heads
-    fam = k_cache.fmt.family
-    return (fam in SCALE_BYTES and v_cache.fmt.family == fam and d == DIM and block_size == BLOCK
+    fam = format_key(k_cache.fmt)
+    return (fam in SCALE_BYTES and format_key(v_cache.fmt) == fam and d == DIM and block_size == BLOCK
             and k_cache.page_size == BLOCK and v_cache.page_size == BLOCK and hq % hkv == 0
             and hq // hkv <= MAX_GROUP and all(c.payload_bytes == PAYLOAD and c.scale_bytes == SCALE_BYTES[fam]
                                                for c in (k_cache, v_cache))
@@ -660,7 +670,7 @@ def applies(q: torch.Tensor, k_cache, v_cache, block_size: int) -> bool:
 # 16, before this session's changes, the portable kernel won at batch 16 and the threshold was 64). Below 16 the
 # portable kernel wins (03:37 UTC): batch 1 / 4 / 8 nvfp4 6.2 / 8.2 / 9.2 against 8.4 / 9.6 / 9.9, mxfp4 6.3 / 7.8 /
 # 8.9 against 9.4 / 10.4 / 10.4 (this kernel's best splits).
-MIN_PROGRAMS = {"nvfp4": 16, "mxfp4": 16}
+MIN_PROGRAMS = {NVFP4: 16, MXFP4: 16}
 
 MAXNREG = None  # a register cap for sweeps (None: the compiler's choice)
 TOKENS_PER_TILE = 128  # a page a tile (64: half a page, also compiled and tested; see default_splits for both)

@@ -52,7 +52,6 @@ UTC, same bench) lost: nvfp4 at best 66.4 / 70.5 / 72.1 % (default 72.8-74.9 / 7
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -61,22 +60,22 @@ import triton.language as tl
 
 from kvtool.errors import KernelArgumentError, LayoutError
 from kvtool.formats import Format
+from kvtool.formats import kernel_desc as kd
 from kvtool.formats.codecs import fp8_row_scale, nvfp4_outer_scale
 from kvtool.formats.registry import require_finite
 from kvtool.kernels import codecs as kc
 from kvtool.kernels import store_gluon
 from kvtool.kernels.paged_rows import row_addresses
+from kvtool.kernels.platform import INTERPRET
 
 # Scale kinds as kernel constexprs, keyed by Format.scale_element (the format is data; the kernel reads this number).
-SCALE_KINDS = {"none": 0, "fp32-tensor": 1, "fp32-row": 2, "e4m3": 3, "e8m0": 4}
-SCALE_NONE = tl.constexpr(0)
-SCALE_TENSOR = tl.constexpr(1)
-SCALE_ROW = tl.constexpr(2)
-SCALE_E4M3 = tl.constexpr(3)
-SCALE_E8M0 = tl.constexpr(4)
+SCALE_NONE = tl.constexpr(kd.SCALE_NONE)  # the scale kind codes are numbered once, in kvtool.formats.kernel_desc
+SCALE_TENSOR = tl.constexpr(kd.SCALE_TENSOR)
+SCALE_ROW = tl.constexpr(kd.SCALE_ROW)
+SCALE_E4M3 = tl.constexpr(kd.SCALE_E4M3)
+SCALE_E8M0 = tl.constexpr(kd.SCALE_E8M0)
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # ------------------------------------------------------------------------------------------------- shared @jit parts
@@ -160,7 +159,7 @@ def _store_kernel(
     PB: tl.constexpr,  # payload bytes per row
     SB: tl.constexpr,  # scale bytes per row
     BITS: tl.constexpr,  # payload bits per element: 16 (bf16), 8 (e4m3), 4 (e2m1)
-    SCALE: tl.constexpr,  # SCALE_KINDS value
+    SCALE: tl.constexpr,  # kernel_desc scale code (SCALE_*)
     BLOCK: tl.constexpr,  # elements per block scale (4-bit formats)
     RULE: tl.constexpr,  # ScaleRule (mxfp4)
     RECIPE: tl.constexpr,  # NvRecipe (nvfp4)
@@ -234,7 +233,7 @@ def _store_kernel(
 # ---------------------------------------------------------------------------------------------- launcher helpers
 @dataclass(frozen=True)
 class KernelFormat:
-    """A Format's fields as the kernels' constexprs (one place that turns the descriptor into numbers)."""
+    """A format's kernel descriptor (kvtool.formats.kernel_desc) as the store / dequantize kernels' constexprs."""
 
     BITS: int
     SCALE: int
@@ -247,9 +246,9 @@ class KernelFormat:
     @classmethod
     @functools.lru_cache(maxsize=256)
     def of(cls, fmt: Format) -> "KernelFormat":
-        return cls(BITS=fmt.spec.payload_bits, SCALE=SCALE_KINDS[fmt.scale_element], BLOCK=fmt.block or 1,
-                   RULE=int(fmt.scale_rule or 0), RECIPE=int(fmt.recipe or 0), DS_FLOOR=bool(fmt.ds_floor),
-                   POW2=bool(fmt.pow2))
+        d = kd.kernel_desc(fmt)
+        return cls(BITS=d.payload_bits, SCALE=d.scale, BLOCK=d.block or 1, RULE=d.rule, RECIPE=d.recipe,
+                   DS_FLOOR=d.ds_floor, POW2=d.pow2)
 
     def constexprs(self) -> dict:
         return dict(BITS=self.BITS, SCALE=self.SCALE, BLOCK=self.BLOCK, RULE=self.RULE, RECIPE=self.RECIPE,
@@ -437,7 +436,7 @@ def _cache_scales(fmt: Format, tensor_amax: float | None) -> tuple[float, float]
     tensor_scale = 1.0
     if fmt.scale_element == "fp32-tensor" and amax is not None:
         tensor_scale = float(fp8_row_scale(amax, ds_floor=False, pow2=False))
-    g_dec = nvfp4_outer_scale(fmt, torch.zeros(1), amax) if fmt.family == "nvfp4" else 1.0
+    g_dec = nvfp4_outer_scale(fmt, torch.zeros(1), amax) if kd.kernel_desc(fmt).outer_scale else 1.0
     return tensor_scale, g_dec
 
 

@@ -44,7 +44,8 @@ from kvtool.formats import Format
 from kvtool.formats.rules import NvRecipe
 from kvtool.kernels import codecs as kc
 from kvtool.kernels import paged_rows
-from kvtool.kernels.gluon_port import cuda_at_least, num_sms, port
+from kvtool.kernels.gluon_port import port
+from kvtool.kernels.platform import cuda_at_least, num_sms
 
 try:  # Gluon ships with Triton >= 3.5; without it the portable kernel runs everywhere
     from triton.experimental import gluon

@@ -7,19 +7,19 @@ so, the same bytes.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from kvtool.errors import KvtoolError
 from kvtool.formats import rotation as _rotation
+from kvtool.kernels import platform as _platform  # plain torch: no Triton import
 
 BACKENDS = ("auto", "torch", "triton")
 
 
 def interpreting() -> bool:
-    """True when Triton kernels run in the interpreter (TRITON_INTERPRET=1: CPU tensors, as in the tests)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    """True when Triton kernels run in the interpreter (TRITON_INTERPRET=1: CPU tensors, as in the tests): the flag
+    `kvtool.kernels.platform` read once at import, the one the kernels were specialized on."""
+    return _platform.INTERPRET
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:

@@ -288,23 +288,3 @@ def batched_reference(iq: torch.Tensor, keys: list[torch.Tensor], cfg: IndexerCo
         scores[b, rows, :, :bsc.shape[-1]] = bsc.transpose(0, 1)
         ids[b, rows] = select_topk(bsc, p, cfg).transpose(0, 1)
     return ids, scores
-
-
-# ------------------------------------------------------------------------------------------------------- dispatch
-def paged_topk(iq: torch.Tensor, cache, block_table: torch.Tensor, context_lens: torch.Tensor, cfg: IndexerConfig,
-               q_pos=None, backend: str = "auto") -> torch.Tensor:
-    """Block selection over a paged index cache, on either backend (kvtool.backend.resolve_backend): iq bf16
-    [B, Hi, D] (decode: one query at ctx - 1) -> int32 [B, Hi, topk], or [B, Q, Hi, D] (prefill, positions q_pos
-    [B, Q], default the last Q) -> int32 [B, Q, Hi, topk]. `torch` is the reference on the dequantized cache."""
-    from kvtool.backend import resolve_backend
-
-    decode = iq.dim() == 3
-    iq4 = iq[:, None] if decode else iq
-    if resolve_backend(backend, iq.device) == "triton":
-        from kvtool.kernels import index_score
-
-        ids = index_score.prefill_topk(iq4, cache, block_table, context_lens, cfg, q_pos=q_pos) if not decode \
-            else index_score.decode_topk(iq, cache, block_table, context_lens, cfg)[:, None]
-    else:
-        ids = paged_reference(iq4, cache, block_table, context_lens, cfg, q_pos)[0]
-    return ids[:, 0] if decode else ids

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtool.errors import InputError, LayoutError
+from kvtool.errors import InputError
 from kvtool.formats import Format, QTensor
 from kvtool.formats.codecs import fp8_row_scale, nvfp4_outer_scale
+from kvtool.formats.kernel_desc import check_slots, kernel_desc, qtensor_of_bytes
 
 
 @dataclass
@@ -80,7 +81,7 @@ class PagedCache:
 
     def outer_scale(self) -> float:
         """nvfp4 decode-direction outer scale g_dec implied by the format and `tensor_amax` (1 for other formats)."""
-        if self.fmt.family != "nvfp4":
+        if not kernel_desc(self.fmt).outer_scale:
             return 1.0
         return nvfp4_outer_scale(self.fmt, torch.zeros(1), self.tensor_amax_tensor())
 
@@ -121,17 +122,13 @@ class PagedCache:
         slots = slots.long().to(self.data.device)
         page, off = slots // self.page_size, slots % self.page_size
         payload = self.payload_plane()[page, :, off].contiguous()  # [N, H, PB]
-        if self.fmt.family == "bf16":
-            payload = payload.view(torch.bfloat16)
-        scales = None
-        if self.fmt.scale_element in ("e4m3", "e8m0"):
-            scales = self.scale_plane()[page, :, off].contiguous()
-        elif self.fmt.scale_element == "fp32-row":
-            scales = self.scale_plane()[page, :, off].contiguous().view(torch.float32)  # [N, H, 1]
-        elif self.fmt.scale_element == "fp32-tensor":
-            scales = torch.tensor(self.fp8_tensor_scale(), dtype=torch.float32, device=self.data.device)
+        scales = self.scale_plane()[page, :, off].contiguous() if self.scale_bytes else None  # [N, H, SB]
+        tensor_scale = None
+        if self.fmt.scale_element == "fp32-tensor":
+            tensor_scale = torch.tensor(self.fp8_tensor_scale(), dtype=torch.float32, device=self.data.device)
         shape = (slots.shape[0], self.num_heads, self.head_dim)
-        return QTensor(self.fmt, payload, scales, self.outer_scale(), shape)
+        return qtensor_of_bytes(self.fmt, payload, scales, shape, lead=shape[:2], tensor_scale=tensor_scale,
+                                outer_scale=self.outer_scale())
 
     def dequantize(self, slots: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Decoded values [N, H, D] of the tokens at `slots`."""
@@ -150,15 +147,6 @@ class PagedCache:
         from kvtool.backend import gather_dequantize
 
         return gather_dequantize(self, slots, dtype, backend)
-
-
-def check_slots(slots: torch.Tensor, num_slots: int, allow_skip: bool) -> None:
-    if slots.numel() == 0:
-        return
-    low = -1 if allow_skip else 0
-    lo, hi = int(slots.min()), int(slots.max())
-    if lo < low or hi >= num_slots:
-        raise LayoutError(f"slot ids must lie in [{low}, {num_slots}), got [{lo}, {hi}]")
 
 
 def contiguous_slots(context_lens: list[int], page_size: int) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -268,7 +268,7 @@ def _timing(device: str) -> str:
     """How the kernel rows were timed (the issue asks to say it)."""
     if not device.startswith("cuda"):
         return "eager calls (no CUDA device)"
-    from kvtool.kernels.gluon_port import pdl_ok
+    from kvtool.kernels.platform import pdl_ok
 
     pdl = ("with programmatic dependent launch (the Gluon decode always, the portable kernel for grids of at most "
            "one program per SM)" if pdl_ok(torch.device(device)) else "without programmatic dependent launch")

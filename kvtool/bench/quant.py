@@ -31,11 +31,11 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 from typing import Callable
 
 import torch
 
+from kvtool.backend import interpreting
 from kvtool.bench.common import BenchCase, BenchReport, copy_bandwidth, run_cases
 from kvtool.errors import InputError
 from kvtool.formats import Format, get_format
@@ -88,7 +88,7 @@ def parse_configs(text: str | None) -> list[tuple[int, int]]:
 
 def kernels_available(device: str) -> bool:
     """Triton kernels run on CUDA, or on CPU under the interpreter (TRITON_INTERPRET=1 set before the run)."""
-    return device.startswith("cuda") or os.environ.get("TRITON_INTERPRET") == "1"
+    return device.startswith("cuda") or interpreting()
 
 
 def torchao_status() -> str:

@@ -394,10 +394,10 @@ def test_gpu_cuda_graph_replay():
 @pytest.mark.parametrize("fmt,gluon", [("nvfp4", True), ("mxfp4", True), ("nvfp4", False), ("fp8", False)],
                          ids=["nvfp4-gluon", "mxfp4-gluon", "nvfp4-portable", "fp8-portable"])
 def test_gpu_pdl_chain_equals_plain_launches(fmt, gluon, splits, monkeypatch):
-    """Programmatic dependent launch (gluon_port.LAUNCH_PDL): six layers whose query is the output of the layer
+    """Programmatic dependent launch (platform.LAUNCH_PDL): six layers whose query is the output of the layer
     before, back to back in one CUDA graph, equal the same chain launched without PDL bit for bit. A launch that read
     its query before the kernel before had finished (griddepcontrol.wait after a load) would see a stale one."""
-    from kvtool.kernels import gluon_port
+    from kvtool.kernels import platform
 
     lens = [300, 5000, 20000, 9, 129, 1000] * 6  # 36 rows: the portable kernel takes PDL up to one program an SM
     q, kc, vc, table, ctx, ids = make_decode(fmt, lens, M3["hq"], M3["hkv"], M3["d"], M3["page"], M3["bs"],
@@ -411,7 +411,7 @@ def test_gpu_pdl_chain_equals_plain_launches(fmt, gluon, splits, monkeypatch):
 
     outs = {}
     for pdl in (False, True):
-        monkeypatch.setattr(gluon_port, "LAUNCH_PDL", pdl)
+        monkeypatch.setattr(platform, "LAUNCH_PDL", pdl)
         chain()  # compile outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
