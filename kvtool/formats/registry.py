@@ -166,6 +166,10 @@ class Format:
         return QTensor(self, payload, scales, outer, tuple(x.shape))
 
     def dequantize(self, q: "QTensor", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Decode `q` (planes [..., payload], [..., scales]) to values [..., D] in the floating `dtype` (computed in
+        fp32, then cast). A non-floating dtype is a FormatError: decoded values are not integers."""
+        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise FormatError(f"dequantize needs a floating dtype (float32, bfloat16, float16), got {dtype}")
         if self.rotation is not None:
             return _rot.unrotate(self.unrotated.dequantize(q), self.rotation).to(dtype)
         if self.engine:
@@ -217,6 +221,7 @@ class QTensor:
     extra: dict = field(default_factory=dict)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The decoded values [..., D] in the floating `dtype` (`Format.dequantize`; int dtypes raise FormatError)."""
         return self.fmt.dequantize(self, dtype)
 
     @property

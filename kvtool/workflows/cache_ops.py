@@ -8,6 +8,7 @@ format, with a hint on stderr (the two rounding errors compound; quantize the or
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +29,7 @@ from kvtool.container import (
 )
 from kvtool.errors import InputError, KvtoolError
 from kvtool.formats import Format, QTensor, get_format, require_finite
-from kvtool.readers import Entry, check_finite_rows, open_input, row_chunks, select
+from kvtool.readers import Entry, InputFile, check_finite_rows, open_input, row_chunks, select
 
 Progress = Callable[[int, int, str], None]  # (units done, units total, what) -> None
 Hint = Callable[[str], None]
@@ -106,25 +107,29 @@ def tensor_amax(entry: Entry, chunk_bytes: int, tick: Callable[[int, str], None]
 
 
 # ------------------------------------------------------------------------------------------------ quantize
-def quantize_file(src: Path, out: Path, to: str, *, options: dict | None = None, include: list[str] | None = None,
+def quantize_file(src: Path | InputFile, out: Path, to: str, *, options: dict | None = None, include: list[str] | None = None,
                   exclude: list[str] | None = None, device: str = "cpu", chunk_mb: float = 64.0,
                   layout: str | None = None, geometry: str | None = None, progress: Progress | None = None,
                   hint: Hint | None = None, backend: str = "auto") -> CacheOpReport:
     """Quantize the selected floating tensors of `src` to format `to` (+ recipe `options`, see get_format) and write
-    a kvtool cache file at `out` (atomically). Memory is bounded by `chunk_mb` of fp32 per row block. `backend`
-    (auto|torch|triton, see kvtool.backend) picks the codec path; auto = Triton on cuda, torch on cpu."""
+    a kvtool cache file at `out` (atomically). `src` is a path, or an opened `InputFile` (in-memory tensors, as
+    `kvtool.save` passes them; there an empty selection copies every tensor). Memory is bounded by `chunk_mb` of
+    fp32 per row block. `backend` (auto|torch|triton, see kvtool.backend) picks the codec path; auto = Triton on
+    cuda, torch on cpu."""
     fmt = get_format(to, **{k: v for k, v in (options or {}).items() if v is not None})
     dev = resolve_device(device)
     backend = resolve_backend(backend, dev)
     chunk = chunk_bytes(chunk_mb)
-    target = check_output(out, [src])
-    report = CacheOpReport("quantize", str(src), str(target), fmt.label, str(dev), chunk_mb)
+    memory = isinstance(src, InputFile)  # kvtool.api.save: tensors in memory, opened as an input
+    target = check_output(out, [] if memory else [src])
+    report = CacheOpReport("quantize", "<memory>" if memory else str(src), str(target), fmt.label, str(dev),
+                           chunk_mb)
     say = _hinter(report, hint)
-    with open_input(src, layout, geometry) as inp:
+    with (contextlib.nullcontext(src) if memory else open_input(src, layout, geometry)) as inp:
         for note in inp.notes:
             say(note)
         chosen = set(select(list(inp.entries), include, exclude))
-        if not chosen:
+        if not chosen and not memory:
             raise InputError(f"{src}: no tensor matches --include/--exclude (it holds: {_names(inp.entries)})")
         for name, e in inp.entries.items():
             if name in chosen:
