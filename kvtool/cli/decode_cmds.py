@@ -14,8 +14,10 @@ from rich.table import Table
 from kvtool.cli import app
 from kvtool.cli.common import (DeviceOpt, Fp8ScaleOpt, JsonOpt, OuterScaleOpt, RecipeOpt, ScaleRuleOpt, emit,
                                format_options, handle_errors, stderr, stdout)
-from kvtool.errors import OutputError
+from kvtool.errors import InputError, OutputError
+from kvtool.formats import rotation
 from kvtool.models import corpus
+from kvtool.workflows import decode_stats
 from kvtool.workflows.decode import DecodeOptions, DecodeReport, ProgressEvent, run_decode
 
 EPILOG = """Examples:\n
@@ -23,7 +25,9 @@ EPILOG = """Examples:\n
   kvtool decode --kv fp8,nvfp4,mxfp4 --index fp8,fp4 --tokens 1024 --plot decode.png\n
   kvtool decode --kv mxfp4-floor,mxfp4-rceil --index bf16 --prompt-file notes.txt --json > decode.json\n
   kvtool decode --model synthetic-m3 --kv nvfp4 --index fp4 --batch 8 --device cuda\n
-  kvtool decode --kv fp8 --dense --baseline-kv fp8-token"""
+  kvtool decode --kv fp8 --dense --baseline-kv fp8-token\n
+  kvtool decode --kv nvfp4,nvfp4+rot --index fp4,fp4+rot   (Hadamard rotation of the head dim before quantizing)\n
+  kvtool decode --kv nvfp4,mxfp4 --rotate hadamard:64 --batch 4   (4 documents: intervals over texts too)"""
 
 
 @app.command("decode", epilog=EPILOG)
@@ -68,6 +72,13 @@ def decode_cmd(
     layers: Annotated[Optional[int], typer.Option("--layers", help="Decoder layers of the synthetic models.")]
     = None,
     mem_gb: Annotated[float, typer.Option("--mem-gb", help="Memory (GiB) for the tokens-that-fit column.")] = 8.0,
+    rotate: Annotated[Optional[str], typer.Option("--rotate", help="Rotate every candidate format: hadamard (whole "
+                                                                    "head dim) | hadamard:N | none. Same as a +rot / "
+                                                                    "+rotN label suffix.")] = None,
+    floor: Annotated[bool, typer.Option("--floor/--no-floor", help="Run the noise floor: the baseline again under a "
+                                                                    "harmless change (split-K attention).")] = True,
+    resamples: Annotated[int, typer.Option("--resamples", help="Bootstrap resamples for the intervals (0: "
+                                                                "none).")] = 1000,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write KL / top-1 / delta-p against position to "
                                                                 "this PNG (needs matplotlib).")] = None,
     as_json: JsonOpt = False,
@@ -82,13 +93,29 @@ def decode_cmd(
                          format_opts=format_options(scale_rule, recipe, outer_scale, fp8_scale), model=model,
                          prompt=text, tokens=tokens, gen_tokens=gen_tokens, seed=seed, device=device, batch=batch,
                          sparse=sparse, block_size=block_size, topk=topk, local_blocks=local, init_blocks=init,
-                         layers=layers, mem_gb=mem_gb, backend=backend)
+                         layers=layers, mem_gb=mem_gb, backend=backend,
+                         **_verdict_options(rotate, floor, resamples))
     with LiveProgress() as live:
         report = run_decode(opts, progress=live.update, warn=live.warn)
     if plot is not None:
         plot_report(report, plot)
         stderr.print(f"wrote {plot}")
     emit(report, as_json, render)
+
+
+def _verdict_options(rotate: str | None, floor: bool, resamples: int) -> dict:
+    """Only the non-default verdict options (so DecodeOptions compares equal to one built with its defaults)."""
+    if resamples < 0:
+        raise InputError(f"--resamples must be >= 0, got {resamples}")
+    out = {}
+    rot = rotation.parse_flag(rotate)
+    if rot is not None:
+        out["rotate"] = rot
+    if not floor:
+        out["floor"] = False
+    if resamples != 1000:
+        out["resamples"] = resamples
+    return out
 
 
 # ------------------------------------------------------------------------------------------------- live progress
@@ -145,34 +172,84 @@ def render(r: DecodeReport) -> None:
                  f"{m['head_dim']}; {sel}; batch {r.batch}, {r.tokens} teacher-forced positions ({r.prompt_tokens} "
                  f"prompt), {r.gen_tokens} generated; {r.device} (store {r.paths['store']}, attention "
                  f"{r.paths['attention']})")
-    table = Table(title=f"vs baseline {r.baseline.label} (K/V / index)", box=box.SIMPLE_HEAVY)
+    level = f"{100 * r.confidence['level']:.0f}%" if r.confidence else None
+    table = Table(title=f"vs baseline {r.baseline.label} (K/V / index)",
+                  caption=(f"[..]: {level} bootstrap interval over {r.confidence['basis']}" if level else None),
+                  box=box.SIMPLE_HEAVY)
     for col in ("config", "B/tok", f"fit {r.mem_gb:g}GiB", "tok/s", "x bf16", "KL", "top-1%", "ppl x", "1st div"):
         table.add_column(col, justify="left" if col == "config" else "right")
-    for i, c in enumerate([r.baseline] + r.candidates):
+    rows = [r.baseline] + r.candidates + ([r.floor] if r.floor else [])
+    for i, c in enumerate(rows):
         o, g = c.overall, c.generation
         div = "-" if g is None or i == 0 else ("none" if g.first_divergence is None else str(g.first_divergence))
         table.add_row(c.label, f"{c.bytes_per_token:,}", f"{_si(c.tokens_in_mem)} {c.capacity_vs_baseline:.1f}x",
-                      _num(c.tokens_per_s, ".1f"), _num(c.speed_vs_bf16, ".2f"), _num(o and o.kl_mean, ".4f"),
-                      _num(o and o.top1_pct, ".1f"), _num(o and o.ppl_ratio, ".3f"), div)
+                      _num(c.tokens_per_s, ".1f"), _num(c.speed_vs_bf16, ".2f"),
+                      _ci(o and o.kl_mean, c.intervals.get("kl_mean"), ".3g"),
+                      _ci(o and o.top1_pct, c.intervals.get("top1_pct"), ".1f"),
+                      _ci(o and o.ppl_ratio, c.intervals.get("ppl_ratio"), ".3f"), div)
     stdout.print(table)
+    if r.floor is not None:
+        stdout.print(f"[dim]noise floor ({r.floor.label}): {r.floor_change}[/dim]")
+    _render_verdict(r)
     if r.bf16_dense_tokens_per_s:
         stdout.print(f"plain bf16 dense decode of the same model: {r.bf16_dense_tokens_per_s:.1f} tok/s")
     _render_buckets(r)
     _render_layers(r)
     _render_generations(r)
+    _render_llama(r)
     for w in r.warnings:
         stderr.print(f"[yellow]warning:[/] {w}")
 
 
 def _render_buckets(r: DecodeReport) -> None:
-    table = Table(title="by position (teacher-forced)", box=box.SIMPLE)
-    for col in ("config", "positions", "KL mean", "KL max", "top-1%", "dp mean", "dp RMS", "ppl x"):
+    table = Table(title="by position (teacher-forced)", box=box.SIMPLE,
+                  caption="KL x floor: the bucket's mean KL over the noise floor's" if r.floor else None)
+    cols = ("config", "positions", "KL mean", "KL max", "top-1%", "dp mean", "dp RMS", "ppl x")
+    for col in cols + (("KL x floor",) if r.floor else ()):
         table.add_column(col, justify="left" if col == "config" else "right")
-    for c in r.candidates:
-        for b in c.buckets:
-            table.add_row(c.label, f"{b.lo}-{b.hi - 1}", f"{b.kl_mean:.4f}", f"{b.kl_max:.3f}", f"{b.top1_pct:.1f}",
-                          f"{b.dp_mean:+.4f}", f"{b.dp_rms:.4f}", f"{b.ppl_ratio:.4f}")
+    for c in r.candidates + ([r.floor] if r.floor else []):
+        for i, b in enumerate(c.buckets):
+            iv = c.bucket_intervals[i] if c.bucket_intervals else {}
+            cells = [c.label, f"{b.lo}-{b.hi - 1}", _ci(b.kl_mean, iv.get("kl_mean"), ".3g"), f"{b.kl_max:.3g}",
+                     _ci(b.top1_pct, iv.get("top1_pct"), ".1f"), f"{b.dp_mean:+.4f}", f"{b.dp_rms:.4f}",
+                     f"{b.ppl_ratio:.4f}"]
+            if r.floor:
+                fl = r.floor.buckets[i].kl_mean
+                cells.append("-" if c is r.floor else (f"{b.kl_mean / fl:.3g}" if fl > 0 else "inf"))
+            table.add_row(*cells)
     stdout.print(table)
+
+
+def _ci(x: float | None, iv, fmt: str) -> str:
+    """`x [lo, hi]` (the bootstrap interval when there is one)."""
+    if x is None:
+        return "-"
+    return format(x, fmt) if iv is None else f"{x:{fmt}} [{iv.lo:{fmt}}, {iv.hi:{fmt}}]"
+
+
+def _render_verdict(r: DecodeReport) -> None:
+    """One line per paired comparison: distinguishable or not at the bootstrap level."""
+    if not r.confidence:
+        return
+    level = f"{100 * r.confidence['level']:.0f}%"
+    for cmp in r.confidence["comparisons"]:
+        kl = cmp.diff["kl_mean"]
+        what = f"{cmp.a} vs {cmp.b}: KL difference {kl.value:+.4g} [{kl.lo:+.4g}, {kl.hi:+.4g}]"
+        if cmp.distinguishable:
+            stdout.print(f"{what}: distinguishable at {level} (on {', '.join(cmp.differs_on)})")
+        else:
+            stdout.print(f"{what}: [bold]not distinguishable[/] at {level} on any metric")
+
+
+def _render_llama(r: DecodeReport) -> None:
+    """llama.cpp's --kl-divergence statistics, as llama-perplexity prints them, one block per configuration."""
+    for c in r.candidates + ([r.floor] if r.floor else []):
+        if not c.llama_cpp:
+            continue
+        stdout.print(f"[bold]{c.label}[/]: llama.cpp statistics (llama-perplexity --kl-divergence names; every "
+                     f"position with a next token)")
+        for line in decode_stats.llama_lines(c.llama_cpp):
+            stdout.print(line, markup=False, highlight=False)
 
 
 def _render_layers(r: DecodeReport) -> None:
@@ -233,19 +310,28 @@ def plot_report(r: DecodeReport, path: Path, window: int = 16) -> None:
     import numpy as np
 
     fig, axes = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
-    for c in r.candidates:
-        for ax, key in zip(axes, ("kl", "top1_pct", "dp")):
+    keys = (("kl", "kl_mean"), ("top1_pct", "top1_pct"), ("dp", "dp_mean"))
+    for c in r.candidates + ([r.floor] if r.floor else []):
+        style = dict(color="black", linestyle=":", linewidth=1.2) if c is r.floor else {}
+        for ax, (key, metric) in zip(axes, keys):
             y = np.asarray(c.series[key], dtype=float)
             w = max(1, min(window, len(y)))
-            ax.plot(np.arange(w - 1, len(y)), np.convolve(y, np.ones(w) / w, mode="valid"), label=c.label)
+            line, = ax.plot(np.arange(w - 1, len(y)), np.convolve(y, np.ones(w) / w, mode="valid"), label=c.label,
+                            **style)
+            for b, iv in zip(c.buckets, c.bucket_intervals):  # the bucket's bootstrap interval as a band
+                if metric in iv:
+                    ax.fill_between([b.lo, b.hi - 1], iv[metric].lo, iv[metric].hi, color=line.get_color(),
+                                    alpha=0.12, linewidth=0)
     choice = r.selection and r.selection["topk"] * r.selection["block_size"]  # top-k is a choice from here on
+    axes[0].set_yscale("symlog", linthresh=1e-6)  # the floor sits decades below the formats
     for ax, title in zip(axes, ("KL(p_base || p) [nats]", "top-1 agreement [%]", "delta-p of the next token")):
         ax.set_ylabel(title)
         ax.grid(alpha=0.3)
         if choice and choice < r.tokens:
             ax.axvline(choice, color="gray", linestyle="--", linewidth=1)
     axes[0].legend(fontsize=8)
-    axes[-1].set_xlabel(f"position (trailing mean over {window}; dashed: top-k becomes a choice)")
+    axes[-1].set_xlabel(f"position (trailing mean over {window}; dashed: top-k becomes a choice; dotted black: the "
+                        f"noise floor; bands: per-bucket bootstrap intervals)")
     fig.suptitle(f"kvtool decode: {r.model['name']}, {r.mode}, vs {r.baseline.label}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

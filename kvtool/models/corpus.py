@@ -4,6 +4,11 @@ the Python standard library carries (so a default run needs no download).
 `default_corpus(n_chars)` concatenates, in a fixed order, `inspect.getdoc` of a fixed list of stdlib modules, then the
 docstrings of their public classes and functions (sorted by name), separated by blank lines, and cuts at `n_chars`.
 The text is deterministic for a given Python version (docstrings change between versions).
+
+`documents(n)` is the multi-document corpus (for intervals over texts, not just positions): document 0 is
+`default_corpus` itself ("stdlib-mixed", so a one-document run keeps the classic default text), then one document
+per entry of `DOCUMENTS`: the module docstring and member docstrings of one or two stdlib modules, each on its own
+subject (doctest, typing, logging, argparse, ...), each long enough for a few thousand tokens.
 """
 
 from __future__ import annotations
@@ -38,6 +43,36 @@ def _module_docs(name: str) -> tuple[str, list[str]]:
                 if doc:
                     members.append(doc)
     return inspect.getdoc(module) or "", members
+
+
+# name -> modules; each gives well over 8,000 characters of prose on one subject. Order is part of the definition.
+DOCUMENTS = (
+    ("doctest", ("doctest",)),
+    ("inspect", ("inspect",)),
+    ("typing", ("typing",)),
+    ("pdb-difflib", ("pdb", "difflib")),
+    ("logging-shutil", ("logging", "shutil")),
+    ("argparse-optparse", ("argparse", "optparse")),
+    ("configparser-subprocess", ("configparser", "subprocess")),
+    ("statistics-json", ("statistics", "json")),
+)
+
+
+def _document(modules: tuple[str, ...], n_chars: int) -> str:
+    parts = []
+    for name in modules:
+        head, members = _module_docs(name)
+        parts += ([head] if head else []) + members
+    return "\n\n".join(parts)[:n_chars]
+
+
+def documents(n: int, n_chars: int = 20000) -> list[tuple[str, str]]:
+    """The first `n` documents of the built-in corpus as (name, text), each cut at `n_chars` (module docstring)."""
+    if n < 1 or n > len(DOCUMENTS) + 1:
+        raise InputError(f"the built-in corpus has {len(DOCUMENTS) + 1} documents; asked for {n}")
+    out = [("stdlib-mixed", default_corpus(n_chars))]
+    out += [(name, _document(mods, n_chars)) for name, mods in DOCUMENTS[:n - 1]]
+    return out
 
 
 def default_corpus(n_chars: int = 20000) -> str:

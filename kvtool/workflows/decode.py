@@ -44,8 +44,9 @@ from kvtool.indexer import IndexerConfig, reference_block_scores, select_topk
 from kvtool.models.base import CausalLM, load_model
 from kvtool.workflows.decode_cache import (CacheSpec, ConfigCache, PlainCache, attend_triton, select_triton,
                                            triton_available)
-from kvtool.workflows.decode_metrics import (BucketMetrics, LayerAccumulator, LayerMetrics, StreamMetrics,
-                                             agreement_pct, first_divergence)
+from kvtool.workflows.decode_metrics import (BaseChunk, BucketMetrics, LayerAccumulator, LayerMetrics, StreamMetrics,
+                                             agreement_pct, bucket_edges, first_divergence)
+from kvtool.workflows import decode_stats
 
 # Per-model defaults (kwargs of DecodeOptions fields left None): small enough for a 2-core CPU in a few minutes.
 PRESETS = {
@@ -83,6 +84,9 @@ class DecodeOptions:
     chunk: int = 128
     speed_reference: bool = True
     backend: str = "auto"  # 'auto' (triton on cuda, torch on cpu) | 'torch' | 'triton'
+    floor: bool = True  # run the noise floor: the baseline again under a harmless change (split-K attention)
+    rotate: int | None = None  # Hadamard rotation added to every candidate format (kvtool.formats.rotation)
+    resamples: int = 1000  # bootstrap resamples (0: no intervals)
 
 
 @dataclass
@@ -110,6 +114,9 @@ class ConfigReport:
     layers: list[LayerMetrics]
     generation: Generation | None
     series: dict  # per position: kl, top1_pct, dp (batch means)
+    llama_cpp: dict = field(default_factory=dict)  # llama.cpp --kl-divergence statistics under its names
+    intervals: dict = field(default_factory=dict)  # metric -> Interval (bootstrap, overall)
+    bucket_intervals: list = field(default_factory=list)  # per bucket: metric -> Interval
 
 
 @dataclass
@@ -130,6 +137,10 @@ class DecodeReport:
     candidates: list[ConfigReport]
     bf16_dense_tokens_per_s: float | None
     warnings: list[str]
+    floor: ConfigReport | None = None  # the noise floor: the baseline against itself under a harmless change
+    floor_change: str | None = None  # what the harmless change was
+    confidence: dict | None = None  # bootstrap basis / level / resamples and the paired comparisons
+    documents: list = field(default_factory=list)  # the names of the B texts (one per sequence)
 
 
 @dataclass
@@ -142,11 +153,13 @@ class ProgressEvent:
 
 # ------------------------------------------------------------------------------------------------- the decode loop
 def block_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                           block_ids: torch.Tensor | None, block_size: int) -> torch.Tensor:
+                           block_ids: torch.Tensor | None, block_size: int, split: bool = False) -> torch.Tensor:
     """`sparse_attention_ref` (block_ids given) or `dense_attention_ref` (None) computed as dense attention under a
     token mask: the fast CPU path of the decode loop at small contexts (equal up to fp32 summation order; a test
     compares them). q [Hq, T, D], k / v [S, Hkv, D] fp32, q_pos [T], block_ids [Hkv, T, K] int (-1 padded, never a
-    block twice) -> fp32 [Hq, T, D]; a query that sees no token gets zeros."""
+    block twice) -> fp32 [Hq, T, D]; a query that sees no token gets zeros. `split`: the keys in two halves, each
+    with its own max and sum, merged after (flash-decoding's split-K order): the same math in another fp32
+    summation order, the noise floor's harmless change."""
     hq, T, D = q.shape
     S, hkv, _ = k.shape
     visible = torch.arange(S, device=q.device)[None, :] <= q_pos[:, None]        # visible: [T, S]
@@ -160,12 +173,26 @@ def block_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
     qg = q.reshape(hkv, g * T, D)                                                 # qg: [Hkv, G*T, D]
     scores = torch.bmm(qg, k.permute(1, 2, 0)) * (1.0 / math.sqrt(D))            # scores: [Hkv, G*T, S]
     scores = scores.view(hkv, g, T, S).masked_fill(~mask[:, None], -math.inf)
-    m = scores.amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)  # all-masked rows -> finite m
-    p = torch.exp(scores - m)                                                     # p: [Hkv, G, T, S]
-    l = p.sum(-1, keepdim=True)
-    out = torch.bmm(p.view(hkv, g * T, S), v.permute(1, 0, 2)).view(hkv, g, T, D)
+    if split and S > 1:
+        parts = [_partial(scores[..., a:b], v[a:b]) for a, b in ((0, S // 2), (S // 2, S))]
+        m = torch.maximum(parts[0][0], parts[1][0])
+        w = [torch.exp(pm - m) for pm, _, _ in parts]                             # rescale each half to the max
+        l = w[0] * parts[0][1] + w[1] * parts[1][1]
+        out = w[0] * parts[0][2] + w[1] * parts[1][2]
+    else:
+        m, l, out = _partial(scores, v)
     out = out / torch.where(l > 0, l, torch.ones_like(l))                         # out: [Hkv, G, T, D]
     return out.reshape(hq, T, D)
+
+
+def _partial(scores: torch.Tensor, v: torch.Tensor):
+    """Unnormalized softmax-weighted sum over some keys: scores [Hkv, G, T, S'] (masked: -inf), v [S', Hkv, D] ->
+    (row max m, row sum l [Hkv, G, T, 1], p @ v [Hkv, G, T, D])."""
+    hkv, g, T, S = scores.shape
+    m = scores.amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)  # all-masked rows -> finite m
+    p = torch.exp(scores - m)                                                     # p: [Hkv, G, T, S']
+    out = torch.bmm(p.view(hkv, g * T, S), v.permute(1, 0, 2)).view(hkv, g, T, -1)
+    return m, p.sum(-1, keepdim=True), out
 
 
 @dataclass
@@ -183,8 +210,9 @@ class Decoder:
     latest forward for the per-layer comparison. `indexer` None = dense attention."""
 
     def __init__(self, model: CausalLM, cache: ConfigCache | PlainCache, indexer: IndexerConfig | None,
-                 kernels: dict | None = None, record: bool = False):
+                 kernels: dict | None = None, record: bool = False, split: bool = False):
         self.model, self.cache, self.indexer, self.record = model, cache, indexer, record
+        self.split = split  # split-K attention on the torch path (the noise floor's harmless change)
         self.kernels = kernels or {}  # 'index' / 'attention' -> True where the Triton path runs
         self.pos, self.length, self.trace = 0, 0, StepTrace()
         self.step_s: list[float] = []  # wall time of each decode_one (tokens/s = batch / median)
@@ -237,7 +265,7 @@ class Decoder:
                 ids_all.append(ids)
                 scores_all.append(scores)
             block = self.indexer.block_size if self.indexer else 1
-            outs.append(block_masked_attention(q[b].transpose(0, 1), k, v, pos, ids, block))  # [Hq, T, D]
+            outs.append(block_masked_attention(q[b].transpose(0, 1), k, v, pos, ids, block, self.split))
         if self.record and ids_all:
             self.trace.ids.append(torch.stack(ids_all))                           # [B, Hi, T, K]
             self.trace.scores.append(torch.stack(scores_all))                     # [B, Hi, T, NB]
@@ -295,8 +323,8 @@ class Decoder:
 # ----------------------------------------------------------------------------------------------------- the workflow
 def resolve_specs(opts: DecodeOptions) -> tuple[CacheSpec, list[CacheSpec]]:
     """The baseline and the candidate configurations (every (kv, index) pair; index None in dense mode)."""
-    kvs = [_formats(opts.kv, opts.format_opts, "--kv")]
-    idxs = [_formats(opts.index, opts.format_opts, "--index")] if opts.sparse else [[None]]
+    kvs = [_formats(opts.kv, opts.format_opts, "--kv", opts.rotate)]
+    idxs = [_formats(opts.index, opts.format_opts, "--index", opts.rotate)] if opts.sparse else [[None]]
     _check_options_used(opts.format_opts, kvs[0] + (idxs[0] if opts.sparse else []))
     base = CacheSpec(get_format(opts.baseline_kv), get_format(opts.baseline_index) if opts.sparse else None)
     cands = []
@@ -308,11 +336,12 @@ def resolve_specs(opts: DecodeOptions) -> tuple[CacheSpec, list[CacheSpec]]:
     return base, cands
 
 
-def _formats(names: list[str], format_opts: dict, flag: str) -> list:
+def _formats(names: list[str], format_opts: dict, flag: str, rotate: int | None = None) -> list:
     names = [n.strip() for item in names for n in str(item).split(",") if n.strip()]
     if not names:
         raise FormatError(f"{flag} needs at least one format name")
-    return [get_format(n, strict=False, **{k: v for k, v in format_opts.items() if v is not None}) for n in names]
+    return [get_format(n, strict=False, rotation=rotate, **{k: v for k, v in format_opts.items() if v is not None})
+            for n in names]
 
 
 def _check_options_used(format_opts: dict, fmts: list) -> None:
@@ -321,25 +350,31 @@ def _check_options_used(format_opts: dict, fmts: list) -> None:
             raise FormatError(f"option --{key.replace('_', '-')} applies to none of the formats given")
 
 
-def _prompt_tokens(model: CausalLM, opts: DecodeOptions, n: int) -> tuple[torch.Tensor, str | None]:
-    """The prompt [B, P] (P <= n): the user's text, the default corpus (B consecutive slices), or seeded random ids
-    for models without a tokenizer."""
-    from kvtool.models.corpus import default_corpus, tokenize  # noqa: PLC0415
+def _prompt_tokens(model: CausalLM, opts: DecodeOptions, n: int) -> tuple[torch.Tensor, str | None, list[str]]:
+    """The prompt [B, P] (P <= n), its tail text and the names of the B texts: the user's text, the built-in corpus
+    (B documents, `corpus.documents`; the first is the classic default text), or seeded random ids for models
+    without a tokenizer."""
+    from kvtool.models.corpus import documents, tokenize  # noqa: PLC0415
 
     tok = model.tokenizer
     if opts.prompt is not None:
         if opts.batch != 1:
-            raise InputError("--batch > 1 runs the default corpus (B slices); a --prompt runs alone")
+            raise InputError("--batch > 1 runs B documents of the built-in corpus; a --prompt runs alone")
         ids = tokenize(model, opts.prompt, n)                # no tokenizer: UTF-8 bytes folded into the vocabulary
-        return ids[None], tok.decode(ids[-48:].tolist()) if tok else None
+        return ids[None], tok.decode(ids[-48:].tolist()) if tok else None, ["prompt"]
     if tok is None:
         g = torch.Generator().manual_seed(opts.seed)
-        return torch.randint(0, model.config.vocab_size, (opts.batch, n), generator=g), None
-    ids = tok.encode(default_corpus(8 * n * opts.batch))
-    if len(ids) < n * opts.batch:
-        raise InputError(f"the default corpus gave {len(ids)} tokens, fewer than {n} x {opts.batch}")
-    prompt = torch.tensor(ids[:n * opts.batch]).view(opts.batch, n)
-    return prompt, tok.decode(prompt[0, -48:].tolist())
+        ids = torch.randint(0, model.config.vocab_size, (opts.batch, n), generator=g)
+        return ids, None, [f"random-{b}" for b in range(opts.batch)]
+    docs = documents(opts.batch, 8 * n)
+    rows = []
+    for name, text in docs:
+        ids = tok.encode(text)
+        if len(ids) < n:
+            raise InputError(f"corpus document {name!r} gave {len(ids)} tokens, fewer than --tokens {n}")
+        rows.append(ids[:n])
+    prompt = torch.tensor(rows)
+    return prompt, tok.decode(prompt[0, -48:].tolist()), [name for name, _ in docs]
 
 
 def _paths(kernels: dict, sparse: bool) -> dict:
@@ -386,8 +421,13 @@ def run_decode(opts: DecodeOptions, progress: Callable[[ProgressEvent], None] | 
         model = load_model(opts.model, device, **({"layers": layers} if layers is not None else {}),
                            **({"seed": opts.seed} if opts.model != "smollm2" else {}))
     indexer = _indexer(model, opts)
-    prompt, prompt_tail = _prompt_tokens(model, opts, cap)                     # prompt: [B, P], P <= cap
+    prompt, prompt_tail, doc_names = _prompt_tokens(model, opts, cap)          # prompt: [B, P], P <= cap
     n_tok = cap if opts.tokens is not None or opts.prompt is None else max(prompt.shape[1] + n_gen, 2)
+    if indexer is not None and n_tok <= indexer.topk * indexer.block_size:
+        note(f"context too short for the index format to matter: top-{indexer.topk} of {indexer.block_size}-token "
+             f"blocks selects every block up to position {indexer.topk * indexer.block_size}, and this run has "
+             f"{n_tok} positions (no top-k choice; give --tokens > {indexer.topk * indexer.block_size} or a smaller "
+             f"--topk)")
     backend = resolve_backend(opts.backend, device)
     kernels = triton_available(note) if backend == "triton" else {}
     paths = _paths(kernels, opts.sparse)
@@ -395,22 +435,33 @@ def run_decode(opts: DecodeOptions, progress: Callable[[ProgressEvent], None] | 
     max_len = max(n_tok, prompt.shape[1] + n_gen)
     page = indexer.block_size if indexer else 64
 
-    def make(spec: CacheSpec, record: bool) -> Decoder:
+    def make(spec: CacheSpec, record: bool, floor: bool = False) -> Decoder:
+        kern = {} if floor else kernels  # the floor runs the torch path: on CUDA that is another backend as well
         cache = ConfigCache(spec, c.n_layers, c.n_kv_heads, c.head_dim, c.index_dim, opts.batch, max_len, page,
-                            device, shadow=not kernels, store_backend="triton" if kernels.get("store") else "torch")
-        return Decoder(model, cache, indexer, kernels, record)
+                            device, shadow=not kern, store_backend="triton" if kern.get("store") else "torch")
+        return Decoder(model, cache, indexer, kern, record, split=floor)
 
     with torch.no_grad():
         base = make(base_spec, True)
         cands = [make(s, True) for s in cand_specs]
-        stream_m = [StreamMetrics() for _ in cands]
+        floor = [make(base_spec, False, floor=True)] if opts.floor else []
+        stream_m = [StreamMetrics() for _ in cands + floor]
         layer_m = [LayerAccumulator(c.n_layers, indexer is not None) for _ in cands]
-        _teacher_forced(base, cands, prompt.to(device), n_tok, opts.chunk, stream_m, layer_m, progress)
-        ref = [_bf16_reference(model, prompt.to(device), n_gen, opts.chunk)] if opts.speed_reference else []
-        gens = _free_run([base] + cands + ref, n_gen, progress, lambda: _running(cands, stream_m))
+        _teacher_forced(base, cands + floor, prompt.to(device), n_tok, opts.chunk, stream_m, layer_m, progress)
+        ref = [_bf16_reference(model, base, prompt.shape[1], n_gen)] if opts.speed_reference else []
+        gens = _free_run([base] + cands + floor + ref, n_gen, progress, lambda: _running(cands, stream_m))
         ref_tps = ref[0].tokens_per_s if ref else None
-    return _report(opts, model, device, indexer, paths, prompt_tail, prompt.shape[1], n_tok, n_gen, base_spec,
-                   cand_specs, base, cands, stream_m, layer_m, gens[:len(cands) + 1], ref_tps, warnings)
+    report = _report(opts, model, device, indexer, paths, prompt_tail, prompt.shape[1], n_tok, n_gen, base_spec,
+                     cand_specs, base, cands, stream_m[:len(cands)], layer_m, gens[:len(cands) + 1], ref_tps,
+                     warnings)
+    report.documents = doc_names
+    if floor:
+        report.floor = _floor_report(report, base_spec, floor[0], stream_m[-1], gens[len(cands) + 1], gens[0],
+                                     n_tok, model)
+        report.floor_change = ("split-K attention: the context's keys in two halves, each with its own max and sum, "
+                               "merged after (another fp32 summation order; torch path)")
+    _confidence(report, cands, stream_m, floor, n_tok, opts)
+    return report
 
 
 def _teacher_forced(base: Decoder, cands: list[Decoder], prompt: torch.Tensor, n_tok: int, chunk: int,
@@ -430,10 +481,12 @@ def _teacher_forced(base: Decoder, cands: list[Decoder], prompt: torch.Tensor, n
             nxt[:, -1] = prompt[:, pos + T]
         elif pos + T < n_tok:
             nxt[:, -1] = lb[:, -1].argmax(-1)
-        for dec, sm, lm in zip(cands, stream_m, layer_m):
+        bc = BaseChunk.of(lb)                                                     # shared by every comparison
+        for i, (dec, sm) in enumerate(zip(cands, stream_m)):
             lc = dec.forward(toks)
-            sm.update(pos, lb, lc, nxt)
-            _compare_layers(lm, dec.trace, base.trace, pos, base.indexer)
+            sm.update(pos, bc, lc, nxt)
+            if i < len(layer_m):
+                _compare_layers(layer_m[i], dec.trace, base.trace, pos, base.indexer)
             if pos < P <= pos + T:
                 dec.at_prompt_end = lc[:, P - 1 - pos]
         if pos < P <= pos + T:
@@ -441,7 +494,8 @@ def _teacher_forced(base: Decoder, cands: list[Decoder], prompt: torch.Tensor, n
         token_in = nxt[:, -1]
         pos += T
         if progress:
-            progress(ProgressEvent("teacher-forced", min(pos, n_tok), n_tok, _running(cands, stream_m)))
+            progress(ProgressEvent("teacher-forced", min(pos, n_tok), n_tok, _running(cands[:len(layer_m)],
+                                                                                      stream_m)))
     for dec in [base] + cands:
         dec.record, dec.trace, dec.pos = False, StepTrace(), P  # rewind: the free run continues the prompt
 
@@ -478,13 +532,21 @@ def _free_run(decs: list[Decoder], n_gen: int, progress: Callable | None, runnin
     return [torch.stack(t, dim=1)[:, :n_gen] for t in tokens]
 
 
-def _bf16_reference(model: CausalLM, prompt: torch.Tensor, n_gen: int, chunk: int) -> Decoder:
-    """A plain bf16 dense decoder (PlainCache: contiguous bf16 K/V, no index) prefilled with the prompt: the speed
-    reference, stepped beside the configurations in the free run."""
+def _bf16_reference(model: CausalLM, base: Decoder, n_prompt: int, n_gen: int) -> Decoder:
+    """A plain bf16 dense decoder (PlainCache: contiguous bf16 K/V, no index) over the prompt's context: the speed
+    reference, stepped beside the configurations in the free run. Only its step time is reported, so its cache is
+    filled with the baseline's K/V of the prompt (bf16 values, the same context length) instead of a prefill of its
+    own (a whole extra model pass over the prompt that only warmed the cache)."""
     c = model.config
-    dec = Decoder(model, PlainCache(c.n_layers, c.n_kv_heads, c.head_dim, prompt.shape[0], prompt.shape[1] + n_gen,
-                                    model.device), None)
-    dec.at_prompt_end = dec.prefill(prompt, chunk)[:, -1]
+    B = base.cache.batch
+    plain = PlainCache(c.n_layers, c.n_kv_heads, c.head_dim, B, n_prompt + n_gen, model.device)
+    for layer in range(c.n_layers):
+        for b in range(B):
+            k, v = base.cache.kv(layer, b, n_prompt)                              # k, v: [P, Hkv, D]
+            plain.k[layer][b, :, :n_prompt] = k.transpose(0, 1).to(torch.bfloat16)
+            plain.v[layer][b, :, :n_prompt] = v.transpose(0, 1).to(torch.bfloat16)
+    dec = Decoder(model, plain, None)
+    dec.pos, dec.at_prompt_end = n_prompt, base.at_prompt_end
     return dec
 
 
@@ -517,3 +579,37 @@ def _report(opts, model, device, indexer, paths, prompt_tail, n_prompt, n_tok, n
         [config_report(s, d, g, sm, lm) for s, d, g, sm, lm in zip(cand_specs, cands, gens[1:], stream_m, layer_m)],
         ref_tps, warnings)
 
+
+
+def _floor_report(report: DecodeReport, spec: CacheSpec, dec: Decoder, sm: StreamMetrics, gen: torch.Tensor,
+                  base_gen: torch.Tensor, n_tok: int, model: CausalLM) -> ConfigReport:
+    """The noise floor as a ConfigReport (label `floor: bf16 / bf16`): its metrics against the baseline are what
+    rounding noise alone gives (no layer metrics, no timing: it runs the torch path)."""
+    tok = model.tokenizer
+    g0 = gen[0].tolist()
+    generation = None if report.gen_tokens == 0 else Generation(
+        g0, tok.decode(g0) if tok else None, first_divergence(g0, base_gen[0].tolist()),
+        agreement_pct(gen.reshape(-1).tolist(), base_gen.reshape(-1).tolist()))
+    b = report.baseline
+    return ConfigReport(f"floor: {spec.label}", b.kv, b.index, b.bytes_per_token, b.tokens_in_mem, 1.0, None, None,
+                        sm.merged(0, n_tok), sm.buckets(n_tok), [], generation,
+                        {"kl": sm.series_kl, "top1_pct": sm.series_top1, "dp": sm.series_dp})
+
+
+def _confidence(report: DecodeReport, cands: list[Decoder], stream_m: list[StreamMetrics], floor: list,
+                n_tok: int, opts: DecodeOptions) -> None:
+    """llama.cpp's statistics per configuration, bootstrap intervals (overall and per bucket) and the paired
+    comparisons (each candidate against the floor, then every pair), written into the report."""
+    configs = report.candidates + ([report.floor] if report.floor else [])
+    arrays = {c.label: sm.arrays() for c, sm in zip(configs, stream_m)}
+    for c in configs:
+        c.llama_cpp = decode_stats.llama_stats(arrays[c.label])
+    if opts.resamples <= 0 or not arrays:
+        return
+    conf = decode_stats.bootstrap(arrays, bucket_edges(n_tok), report.floor.label if report.floor else None,
+                                  resamples=opts.resamples, seed=opts.seed)
+    for c in configs:
+        c.intervals = conf.overall[c.label]
+        c.bucket_intervals = conf.buckets[c.label]
+    report.confidence = {"basis": conf.basis, "level": conf.level, "resamples": conf.resamples,
+                         "block": decode_stats.BLOCK, "comparisons": conf.comparisons}

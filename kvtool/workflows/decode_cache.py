@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from kvtool import backend as kv_backend
-from kvtool.formats import Format, get_format
+from kvtool.formats import Format, get_format, rotation
 from kvtool.paged import PagedCache, contiguous_slots
 
 
@@ -59,8 +59,8 @@ def short_label(fmt: Format) -> str:
     """The format's label without the options that equal its family's defaults (`nvfp4-rcp` -> `nvfp4`,
     `mxfp4-floor` stays, `fp8-unit` -> `fp8`). Parses back to the same format."""
     default = get_format(fmt.family).label.split("-")[1:]
-    parts = fmt.label.split("-")
-    return "-".join(parts[:1] + [p for p in parts[1:] if p not in default])
+    parts = fmt.unrotated.label.split("-")
+    return "-".join(parts[:1] + [p for p in parts[1:] if p not in default]) + rotation.label_suffix(fmt.rotation)
 
 
 class ConfigCache:
@@ -212,6 +212,9 @@ def select_triton(cache: ConfigCache, layer: int, iq: torch.Tensor, pos: torch.T
 
     B, T = iq.shape[:2]
     ctx = torch.full((B,), length, dtype=torch.int32, device=iq.device)
+    rot = cache.spec.index.rotation
+    if rot is not None:  # the kernel scores the rotated keys: rotate the query too ((q R) . (k R) = q . k)
+        iq = rotation.rotate(iq, rot)
     iqb = iq.to(torch.bfloat16)
     q_pos = pos[None].expand(B, T).to(torch.int32)
     if T == 1:
@@ -231,6 +234,10 @@ def attend_triton(cache: ConfigCache, layer: int, q: torch.Tensor, pos: torch.Te
     ids int32 [B, Hkv, T, K] -> fp32 [B, T, Hq, D]."""
     from kvtool.kernels.sparse_attn import sparse_decode, sparse_prefill  # noqa: PLC0415
 
+    rot = cache.spec.kv.rotation
+    if rot is not None:  # K and V hold x R: rotated q gives the same scores, the output comes back through R^T
+        out = attend_triton(_Unrotated(cache), layer, rotation.rotate(q, rot), pos, length, ids, block_size)
+        return rotation.unrotate(out, rot)
     B, T, Hq, D = q.shape
     k, v, table = cache.k[layer], cache.v[layer], cache.block_table
     if T == 1:
@@ -244,6 +251,17 @@ def attend_triton(cache: ConfigCache, layer: int, q: torch.Tensor, pos: torch.Te
     out = sparse_prefill(q.reshape(B * T, Hq, D).to(torch.bfloat16), k, v, table, q_req, q_pos, sel, block_size,
                          out_dtype=torch.float32)
     return out.view(B, T, Hq, D)
+
+
+class _Unrotated:
+    """A view of a ConfigCache whose K/V spec reads as unrotated (for the one recursive call in attend_triton)."""
+
+    def __init__(self, cache: ConfigCache):
+        self._cache = cache
+        self.spec = CacheSpec(cache.spec.kv.unrotated, cache.spec.index)
+
+    def __getattr__(self, name):
+        return getattr(self._cache, name)
 
 
 def triton_available(warn) -> dict:

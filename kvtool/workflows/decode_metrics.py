@@ -64,27 +64,52 @@ class _Sums:
 
 
 @dataclass
+class BaseChunk:
+    """The baseline's side of one teacher-forced chunk, computed once and shared by every configuration compared
+    against it: fp64 log-probabilities lb [B, T, V], probabilities pb, and the argmax [B, T]."""
+
+    logits: torch.Tensor
+    lb: torch.Tensor
+    pb: torch.Tensor
+    top: torch.Tensor
+
+    @classmethod
+    def of(cls, logits_base: torch.Tensor) -> "BaseChunk":
+        lb = torch.log_softmax(logits_base.double(), dim=-1)
+        return cls(logits_base, lb, lb.exp(), logits_base.argmax(-1))
+
+
+@dataclass
 class StreamMetrics:
     """Running per-position sums of one candidate against the baseline; `series` keeps per-position means over the
-    batch (KL, top-1 %, delta-p) for plots and JSON."""
+    batch (KL, top-1 %, delta-p) for plots and JSON; `values` keeps every (sequence, position) value (KL, top-1
+    agreement, delta-p, NLL under both, has-a-next-token), the input of the bootstrap and the llama.cpp-style
+    statistics (`decode_stats`)."""
 
     sums: dict[int, _Sums] = field(default_factory=dict)  # position -> sums over the batch
     series_kl: list[float] = field(default_factory=list)
     series_top1: list[float] = field(default_factory=list)
     series_dp: list[float] = field(default_factory=list)
+    values: dict[str, list] = field(default_factory=dict)  # name -> chunks of [B, T] float64 / bool tensors
 
-    def update(self, pos0: int, logits_base: torch.Tensor, logits: torch.Tensor, next_tok: torch.Tensor) -> None:
-        """logits_base, logits: [B, T, V] at positions pos0 .. pos0+T-1; next_tok: LongTensor [B, T] the stream's next
-        token (-1 where there is none, e.g. the stream's last position)."""
-        lb = torch.log_softmax(logits_base.double(), dim=-1)
-        lc = torch.log_softmax(logits.double(), dim=-1)
-        kl = (lb.exp() * (lb - lc)).sum(-1).clamp(min=0.0)                  # [B, T]; >= 0 up to rounding
-        agree = logits_base.argmax(-1) == logits.argmax(-1)                 # [B, T]
-        has = next_tok >= 0
+    def update(self, pos0: int, logits_base, logits: torch.Tensor, next_tok: torch.Tensor) -> None:
+        """logits_base ([B, T, V] logits or their `BaseChunk`), logits: [B, T, V] at positions pos0 .. pos0+T-1;
+        next_tok: LongTensor [B, T] the stream's next token (-1 where there is none, e.g. the stream's last
+        position)."""
+        base = logits_base if isinstance(logits_base, BaseChunk) else BaseChunk.of(logits_base)
+        lb = base.lb
+        zc = logits.double()
+        lc = zc - torch.logsumexp(zc, dim=-1, keepdim=True)
+        kl = (base.pb * (lb - lc)).sum(-1).clamp(min=0.0)                  # [B, T]; >= 0 up to rounding
+        agree = base.top == logits.argmax(-1)                               # [B, T]
+        has = (next_tok >= 0).to(lb.device)
         tok = next_tok.clamp(min=0).unsqueeze(-1).to(lb.device)
         nb, nc = -lb.gather(-1, tok)[..., 0], -lc.gather(-1, tok)[..., 0]  # [B, T]
         dp = (torch.exp(-nc) - torch.exp(-nb)) * has
-        h = has.to(lb.device).double()
+        h = has.double()
+        for name, v in (("kl", kl), ("agree", agree), ("dp", dp), ("has", has), ("nll_base", nb * h),
+                        ("nll", nc * h)):
+            self.values.setdefault(name, []).append(v.cpu())
         cols = torch.stack([kl.sum(0), kl.amax(0), agree.sum(0).double(), h.sum(0), dp.sum(0), dp.square().sum(0),
                             (nb * h).sum(0), (nc * h).sum(0)], dim=1).cpu().tolist()   # [T, 8] sums over the batch
         batch = kl.shape[0]
@@ -102,6 +127,12 @@ class StreamMetrics:
             self.series_kl.append(k / batch)
             self.series_top1.append(100.0 * a / batch)
             self.series_dp.append(d / max(n_sc, 1.0))
+
+    def arrays(self) -> dict[str, "np.ndarray"]:
+        """Every logged (sequence, position) value as numpy [B, N] (positions in stream order)."""
+        import numpy as np  # noqa: PLC0415
+
+        return {k: torch.cat(v, dim=1).numpy().astype(np.float64) for k, v in self.values.items()}
 
     def merged(self, lo: int, hi: int) -> BucketMetrics:
         total = _Sums()
