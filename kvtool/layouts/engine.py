@@ -16,7 +16,7 @@ from kvtool.errors import FormatError, LayoutError
 from kvtool.formats import Format, QTensor, get_format
 from kvtool.layouts.presets import PAYLOAD, RULES, SCALE, LayoutPreset, Region
 
-GEOMETRY_KEYS = ("format", "page", "heads", "dim", "tokens", "tensor_scale", "outer")
+GEOMETRY_KEYS = ("format", "page", "heads", "dim", "tokens", "tensor_scale", "outer", "recipe_of")
 _INT_KEYS = ("page", "heads", "dim", "tokens")
 _FLOAT_KEYS = ("tensor_scale", "outer")
 _AXIS = {"page": 0, "head": 1, "token": 2}
@@ -59,7 +59,8 @@ class Geometry:
 
 
 def parse_geometry(text: "str | dict | None") -> dict:
-    """Parse "KEY=VAL[,KEY=VAL...]" (keys: format, page, heads, dim, tokens, tensor_scale, outer; the two scalars
+    """Parse "KEY=VAL[,KEY=VAL...]" (keys: format, page, heads, dim, tokens, tensor_scale, outer, recipe_of (an engine
+    recipe, folded into the format label as FORMAT@RECIPE); the two scalars
     also per logical tensor as tensor_scale.k=, outer.v=) into typed values. Raises LayoutError on an unknown key, a
     repeated key or a bad number."""
     out: dict = {}
@@ -87,6 +88,8 @@ def parse_geometry(text: "str | dict | None") -> dict:
             raise LayoutError(f"geometry {key}={value} is out of range")
         if base in _FLOAT_KEYS and not (math.isfinite(out[key]) and out[key] > 0):
             raise LayoutError(f"geometry {key}={value} must be a positive finite number")
+    if "recipe_of" in out:  # an engine recipe is part of the format label: FAMILY@RECIPE (or @RECIPE alone)
+        out["format"] = f"{out.get('format', '').partition('@')[0]}@{out.pop('recipe_of')}"
     return out
 
 
