@@ -105,7 +105,8 @@ def quantize(src: InArg, output: OutOpt, to: FormatOpt, scale_rule: ScaleRuleOpt
     from kvtool.workflows.cache_ops import quantize_file
 
     with _sigterm_cleans(), progress("quantize") as tick:
-        report = quantize_file(src, output, to, options=format_options(scale_rule, recipe, outer_scale, fp8_scale, recipe_of),
+        options = format_options(scale_rule, recipe, outer_scale, fp8_scale, recipe_of)
+        report = quantize_file(src, output, to, options=options,
                                include=include, exclude=exclude, device=device, chunk_mb=chunk_mb, layout=layout,
                                geometry=geometry, progress=tick, hint=hint)
     emit(report, as_json, _render_ops)

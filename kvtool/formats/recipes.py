@@ -80,7 +80,8 @@ class OuterDir(enum.IntEnum):
     """Which direction of the NVFP4 outer (per-tensor) scale the function takes, and what `auto` computes.
 
     NONE: no outer scale (1).
-    DEC:  decode direction g_dec (x ~ code * S * g_dec); auto: g_dec = fp32(amax_tensor / 2688); g_enc = fp32(1 / g_dec).
+    DEC:  decode direction g_dec (x ~ code * S * g_dec); auto: g_dec = fp32(amax_tensor / 2688);
+          g_enc = fp32(1 / g_dec).
     ENC:  encode direction g_enc (TRT-LLM / vLLM / FlashInfer global_scale); auto: g_enc = fp32(2688 / amax_tensor).
     The QTensor's `outer_scale` holds the value in the recipe's own direction.
     """
@@ -155,7 +156,8 @@ class ExpRule(enum.IntEnum):
     RCEIL_LOG2:     ceil(fp32 log2(t)), clamped to [-127, 127] (torchao RCEIL: an amax just above 6 * 2**k gives k
                     where log2 rounds down to an integer).
     RCEIL_LOG2_MIN: ceil(fp32 log2(max(t, 1e-10))) (SGLang KVFP4: an all-zero block stores 2**-33, byte 94).
-    FLOOR_LOG2:     floor(fp32 log2(t)) (t = 0, also an underflowed quotient, taken as 1), clamped to [-127, 128] (FlashInfer MXFP4 reference).
+    FLOOR_LOG2:     floor(fp32 log2(t)) (t = 0, also an underflowed quotient, taken as 1), clamped to [-127, 128]
+                    (FlashInfer MXFP4 reference).
     UP_BITS:        exponent field of (bits(t) + 0x7FFFFF) & 0x7F800000 (triton_kernels ROUND_UP; t = 0 -> byte 0).
     DOWN_BITS:      exponent field of bits(t) & 0x7F800000 (triton_kernels ROUND_DOWN; a subnormal t -> byte 0).
     """
@@ -243,7 +245,8 @@ class EngineRecipe:
                 "format": self.family, "choices": self.choices(), "oracle": self.oracle, "note": self.note}
 
 
-VLLM_V, SGLANG_V, FLASHINFER_V, TORCHAO_V = "vllm 0.33.0", "sglang 0.5.23", "flashinfer-python 0.7.2.post1", "torchao 0.18.0"
+VLLM_V, SGLANG_V = "vllm 0.33.0", "sglang 0.5.23"
+FLASHINFER_V, TORCHAO_V = "flashinfer-python 0.7.2.post1", "torchao 0.18.0"
 _NV = dict(family="nvfp4")
 _MX = dict(family="mxfp4")
 
@@ -449,7 +452,8 @@ EXP_RULE = {
     ExpRule.CEIL: lambda a: mx_exponent(a, ScaleRule.CEIL),
     ExpRule.RCEIL: lambda a: mx_exponent(a, ScaleRule.RCEIL),
     ExpRule.RCEIL_LOG2: lambda a: torch.ceil(_log2_t(a)).clamp(-E8M0_BIAS, E8M0_BIAS).to(torch.int32),
-    ExpRule.RCEIL_LOG2_MIN: lambda a: torch.ceil(torch.log2(div_by_const(a, E2M1_MAX).clamp(min=1e-10))).to(torch.int32),
+    ExpRule.RCEIL_LOG2_MIN: lambda a: torch.ceil(torch.log2(div_by_const(a, E2M1_MAX).clamp(min=1e-10)))
+    .to(torch.int32),
     ExpRule.FLOOR_LOG2: lambda a: _floor_log2_t(a),
     ExpRule.UP_BITS: lambda a: _bits_exp(a, 0x7FFFFF),
     ExpRule.DOWN_BITS: lambda a: _bits_exp(a, 0),

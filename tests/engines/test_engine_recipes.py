@@ -66,7 +66,8 @@ def _neg_zero_mixed() -> torch.Tensor:
 
 CASES: dict[str, Callable[[], torch.Tensor]] = {
     "gaussian": lambda: torch.randn(16, D, generator=_gen(0)),
-    "heavy_tailed": lambda: torch.randn(16, D, generator=_gen(1)) * torch.exp(2 * torch.randn(16, D, generator=_gen(2))),
+    "heavy_tailed": lambda: torch.randn(16, D, generator=_gen(1))
+    * torch.exp(2 * torch.randn(16, D, generator=_gen(2))),
     "row_scales": lambda: torch.randn(61, D, generator=_gen(5)) * torch.exp2(torch.linspace(-30, 30, 61)).unsqueeze(1),
     "zero_blocks": _zeros,
     "neg_zero": _neg_zero_mixed,
