@@ -31,6 +31,7 @@ def _map_kernels() -> None:
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module
         spec.loader.exec_module(module)
+        globals()["kernels"] = module  # the attribute an import of the subpackage sets on its parent
 
 
 _map_kernels()
