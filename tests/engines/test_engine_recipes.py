@@ -221,3 +221,31 @@ def test_recipe_matches_engine_function(oracle: Oracle, outer: bool):
         if bad:
             failures.append(f"{case}: {', '.join(bad)}")
     assert not failures, f"{rec.name} differs from {rec.function}: " + "; ".join(failures)
+
+
+# The SPEC format closest to each engine function (same family and, where named, the same scale rule): the engines
+# tier proves the recipes reproduce the engines; this proves that the SPEC default is not silently one of them.
+CLOSEST_SPEC = {
+    "vllm.ref_nvfp4": "nvfp4", "deepgemm.per_token_cast_to_nvfp4": "nvfp4", "deepgemm.megamoe_cast_to_nvfp4": "nvfp4",
+    "deepgemm.per_token_cast_to_fp4": "mxfp4-rceil", "torchao.nvfp4_quantize": "nvfp4",
+    "torchao.to_mx_floor": "mxfp4-floor", "torchao.to_mx_ceil": "mxfp4-ceil", "torchao.to_mx_even": "mxfp4-even",
+    "torchao.to_mx_rceil": "mxfp4-rceil", "triton_kernels.round_up": "mxfp4-rceil",
+    "triton_kernels.round_down": "mxfp4-floor", "flashinfer.mxfp4_ref": "mxfp4-floor",
+    "flashinfer.nvfp4_kv_ref": "nvfp4", "sglang.kvfp4": "kvfp4-rceil",
+}
+
+
+@pytest.mark.parametrize("oracle", ORACLES, ids=lambda o: o.recipe)
+def test_spec_default_differs_from_the_engine(oracle: Oracle):
+    """The SPEC format stays the default, and each engine function differs from it on some edge class (so the
+    recipe is needed, and the comparison above can fail)."""
+    spec = get_format(CLOSEST_SPEC[oracle.recipe])
+    differs = []
+    for case, make in CASES.items():
+        x = make().contiguous()
+        q = spec.quantize(x)
+        payload, scales, _ = _run_oracle(oracle, x, None)
+        if not (torch.equal(q.payload, payload.reshape(q.payload.shape))
+                and torch.equal(q.scales, scales.reshape(q.scales.shape))):
+            differs.append(case)
+    assert differs, f"{oracle.recipe} equals {spec.label} on every case: the recipe would be redundant"
