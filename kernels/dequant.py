@@ -10,10 +10,7 @@ where every product is exact (BF16_MATH), so no value goes through fp32. Measure
 256M elements, to bf16, 32 x 4 tiles): mxfp4 93.9 %, nvfp4 93.8 % of copy (78-83 % / 70-74 % before the word decode);
 the fp32-path variant (BF16_MATH off) 92-93 %: memory bound either way (sm_90 SASS: 9 instructions per element).
 What moved it further is cache policy, not instructions (FP4_WORDS_CONFIG): streaming output stores gain 2-4 points at
-64M. Tried and dropped (session 14): a Gluon twin in which each thread owns one payload word and writes its 16
-output bytes directly (no shared-memory shuffle between the load and store layouts, 10.5 SASS per element) measured
-the same as this kernel; with 4 words a thread (6.3 SASS per element, 4 strided 16-byte stores) it fell to 41-48 %
-of copy: partial-sector writes.
+64M. A Gluon twin measured no faster (docs/kernels/dequant.md), so this kernel is the only dequantize.
 """
 
 from __future__ import annotations
@@ -46,12 +43,9 @@ from kvtool.kernels.store import (
 
 OUTPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # FP4 word rows, compiled: 16-row tiles of 2 warps, and on CUDA the output stores marked streaming (`st.global.cs`)
-# and the payload / scale loads evict-first (STREAM): each byte is touched once. H200, bf16 out, 128-token pages in
-# shuffled order, CUDA-graph replay, % of copy at 64M / 256M / 1G, two runs (bench/RESULTS.md, session 14, 18:00
-# UTC): mxfp4 92.5-94.3 / 95.0-95.9 / 94.9-96.8, nvfp4 91.8-95.1 / 94.8-96.7 / 95.1-96.9; the former 32 x 4 tiles
-# without hints 89.0-90.5 / 93.0-95.2 / 94.4-96.3 and 88.1-90.9 / 93.3-95.3 / 94.2-96.4; 32 x 4 with the hints
-# 90.8-93.8 / 94.2-96.0 / 94.5-96.4; 16 x 2 without 88.4-91.9 / 94.1-95.8 / 94.7-96.9. (ROCm keeps no hints: not
-# measured there.)
+# and the payload / scale loads evict-first (STREAM): each byte is touched once. On the H200 (bf16 out) this takes
+# both FP4 formats to ~92-96 % of copy, 2-4 points above the 32 x 4 tiles without the hints at 64M (the runs:
+# docs/kernels/dequant.md). ROCm keeps no hints: not measured there.
 FP4_WORDS_CONFIG = (16, 2)
 
 

@@ -3,7 +3,7 @@
 
 Why a second kernel: the portable scorer (`kernels/index_score.py`) decodes E2M1 words into a blocked layout and
 Triton converts that to the dot operand layout through shared memory (STS, barrier, LDSM) before a wgmma that it
-then waits on; ncu on the H200 (2026-11-29 13:00 UTC, nvfp4, batch 64 x 150K) put 25 % of the warp stall samples on
+then waits on; ncu on the H200 (nvfp4, batch 64 x 150K) put 25 % of the warp stall samples on
 WARPGROUP.ARRIVE and a third of the cycles on shared-memory (MIO) waits, at 54 % issue efficiency. Here every thread
 loads the 16 bytes of each of its token rows that its mma.sync A-operand registers need and decodes them in place:
 - the dot is `K [128 tokens, 128] x Q^T [128, 8]` (mma.sync m16n8k16, 4 warps, up to 8 index heads; mxfp4:
@@ -38,37 +38,11 @@ Semantics are the portable kernel's (SPEC section 3, LEAN block scores): tokens 
 local blocks get 1e30 / 1e29. Exactness: the same exact fp16 products as index_score (E2M1 x E4M3 and E2M1 x 2**k
 in fp16, the query times 2**a), fp32 accumulation in another order.
 
-Measured (H200, batch 64 x 150K, score + top-k; bench/RESULTS.md has every run): nvfp4 240 us at 13:13 UTC
-against the portable kernel's 256 us; with `kc.e2m1_pairs` (11 integer ops per word instead of 16), the positions
-written by the kernel and no -inf fill, 224.0 us against 254.0 (13:32 UTC); mxfp4 (post-scaled) 264.8 against 289.7.
-Offline sm_90 loop per thread and 128-token tile, common path, then: nvfp4 ~400 SASS (102 registers, 5 programs per
-SM), mxfp4 ~383 (123 registers, 4 per SM); no shared memory in the loop. ncu (13:19 UTC, before e2m1_pairs): issue slots
-77 % busy, DRAM 67 %: still issue-bound, about two thirds of the loop is the E2M1 decode and the nvfp4 HMUL2s.
-Session 15 (19:20 UTC): a TMA-ring variant (tiles copied into a 2-6 stage shared-memory ring, persistent programs
-taking equal shares of all (request, block) tiles) gave the same partial maxima bit for bit but no speed (nvfp4 222
--236 us, mxfp4 298-336: 137 registers) and was removed. Its probes at batch 64 x 150K, event-timed: loads alone
-(no math) ~192 us, math alone (no loads) ~200 us, both ~235: the loop is bound by both at once, so neither deeper
-prefetch nor fewer instructions alone reaches the 191 us goal. Session 17 (23:0x UTC): the L2 prefetch two blocks
-ahead, with the partial maxima unchanged bit for bit: nvfp4 batch 64 x 150K 218-234 -> 207-210 us (bench: 218.7 ->
-208.3, 1.246x the byte floor), 16 x 150K 69.7 -> 62.1, 64 x 32K 56.2 -> 54.5; mxfp4 (bound by its math) unchanged.
-Session 18 (2026-11-30 00:07-00:40 UTC, `.scratch/s18_*.py`): the asm loads, the page lookups a block ahead and the
-token mask only on the partial last block took nvfp4 from 424 to 361 SASS a tile (mxfp4 533 -> 479 at 128
-registers); with them the L2 prefetch lost at every shape and was removed. nvfp4 batch 64 x 150K 207-214 -> 197-199
-us, 16 x 150K 63.0 -> 61.3, 64 x 32K 56.0 -> 54.7, 1 x 150K 214 -> 206; mxfp4 264.5 -> 260.2. Probes of the new
-kernel at batch 64 x 150K: loads alone 184-187 us, math alone 160: the loop is now mostly bound by its loads. Tried
-and not kept: two blocks a loop iteration (fewer moves; 125 registers), a register triple buffer (three blocks an
-iteration, two in flight; 128 registers: batch 64 x 32K 52.4 against 54.7, 64 x 150K 198 against 197-199, 1 x 150K
-228 against 206), per-thread L2 prefetches 2-6 blocks ahead (slower at every shape).
-Session 19 (2026-11-30 01:20-01:40 UTC, `.scratch/s19_*.py`): globaltimer stamps showed the grid's last program
-starting at 181 us of 216 (uniform 32-block splits: a 35 us tail at falling occupancy) and the select pass taking
-7-10 us after the scorer; the short tail splits and the block scores maxed in shared memory (4x fewer bytes
-written, and read by the select pass, than 4 partials a block) took nvfp4 batch 64 x 150K from 190.9-204 to 180.2
-us (1.09x the byte floor), 16 x 150K 60.4 -> 57.0, 64 x 32K 51.9 -> 49.2; mxfp4 248.9 -> 241.8. Tried and not
-kept: the select pass launched with programmatic dependent launch (PDL: resident early, `griddepcontrol.wait`),
-2-3 us slower at every shape (with arrival counters instead, equally slow). mxfp4's tile loads as inline asm too
-(452 -> 411 SASS a tile, 118 registers; block scores equal bit for bit): batch 64 x 150K 243-249 -> 224-233 us, 16 x
-150K 75.1 -> 72.1, 64 x 32K 131.1 -> 126.1, but 1 x 150K 253.5 -> 260-262 (02:00 UTC); E8M0 decoded from bits
-(`kc.e8m0_decode_any`, 411 -> 390 SASS): 64 x 150K 221.4 -> 214.2, 16 x 150K 71.4 -> 68.7, 64 x 32K 127.5 -> 123.4.
+Now (H200, batch 64 x 150K, score + top-k): nvfp4 ~180 us (1.09x the byte floor), mxfp4 ~214 us. Probes of the
+loop put it mostly bound by its loads (loads alone 184-187 us, math alone 160), which is why the tile loads are one
+inline-asm block, the page lookups run a block ahead and only the partial last block masks its tokens. Every step,
+its numbers, and the variants tried and dropped (TMA ring, L2 prefetch, register triple buffer, two blocks an
+iteration, a PDL select pass): docs/kernels/index_gluon.md.
 
 Where it runs: CUDA devices with the hardware E4M3 conversion (capability >= 8.9) and Gluon; decode (one query per
 request), head dim 128, 128-token blocks within pages of a multiple of 128 tokens, at most 8 (nvfp4) or 4 (mxfp4)
@@ -100,25 +74,13 @@ DIM = 128  # head dim
 HEADS_PAD = 8  # nvfp4: the dot's N, index heads padded to one mma n8 tile
 MX_HEADS = 4  # mxfp4: heads per MX block in the block-diagonal query (N = 4 blocks x 4 heads)
 NUM_WARPS = 4  # 32 tokens per warp; also the number of partial maxima per block (WP)
-# blocks per program: at most CHUNK_BLOCKS; see chunk_blocks_for. H200, score + top-k, us per graph of the bench's
-# layers (bench/RESULTS.md, session 15), blocks per program 32 / 16 / 8 / 4 / 2 / 1 (two runs; 8 and 2 from the
-# first): nvfp4 batch 1 x 8K 1411 / 867 / 601 / 432 / 374 / 326, 1 x 150K 488 / 320 / 251 / 217 / 227 / 211, 16 x 8K
-# 502 / 306 / 210 / 176 / 165 / 161, 16 x 32K 138 / 98 / 90 / 89 / 103 / 96, 16 x 150K 79 / 70.4 / 67.6 / 73 / 84 /
-# 79, 64 x 8K 135 / 99 / 83 / 84 / 97 / 90, 64 x 32K 57.9 / 59.0 / 60.6-67.6 / 65 / 76 / 70, 64 x 150K 224 / 227 /
-# 234 / 260 / 309 / 289; mxfp4 alike. Fixed 32 (the default before) lost up to 4x on small batches.
-# Programs of at most CHUNK_BLOCKS blocks max their warps' partials in shared memory and store block scores (longer
-# ones, from the chunk_blocks option, store the partials): H200, score + top-k us per graph, with the tail (session
-# 19, 01:38 UTC), 4 partials a block / block scores: nvfp4 b64 x 150K 190.9 / 180.2, 16 x 150K 60.1-60.4 / 57.0-57.4,
-# 64 x 32K 51.9 / 49.2-49.5, 16 x 32K 79.5 / 77.8-78.2, 1 x 150K and 64 x 8K equal; mxfp4 b64 x 150K 248.9 / 241.8,
-# 16 x 150K 78.3-78.5 / 76.0-76.1.
+# blocks per program: at most CHUNK_BLOCKS; see chunk_blocks_for. Few blocks a program where the batch and context
+# are small (every SM busy), up to 32 where there are many (less per-program setup): a fixed 32 lost up to 4x on
+# small batches. Programs of at most CHUNK_BLOCKS blocks max their warps' partials in shared memory and store block
+# scores (4x fewer bytes for the select pass; longer ones, from the chunk_blocks option, store the partials).
 # The tail: each row's last `tail_blocks_for` blocks go to splits of ch // TAIL_DIV blocks, so that the grid's last
-# programs are short and the GPU stays full to the end. Uniform splits of 32 blocks (b64 x 150K) left a 35 us tail:
-# the last program started at 181 us of 216 (globaltimer stamps, 2026-11-30 01:23 UTC). H200, score + top-k us per
-# graph (bench/RESULTS.md, session 19), tail blocks (/ TAIL_DIV): nvfp4 b64 x 150K (ch 32) 0: 194.5-194.6, 64: 192.6,
-# 128: 190.5-190.7, 160: 189.7, 192: 189.0-190.2, 224: 189.4-189.9, 256: 189.7-191.1, 128 / 8: 191.1-191.3; b16 x
-# 150K (ch 16) 0: 59.4-59.7, 128-384: 57.9-58.2; b64 x 32K (ch 16) 0: 53.1-53.4, 64-128: 51.1-51.3; mxfp4 b64 x
-# 150K 0: 248.4-250.8, 160: 245.0-247.0, 192: 246.3-248.5; but ch 8 (tail splits of 2 blocks) lost: b16 x 32K 0:
-# 76.1-76.3, 32: 82.7-82.9, 64: 77.8; b64 x 8K 0: 68.8-69.1, 16: 71.0-71.4, 32: 79.1-79.2.
+# programs are short and the GPU stays full to the end (uniform splits left the last program starting at 181 us of
+# 216 at b64 x 150K); tail splits of 2 blocks (ch 8) lost. The sweeps: docs/kernels/index_gluon.md.
 TAIL_DIV = 4
 TAIL_MIN_CHUNK = 4  # no tail where its splits would be shorter
 TAIL_PROGRAMS_PER_SM = 12  # the tail's programs: about 2.4 waves of 5 programs per SM
@@ -454,9 +416,9 @@ if gluon is not None:
             _block_scores(smem, out_row, blk0, n_blk, n_out, HI, E8M0)
 
 
-# register caps by block-scale element: mxfp4's kernel took 140-168 registers uncapped (3 programs per SM), 128 at a
-# cap of 128 (4 per SM): batch 64 x 150K 269.7 / 260.5 us (`.scratch/s18_idx.py`; 118 with the asm loads); nvfp4
-# takes 85-93 uncapped (5 per SM; a cap of 80, 6 per SM, lost at every shape but one)
+# register caps by block-scale element: mxfp4's kernel takes 140-168 registers uncapped (3 programs per SM), a cap of
+# 128 gives 4 per SM and was faster; nvfp4 takes 85-93 uncapped (5 per SM; a cap of 80, 6 per SM, lost at every shape
+# but one). Numbers: docs/kernels/index_gluon.md.
 MAXNREG = {"e4m3": None, "e8m0": 128}
 
 
@@ -465,10 +427,9 @@ def device_ok(device: torch.device) -> bool:
     return cuda_at_least(device, (8, 9))
 
 
-# Formats (by scale element) the launcher sends here by default: both. H200, batch 64 x 150K top-k (13:32 UTC):
-# nvfp4 224.0 us (portable 254.0), mxfp4 264.8 us (portable 289.7). The first mxfp4 form (relative fp16 block factors
-# multiplied into the decoded tile, as the portable word path) was slower than the portable kernel (346 us at 13:13
-# UTC: byte repacks around every HMUL2); the post-scaled dot replaced it.
+# Formats (by scale element) the launcher sends here by default: both, each faster than the portable kernel at every
+# measured shape (docs/kernels/index_gluon.md). mxfp4 is post-scaled (block factors after the dot): relative fp16
+# block factors multiplied into the decoded tile need byte repacks around every HMUL2.
 DEFAULT_SCALES = ("e4m3", "e8m0")
 
 

@@ -37,8 +37,8 @@ How it aims to stay bandwidth-bound (H200, batch 64 x 150K: ~706 MB of FP4 keys,
 Where the time goes (offline sm_90 SASS, loop body per thread and 128-token tile, 4 warps, 5 stages, with the
 launcher's 16-byte divisibility hints): nvfp4 ~617 instructions (~240 the E2M1 decode, 64 HMUL2), post-scaled mxfp4
 ~594, fp8 ~489 before LEAN (below); LEAN cuts them to ~511 / ~526 / ~300. The FP4 scorer is issue-bound, not
-bandwidth-bound: at batch 64 x 150K on the H200 (2026-11-29 11:31 UTC, defaults as now) score + top-k takes nvfp4
-276.5 us (0.60 of copy), mxfp4 316.9 us, fp8 324.4 us (bench/RESULTS.md has every measurement). tl.dot_scaled
+bandwidth-bound: at batch 64 x 150K on the H200 score + top-k took nvfp4 276.5 us (0.60 of copy), mxfp4 316.9 us,
+fp8 324.4 us with these defaults (docs/kernels/index_score.md). tl.dot_scaled
 (e2m1 x bf16) on sm_90 decodes through shared memory with byte loads (~875 SASS per tile for the bare loop): not used.
 
 LEAN (launch option `lean`, block-score launches; LEAN_DEFAULT): where the ~200 non-math instructions of the loop
@@ -246,10 +246,9 @@ PORTABLE_OPTIONS = ("q_tile", "prefetch", "native_fp8", "num_warps", "num_stages
 # in its loop: sm_90 loop body nvfp4 633 -> 617 SASS, barriers 6 -> 3) and the select pass maxes them. Default for E2M1
 # keys that scale in the decode (nvfp4); off for fp8 (slower with LEAN, below), for POST_SCALE (its scores come from a
 # sum over scale blocks whose layout does not split by warp: offline barriers 6 -> 5) and for bf16 (not measured).
-# Option warp_partials overrides. H200, batch 64 x 150K, score+topk (2026-11-29 10:58 UTC, packed select): nvfp4 309.1
-# us with vs 316.1 without (score alone 307.5); mxfp4 326.0 with vs 314.4 without; fp8 342.5 with (flat select) vs 345.3
-# without. With LEAN (11:24 UTC): nvfp4 290.2 with vs 304.4 without; fp8 345.9 with vs 325.5 without; mxfp4 304.8 with
-# vs 307.0 without (noise). So the default is on for E2M1 keys scaled in the decode (nvfp4) only.
+# Option warp_partials overrides. With LEAN, H200, batch 64 x 150K, score+topk: nvfp4 290.2 us with vs 304.4 without;
+# fp8 345.9 with vs 325.5 without; mxfp4 304.8 with vs 307.0 without (noise): on for nvfp4 only
+# (docs/kernels/index_score.md).
 
 
 # Dot rows (queries x heads x scale blocks) of POST_SCALE launches: by default only where the block-diagonal query
@@ -261,7 +260,7 @@ POST_SCALE_DEFAULT_ROWS = 16
 POST_SCALE_ROWS = 64
 
 # LEAN (module docstring) for block-score launches only (the in-kernel top-k's SASS nearly doubled with it, offline).
-# H200, batch 64 x 150K, score+topk (2026-11-29 11:24 UTC, copy 4160 GB/s): nvfp4 328.6 -> 290.2 us, mxfp4 336.5 ->
+# H200, batch 64 x 150K, score+topk (copy 4160 GB/s): nvfp4 328.6 -> 290.2 us, mxfp4 336.5 ->
 # 307.0, fp8 349.0 -> 345.9 (325.5 without warp partials); predicted ~270 / ~290 / ~320. On by default.
 LEAN_DEFAULT = True
 
@@ -272,7 +271,7 @@ LEAN_DEFAULT = True
 # lean_offline.py geometry), default -> pairs s5 / s3: nvfp4 535 -> 511 / 510.5 (BAR.SYNC 4 -> 2, 64-bit ops 18 ->
 # 13), mxfp4 post-scaled 542 -> 533.5 / 505.5, fp8 355 -> 326.5 (s5); registers nvfp4 126 -> 155 / 162 (3 programs
 # per SM instead of 4), hence max_registers=128 sweep rows (nvfp4 s3 515.5, mxfp4 s3 511).
-# H200, batch 64 x 150K score+topk (2026-11-29 12:59 UTC, bench index --sweep; predicted nvfp4 ~266 us): pairs s5
+# H200, batch 64 x 150K score+topk (`kvtool bench index --sweep`; predicted nvfp4 ~266 us): pairs s5
 # r128 nvfp4 272.9 -> 260.8 us, mxfp4 305.7 -> 300.2; uncapped pairs s5 271.4 / 364.2, s3 300.2 / 361.1; fp8 slower
 # in every pair row (324.8 -> 409-554). So FP4 decode top-k launches of this kernel on CUDA (those the Gluon kernel
 # does not take, e.g. gluon=False) default to FP4_PAIR_LAUNCH; prefill keeps the autotuned launch (not timed).
@@ -449,7 +448,7 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
         # about four programs per SM; powers of 4 so that few distinct kernels (and autotune keys) arise, at most 32
         # blocks (H200, batch 64 x 150K score+topk: 32 blocks 344 / 370 / 521 us nvfp4 / fp8 / mxfp4, 64 blocks
         # 358 / 391 / 520, 16 blocks 348 / 379 / 526); one block per program where there are fewer blocks than
-        # that (H200, session 15, fp8 / bf16 score + top-k, us per graph: batch 1 x 8K 966 -> 775 / 954 -> 782, 1 x
+        # that (H200, fp8 / bf16 score + top-k, us per graph: batch 1 x 8K 966 -> 775 / 954 -> 782, 1 x
         # 32K 664 -> 572 / 336 -> 304 against 4 blocks)
         want = triton.cdiv(nb * bsz * n_qtiles, 4 * _num_sms(iq4.device))
         ch = 1 if want <= 1 else 4

@@ -15,7 +15,7 @@ quantized format (bf16 for bf16), in element order:
   eight nibbles of a word stay inside one thread), so one [G, D] x [D, T] dot and one accumulator serve, and the
   output needs no permutation. For V, even / odd byte decodes would let Triton load the bytes straight into the dot
   operand layout (no decoded V tile through shared memory), but only without block scales: the scale multiply, a
-  second tensor operand, stops that hoist (offline sm_90 TTGIR probe, 2026-11-29). NVFP4 block scales multiply in
+  second tensor operand, stops that hoist (offline sm_90 TTGIR probe). NVFP4 block scales multiply in
   fp16 exactly (code * scale has <= 5 significant bits). MXFP4 scales 2**e leave fp16's range, so each token is normalized by its largest block (2**e_tok, applied in fp32
   to the score column for K and to the probability column for V); the remaining 2**(e - e_tok) is exact in fp16
   while a token's blocks lie within 2**9 of each other (see `tiles.decode`).
@@ -35,41 +35,14 @@ format paid ~4.5 us per tile. PREFETCH=1 (quantized default) loads tile i + 1's 
 stages, keeps one tile's copies in flight; with a 128-register cap (4 programs per SM) fp8 went 42 -> 58 % of copy at
 batch 256. E2M1 tiles of 16 tokens are decoded 32 wide (see `_launch`).
 
-Tuning round 2 (H200, M3 shape, batch 256, us per layer, 2026-11-29 09:48 and 10:00 UTC): the softmax denominators
-as per-column sums reduced after the loop (LAZY_L: 5 instead of 8 barriers per tile) nvfp4 77.2 -> 73.6, fp8
-52.7 -> 50.3 (bf16 got slower, so fp16-dot formats only); the E8M0 joint max (JOINT) mxfp4 84.2 -> 82.0; 2 warps
-per program (`launch_plan`) nvfp4 74.1 -> 69.3 (25.7 % of copy), mxfp4 83.0 -> 75.5 (22.3 %), fp8 50.9 -> 48.0
-(65.1 %); at batch 64 2 warps with 8 splits nvfp4 31.2 -> 25.8. Tried and slower: a 96- or 168-register cap, 2
-stages, 32- or 128-token tiles, 1 warp with 32-token tiles, PAIRED order (K and V, or K only). Where the time goes
-(ncu, nvfp4 batch 256, 4 warps): one instruction issued every 2 cycles per scheduler with 3.2 of its 4 resident warps
-active (25 % occupancy, limited by registers and shared memory); per issued instruction a warp waits 6.35 cycles:
-shared memory 1.96 (short scoreboard 1.09 + MIO throttle 0.87: q re-read from shared memory by every warp for every
-tile, K/V words and scales read after the async copies, the decoded V tile and P through shared memory for the
-P.V dot, the row-max reduction), ALU pipe 0.59, fixed latency 0.57, barriers 0.51, global loads 0.46. SASS per
-64-token tile and warp (4 warps): nvfp4 899 instructions, about 550 of them the E2M1 decode (3 integer ops per
-element plus packing and the fp16 scale multiply), fp8 697, bf16 470; at 2 warps nvfp4 1518 per warp (3036 per
-tile instead of 3596). Issuing one instruction per cycle, these counts alone would take nvfp4 to about 63 % (4
-warps) or 75 % (2 warps) of copy; measured 24-26 %, so the stalls come first (mostly shared-memory round trips),
-then the decode's instruction count (PAIRED's 2 ops per element did not pay off here). Launch tuning cannot reach
-the 70 % goal.
-
-Tuning round 3 (H200, M3 shape, us per layer at batch 256 / 64; 2026-11-29 10:56 and 11:02 UTC), two hypotheses
-refuted. (1) Too few warps to hide latency: 32-token tiles with a 128-register cap (8 programs per SM, no spills)
-and twice the splits: nvfp4 75.7 (default 69.8) / 25.2 (26.0), mxfp4 86.3 (75.2) / 28.3 (27.3), fp8 60.6 (47.7) /
-23.7 (20.3); with 4 warps 101, with PAIRED 91.3 / 37.7. (2) Memory latency: 4 stages (two tiles' copies in flight)
-nvfp4 74.2 (70.1 with 3) / 26.9 (25.9), fp8 51.2 (48.2) / 23.5 (20.3), mxfp4 77.5 (75.6) / 28.2 (27.3); 5 stages
-90.6 (3 programs per SM); PREFETCH=2 76.7. Time per tile follows none of occupancy, copies in flight, warps or
-instruction count (PAIRED: 13 % fewer SASS instructions, 3-50 % slower): a per-SM throughput limit is left, most
-likely the shared-memory pipe (ncu stalls above; ~570 wavefronts per 64-token tile before bank conflicts: words and
-scale bytes after the async copies, the decoded V tile stored and re-read transposed, P, q), or the access pattern
-(fp8-unit reads one chunk per K/V tile at 66 % of copy; FP4 a 4 KB payload plus a 512 B scale chunk, 22-26 %).
-Fitting time = O + W x batch / 64 to the defaults (256 / 64: nvfp4 70.1 / 25.9, fp8 48.2 / 20.3) gives a fixed O =
-11 us per layer for both (launch, the first lookup -> page -> copy chain, partial stores, the combine kernel) and W
-= 14.7 / 9.3 us: the 70 % goal (~26 us) needs O cut too. Tried and slower (11:25 UTC, removed): the split combine
-fused into the attention kernel (ticket atomics, the last split merges; no combine launch), us per layer at batch 64 /
-256: nvfp4 25.9 -> 33.6 / 69.1 -> 75.8 (16 splits at 64: 28.5 -> 41.6), fp8 21.3 -> 29.5 / 46.9 -> 53.1, mxfp4
-27.1 -> 35.1 / 76.9 -> 82.6, bf16 29.8 -> 46.2 at 64. Next: ncu's shared-memory wavefronts, bank conflicts and pipe
-use per tile (l1tex__data_pipe_lsu_wavefronts_mem_shared, l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld/st).
+Launch shape (H200, M3 shape): the softmax denominators are per-column sums reduced after the loop (LAZY_L: 5
+instead of 8 barriers a tile; fp16-dot formats only, bf16 got slower), mxfp4 takes the E8M0 joint max (JOINT), and
+`launch_plan` runs 2 warps a program where the tiles fill the GPU. Where the time goes (ncu, nvfp4 batch 256): the
+stalls, mostly shared-memory round trips (q re-read per tile, K/V words and scales after the async copies, the
+decoded V tile and P for the P.V dot), come before the decode's instruction count; time per tile follows neither
+occupancy, copies in flight, warps nor instruction count, so launch tuning cannot reach 70 % of copy (the NVIDIA FP4
+path, `sparse_attn_gluon.py`, exists for that reason). Tuning rounds, ncu numbers and the variants measured slower
+(register caps, stages, tile sizes, PAIRED order, a fused split combine): docs/kernels/sparse_attn.md.
 
 Masking: tokens after the query position, tiles of -1 selection slots and pages that are -1 are never loaded (masked
 loads give 0, then the score is -inf), so stale or non-finite bytes outside the selection never leak into the output.
@@ -465,12 +438,9 @@ def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_
     if maxnreg is None:
         maxnreg = 128 if f16 and warps == 4 else 0
     launch_opts = {"maxnreg": int(maxnreg)} if maxnreg and q.device.type == "cuda" and torch.version.cuda else {}
-    # programmatic dependent launch (platform.LAUNCH_PDL) only for grids of at most one program per SM. H200, M3
-    # shape, us per layer (session 22, bench/RESULTS.md): batch 1 (32 programs) 5.9-6.2 -> 5.0-5.3 for every
-    # format; beside a full machine of these programs the early-resident dependents (the combine pass, the next
-    # layer) cost time: fp8 batch 64 (512 programs) 20.2 -> 22.0, batch 256 46.7 -> 47.6 (batch 16, 256 programs:
-    # within 0.2). Releasing the next launch after the loop instead: batch 64 18.7, but batch 16 10.1 -> 10.7 (fp8)
-    # and 11.2 -> 13.5 (nvfp4), batch 256 47.5: not kept
+    # programmatic dependent launch (platform.LAUNCH_PDL) only for grids of at most one program per SM: there it
+    # saves ~1 us a layer (batch 1: 5.9-6.2 -> 5.0-5.3 on the H200); beside a full machine of these programs the
+    # early-resident dependents (the combine pass, the next layer) cost time (docs/kernels/sparse_attn.md)
     pdl = not interp and pdl_ok(q.device) and \
         rows * hkv * splits <= torch.cuda.get_device_properties(q.device).multi_processor_count
     if pdl:

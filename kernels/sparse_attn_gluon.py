@@ -47,53 +47,12 @@ read as 0 factors), a row with no visible token gives zeros, whole-tensor factor
 unit) fold into the softmax scale and the final normalization. P is rounded once to fp16 (as the portable kernel's
 default for fp16 dots).
 
-History (H200, M3 TP4 shape, us per layer, layers back to back past L2 in one CUDA graph; bench/RESULTS.md has every
-run). Sessions 12-15 ran a first form that kept a whole O per warp (64 fp32 registers a thread, 2 programs per SM),
-each warp its own softmax state over its 16 of 64 tokens, register-pipelined loads: nvfp4 batch 64 / 128 / 256 21.5 /
-30.7 / 47.1, mxfp4 24.5 / 37.1 / 59.9 (fp8's portable kernel 20.1-21.1 / 32.2-32.4 / 46.6-47.1). Session 16
-(2026-11-29 21:0x-21:3x UTC) replaced it: the column split at 64-token tiles gave nvfp4 18.2-18.9 / 26.1-27.1 /
-44.2-45.0; 128-token tiles 19.4-19.6 / 26.8-27.5 / 40.7-41.1; mxfp4's factors once per token through shared memory
-(1876 -> 1346 SASS a tile) 20.3 / 29.8 / 49.7. Session 17 (22:3x-22:5x UTC): P through stmatrix / ldmatrix (the
-convert_layout read rows whose halves the mma copied into register quads: ~70 moves a tile), broadcasts instead of
-+0.0 adds, the factor in exp2's FFMA and the mask only on the query's tile: 1076 -> 974 SASS a tile (nvfp4; mxfp4
-1300 -> 1205), nvfp4 41.2 -> 37.7 at batch 256, mxfp4 49.2 -> 43.9; the loop's end at the last live slot: 36.3 /
-42.8, and with no live block 9.4 -> 5.8 us. Session 20 (2026-11-30 03:0x UTC): V through ldmatrix.trans and both
-formats' V factors once per token (974 -> 884 SASS a tile, 206 -> 156 registers), then the stale softmax reference
-(the common path 830 SASS): nvfp4 batch 64 / 128 / 256 18.3 / 25.0 / 36.5 -> 18.1 / 24.0 / 35.5 -> 17.5 / 23.4 /
-34.2, mxfp4 18.9 / 27.9 / 43.0 -> 19.0 / 27.2 / 43.5 -> 19.0 / 26.7 / 40.6; the first ids read before the context
-length is known, per-thread row sums of p (16 -> 2 registers), V's integer decode before the softmax and a 2-stage
-ring (globaltimer stamps: a 3.5 us prologue at batch 256, and 2 programs per SM each take 1.6 us a tile where one
-alone takes 1.2): nvfp4 16.9 / 22.7 / 33.6 -> 15.7 / 21.2 / 32.8, mxfp4 18.4 / 26.2 / 40.5 -> 16.9 / 24.5 / 38.8.
-Session 21 (2026-11-30 05:0x UTC): the warps' flags by vote.any over per-thread tests (no shuffles; 830 -> 811 SASS
-a tile on the common path) with the prologue's loads first: nvfp4 batch 64 / 128 / 256 15.7 / 21.7 / 32.4 -> 15.1 /
-20.7 / 31.6, mxfp4 16.7 / 24.1 / 37.1 -> 16.3 / 23.2 / 35.9; then `codecs.pow2_f16` from fp32 bits (mxfp4's factor
-pass 57 -> 20 SASS a tile): mxfp4 16.7 / 23.3 / 35.9 -> 16.3 / 22.8 / 35.6 (outputs equal bit for bit).
-Session 22 (2026-11-30 06:1x-06:3x UTC): launched with programmatic dependent launch (`platform.LAUNCH_PDL`,
-decode_kernel's PDL): nvfp4 batch 16 / 64 / 256 10.2 / 15.0 / 31.4 -> 9.6 / 14.6 / 30.7, mxfp4 10.8 / 16.1 / 35.3 ->
-10.2 / 15.7 / 34.6. Probes of a b256 layer (nvfp4; mxfp4 alike): with every copy masked (math only) 30.0 us of the
-kernel's 31.9, with the tile body skipped (loads only) 25.0, a loads-only kernel with its pages looked up in advance
-20.7-21.4; each of the two dots done twice costs ~3 us (about its tensor-pipe time: the HMMAs do not overlap the
-decode). Session 23 (2026-11-30 07:1x-07:2x UTC), bounds at b256 nvfp4 (probes, not valid kernels): without the E2M1
-decode and the block-factor multiplies the layer still takes 29.1-29.6 us with its loads (61 % of copy; 23.7 with
-every copy masked), so the decode costs ~2 us of 31.2 and the skeleton (page lookups, copies, dots, softmax
-exchange) is what misses 70 %; tile j + 2's copies issued right after tile j's P barrier (two tiles in flight in the
-same 2-stage ring, no extra barrier): outputs equal bit for bit, 0-1.2 us slower at every batch, also without the
-decode; tile j - 1's P V deferred into tile j's basic block beside the K decode and the S dot (3-stage ring, P and
-V's factors double-buffered): bit for bit, 12 % (nvfp4) to 46 % (mxfp4) slower at b256.
-Tried and not kept (bench/RESULTS.md): TMA tiles (one thread issues a tile's copies: ~16 instructions a copy, more
-than cp.async's per-thread share), copies 3 tiles ahead (slower at every batch), more programs per SM (64-token
-tiles at 128 registers, 4 programs per SM: slower at every batch; session 20, Q in shared memory at <= 128
-registers and 4 programs per SM through 2 splits: 15 % more tiles an SM-second, lost to the split's merge and the
-prologue; session 21, two warp-specialized partitions of 4 warps at 128 registers, each half of the tiles with its
-own ring, merged in shared memory: 16 warps an SM, batch 256 2.5 % faster, batches 16-128 2-8 % slower), the loop
-unrolled by two over separately allocated stages (session 21: the barrier that the hazard analysis put before each
-tile's first read gone, 3 -> 2 barriers a tile, 4 -> 2 for mxfp4 with its factors a tile ahead; outputs equal bit for
-bit, 1-10 % slower), the S and P V dots as two 4-step chains each (no faster), P V through wgmma (session 22: O^T =
-V^T P^T with V^T decoded into the A registers, which ldmatrix.trans + e2m1_pairs fill as they are, P^T from shared
-memory: outputs equal bit for bit, 0.1-1.3 us slower at every batch with the wait after the 16 HGMMAs; with the wait
-moved into the next tile ptxas serializes them, reusing one set of A registers). ncu at batch 256 (2 programs per SM,
-session 17): IPC 2.0, the ALU pipe the busiest at 34 %, stalls mostly fixed-latency waits (27 %) on the decode's
-dependent integer chains.
+Now (H200, M3 TP4 shape, us per layer, layers back to back past L2 in one CUDA graph, launched with PDL): nvfp4
+batch 16 / 64 / 256 9.6 / 14.6 / 30.7, mxfp4 10.2 / 15.7 / 34.6. Probes of the b256 layer put the skeleton (page
+lookups, copies, dots, softmax exchange) at ~29 of its ~31 us and the E2M1 decode at ~2, so the remaining gap to
+70 % of copy is not the decode. Every step with its numbers, the probes, and the variants tried and not kept (TMA
+tiles, deeper copies, more programs per SM, warp specialization, unrolling, wgmma P V, deferred P V):
+docs/kernels/sparse_attn_gluon.md.
 
 Where it runs: CUDA devices with Gluon and the hardware E4M3 conversion (capability >= 8.9); decode; nvfp4 or mxfp4
 K and V; head dim 128; at most 16 query heads per KV head; 128-token selection blocks and pages. Elsewhere (gfx950
@@ -461,8 +420,7 @@ if gluon is not None:
         t0 = split * tiles_per_split
         n_end = gl.minimum(t0 + tiles_per_split, n_tiles)
         # the prologue's loads first, in dependency order (ids -> pages -> the first tile's copies), then the work
-        # that needs a barrier (Q's layout change, the last-slot reduction), which once preceded the id loads in the
-        # SASS. Measured (session 21): no faster on its own (b256 nvfp4 32.43 -> 32.55 us, b64 15.71 -> 15.65)
+        # that needs a barrier (Q's layout change, the last-slot reduction)
         pos = gl.load(ctx_ptr + row) - 1
         # pipeline: tile j + 1's copies in flight while tile j computes (a 2-stage ring: with 3 stages and two tiles
         # in flight, the first tile waited longer for its data, 3.5 against 3.0 us at b256, and the loop was no
@@ -664,12 +622,9 @@ def applies(q: torch.Tensor, k_cache, v_cache, block_size: int) -> bool:
             and all(c.data.stride(i) % 4 == 0 for c in (k_cache, v_cache) for i in (0, 1)))
 
 
-# rows x KV heads from which the default launch takes this kernel, per format (H200, M3 shape, us per layer, layers
-# back to back past L2, 2026-11-30 03:31 UTC, `.scratch/s20_small.py`): batch 16 the portable kernel's splits nvfp4
-# 11.3 against this kernel's 10.7, mxfp4 12.5 against 11.4; batch 32 16.5 / 16.9 against 13.7 / 14.3 (in session
-# 16, before this session's changes, the portable kernel won at batch 16 and the threshold was 64). Below 16 the
-# portable kernel wins (03:37 UTC): batch 1 / 4 / 8 nvfp4 6.2 / 8.2 / 9.2 against 8.4 / 9.6 / 9.9, mxfp4 6.3 / 7.8 /
-# 8.9 against 9.4 / 10.4 / 10.4 (this kernel's best splits).
+# rows x KV heads from which the default launch takes this kernel, per format: below 16 the portable kernel's splits
+# are faster on the H200 (batch 8 nvfp4 9.2 against 9.9 us a layer), from 16 this kernel (batch 16 10.7 against 11.3;
+# the measurements: docs/kernels/sparse_attn_gluon.md).
 MIN_PROGRAMS = {NVFP4: 16, MXFP4: 16}
 
 MAXNREG = None  # a register cap for sweeps (None: the compiler's choice)
@@ -679,12 +634,9 @@ MIN_SPLIT_TOKENS = 256  # splits of fewer selected tokens lose to the merge and 
 
 
 def default_splits(rows: int, num_kv_heads: int, n_tiles: int, device: torch.device, tile: int) -> int:
-    """About two programs per SM, at least MIN_SPLIT_TOKENS of the n_tiles x tile selected tokens each. H200, M3 shape,
-    us per layer, layers back to back past L2, nvfp4 (`.scratch/s16_sweep.py`, `s16_ab.py`, 2026-11-29 21:0x-21:2x
-    UTC; 161-168 registers: 3 programs per SM): 64-token tiles, batch 256 with 1 / 2 splits 44.2 / 52.8 (2 splits are
-    1.3 waves; capped at 128 registers, 4 programs per SM and no spills, 43.5), batch 128 with 2 / 3 / 4 26.9 / 26.0
-    / 34.0, batch 64 with 3 / 4 / 6 / 8 20.2 / 18.2 / 19.5 / 24.9; 128-token tiles, batch 256 (1 split) 41.1 against
-    45.0, batch 128 with 2 / 3 26.8 / 27.5 (64: 27.1 / 26.1), batch 64 with 2 / 4 20.7 / 19.4 (64: 21.7 / 18.9)."""
+    """About two programs per SM, at least MIN_SPLIT_TOKENS of the n_tiles x tile selected tokens each: more splits
+    than about two programs per SM lose to the merge and the pipeline fill (the split sweeps behind this rule, for 64-
+    and 128-token tiles: docs/kernels/sparse_attn_gluon.md)."""
     return max(1, min(n_tiles * tile // MIN_SPLIT_TOKENS, 2 * num_sms(device) // max(1, rows * num_kv_heads)))
 
 

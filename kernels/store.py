@@ -2,8 +2,8 @@
 payload and scales either into a paged cache through a slot mapping (engines' store) or into plain planes (the whole
 tensor quantize of `kernels/quant.py`). Every codec step comes from `kernels/codecs.py`; the kernel only moves bytes.
 On Hopper, bf16 rows of 128 into nvfp4 / mxfp4 go to the TMA-fed Gluon store instead (`kernels/store_gluon.py`, same
-bytes; `launch_store(gluon=...)`), which measured 1.1-1.2x this kernel's speed on the H200 (session 13: 87-93 %
-of copy against 74-79 % for nvfp4); the notes below are this portable kernel's.
+bytes; `launch_store(gluon=...)`), 1.1-1.2x this kernel's speed on the H200 (87-93 % of copy against 74-79 % for
+nvfp4); the notes below are this portable kernel's.
 
 Design for bandwidth (the work is memory bound only if the integer pipe keeps up: a bf16 row of D = 128 is 256 B in,
 68-132 B out, and Hopper's ALU pipe runs at half the FP32 rate):
@@ -17,36 +17,12 @@ Design for bandwidth (the work is memory bound only if the integer pipe keeps up
 - slot math per row in int32 (page = slot // PAGE, PAGE a constexpr: a shift for powers of two), byte offsets in
   int64 so caches and inputs past 2 GiB work.
 
-Measured on the H200 (CUDA-graph replay, bf16 [tokens, 1, 128] into shuffled 128-token pages, copy 4141-4156 GB/s;
-bench/sweep_quant_variants.py, 2026-11-29 ~09:50 UTC), % of copy at 64M / 256M / 1G elements: nvfp4-rcp 73.9 / 77.9 /
-78.6 (fast codec: FAST_CODECS), mxfp4-rceil 79.6 / 86.3 / 79.0 (original codec). The store is bound by instruction
-issue, not memory: sm_90 SASS main path per element (64 x 4 mxfp4 / 32 x 4 nvfp4 tiles, 16-byte aligned inputs)
-14.8 (mxfp4) / 19.7 (nvfp4; 20.3 before the fast codec), of which about 11 the per-element encoder (bf16 decode, |x|
-max, [nvfp4: x * 1/S], 3 fma + 3 min/max, sign shift + merge, nibble pack) and 3-4 per-row addressing and the
-shared-memory layout conversion for coalesced stores, spread over 32-64 elements per thread.
-Session 10 (H200, 2026-11-29 11:05 UTC, same bench): nvfp4 now encodes through kc.nvfp4_scale_block +
-kc.e2m1_words (MUL_PACK: sign, nibble mask and pack on the multiply pipe, zero-scale rule folded into the scaling fma;
-ALU-pipe ops per element 9.75 -> 7.91, all 19.66 -> 19.12): 74.0 / 77.9 / 79.3 % (was 72.1 / 75.5 / 76.2 in the same
-run); mxfp4 keeps the previous encode (79.1 / 84.1 / 85.8 %; with MUL_PACK 76.0 / 81.6 / 82.7). ncu at 256M (clocks
-locked to base, 1.40-1.46 GHz): the limiter is the L1, not the ALU: mxfp4 L1/TEX throughput 93 % of peak (memory
-throughput 92 %, L2 80 %, DRAM 62 %), issue slots 72 %, ALU pipe 74 %, L1 hit rate 46 % (each 16-byte chunk load
-touches 32 sectors half-used, the next chunk hits them again), top stall L1TEX scoreboard (42 % of 7.8 cycles per
-issue); 37.5 % occupancy (80 registers). MUL_PACK mxfp4: 56 % occupancy, ALU 64 %, issue 66 %, 13.0 cycles per issue
-(more warps queue on the same L1). nvfp4: ALU 80 % -> 66 % with MUL_PACK, issue 76 % -> 75 %. 2x / 0.5x rows per
-program were 3-16 points slower. Halving the L1 sector requests per loaded byte did not help either (lane-split
-loads, below); coalesced 512-byte warp loads with a shared-memory regroup into blocks, or TMA tiles, are untried.
-Tried and measured slower / no gain (kept out): one row per thread in 32-element chunks (12.8 / 15.7-16.0
-instructions per element) with direct 16-byte stores per lane (mxfp4 64-70 %, nvfp4 55-63 %) or joined into one
-coalesced row store (mxfp4 71-83 %, nvfp4 50-57 %); 4 blocks per thread for nvfp4 (64 x 4: 128 registers). Blocks
-split over 2 / 4 adjacent lanes (each 16-byte load instruction on whole sectors: half the L1 sector requests per loaded
-byte; block amax by SHFL.BFLY), for nvfp4 also with the block-scale math split over the lane pair (H200, 2026-11-29
-11:29 UTC, same bench, % of copy at 64M / 256M / 1G): mxfp4-rceil 80.4 / 85.9 / 87.2 -> 2 lanes 80.4 / 86.0 / 87.3
-(no gain; with MUL_PACK or FAST 76.5-77.6 / 84.5-86.7 / 85.9-87.0; 4 lanes 71.9 / 74.4 / 72.9); nvfp4-rcp 75.1 / 79.2
-/ 80.3 -> 2 lanes 67.9 / 71.3 / 73.0 (split scale 70.2 / 73.7 / 74.2; 71.8 / 76.9 / 78.3 at 64 x 4). So the ncu "L1
-at 93 %" does not name the limit as a sector count (the sector model is wrong, or the L1 limit is per request / tag).
-Persistent programs (k per SM, the next tile's rows prefetched as int32 words during the encode; H200 13:17 / 13:21
-UTC, same bench) lost: nvfp4 at best 66.4 / 70.5 / 72.1 % (default 72.8-74.9 / 79.4-79.7 / 80.6-81.1), mxfp4 79.4 /
-83.6 / 84.4 (default 79.5 / 85.2-85.8 / 86.5-87.1); the loop without prefetch, and register caps on the default, too.
+Why it is built so (H200): the store is bound by instruction issue and the L1, not by DRAM: about 15 (mxfp4) / 19
+(nvfp4) sm_90 SASS instructions per element, of which about 11 the per-element encoder, and ncu puts the L1/TEX
+throughput at ~93 % of peak. nvfp4 encodes through the multiply-pipe pack (MUL_PACK), mxfp4 keeps the integer
+encode; the kernel reaches about 74-79 % (nvfp4) and 79-87 % (mxfp4) of copy. Measurements, ncu profiles and the
+variants measured slower (one row per thread, lane-split blocks, persistent programs, 2x / 0.5x rows per program):
+docs/kernels/store.md.
 """
 
 from __future__ import annotations
@@ -291,7 +267,7 @@ FAST_CODECS = {"e4m3": True, "e8m0": False}
 # Encode per scale element for word-aligned 4-bit rows: True = the block codec up to the scaled values
 # (kc.mxfp4_scale_block / kc.nvfp4_scale_block, nvfp4 zero-scale rule folded into the fma) and kc.e2m1_words (sign,
 # nibble mask and pack on the multiply pipe: sm_90 ALU-pipe ops per element nvfp4 9.75 -> 7.91, mxfp4 7.19 -> 6.67).
-# H200, same bench as FAST_CODECS (2026-11-29 11:05 and 11:08 UTC), % of copy at 64M / 256M / 1G: nvfp4-rcp 72.1-73.2
+# H200, same bench as FAST_CODECS, % of copy at 64M / 256M / 1G: nvfp4-rcp 72.1-73.2
 # / 75.5-77.2 / 76.2-76.4 -> 74.0-74.9 / 77.9-79.2 / 79.3-80.3 (on); mxfp4-rceil 78.9-79.1 / 84.1-85.9 / 85.8-87.3 ->
 # 76.0-76.6 / 81.6-82.8 / 82.7-84.0 (off: with 56 instead of 80
 # registers more warps queue on the L1, see the module docstring). `variant={"MUL_PACK": ...}` overrides.

@@ -165,11 +165,11 @@ def _merge_packed_kernel(
 
 MAX_SELECT_BLOCKS = 16384  # widest block-score row select_from_block_scores takes (2M tokens at 128-token blocks)
 # Launch variants of the select pass (name -> packed, segment columns or 0 for whole rows, elements per thread).
-# "legacy": the session-9 launch (rows of <= 2048 blocks two per program, 4 warps, 32 elements per thread: ~7,700
+# "legacy": the first launch (rows of <= 2048 blocks two per program, 4 warps, 32 elements per thread: ~7,700
 # sm_90 SASS per thread, every step re-scanning 32 elements). "flat": one row per program, 8 elements per thread (8
 # warps at 2048 columns: ~1,900 SASS, 95 barriers). "packed": the same with one int64 max per step (~2,100 SASS, 47
 # barriers). "splitN": N-column segments, one warp each (shuffles only, no barrier), then `_merge_packed_kernel`.
-# H200 (2026-11-29 10:58 UTC), select alone, us per call (CUDA graph), rows = batch x 4 heads:
+# H200, select alone, us per call (CUDA graph), rows = batch x 4 heads:
 #   blocks per row      64    256   1172  (batch 64)   | 1172 (batch 1)
 #   legacy            6.08  24.50  15.97               | 15.60
 #   flat              3.36   4.31  10.84               |  8.29
