@@ -57,6 +57,9 @@ LayoutOpt = Annotated[Optional[str], typer.Option("--layout", metavar="NAME", he
 GeometryOpt = Annotated[Optional[str], typer.Option("--geometry", metavar="K=V,...", help="Layout geometry KEY=VAL[,KEY=VAL...] (keys "
                                                     "format, page, heads, dim, tokens, tensor_scale, outer), e.g. "
                                                     "format=mxfp4,page=128,heads=2,dim=128,tokens=256.")]
+VerifyOpt = Annotated[bool, typer.Option("--verify/--no-verify", help="Check the input's checksums and decoded "
+                                         "scale codes as it is read (exit 2 on a mismatch or a NaN/Inf code); "
+                                         "--no-verify trusts it (faster).")]
 LAYOUT_GEO = "--layout vllm-mxfp4-page --geometry format=mxfp4,page=128,heads=2,dim=128,tokens=256"
 
 
@@ -97,7 +100,8 @@ def quantize(src: InArg, output: OutOpt, to: FormatOpt, scale_rule: ScaleRuleOpt
              outer_scale: OuterScaleOpt = None, fp8_scale: Fp8ScaleOpt = None, recipe_of: RecipeOfOpt = None,
              include: IncludeOpt = None,
              exclude: CopyExcludeOpt = None, device: DeviceOpt = "cpu", chunk_mb: ChunkOpt = 64.0,
-             layout: LayoutOpt = None, geometry: GeometryOpt = None, as_json: JsonOpt = False) -> None:
+             layout: LayoutOpt = None, geometry: GeometryOpt = None, verify: VerifyOpt = True,
+             as_json: JsonOpt = False) -> None:
     """Quantize a cache file into a kvtool cache file.
 
     Each selected floating tensor is quantized along its last dimension; the others are copied unchanged. An input
@@ -108,7 +112,7 @@ def quantize(src: InArg, output: OutOpt, to: FormatOpt, scale_rule: ScaleRuleOpt
         options = format_options(scale_rule, recipe, outer_scale, fp8_scale, recipe_of)
         report = quantize_file(src, output, to, options=options,
                                include=include, exclude=exclude, device=device, chunk_mb=chunk_mb, layout=layout,
-                               geometry=geometry, progress=tick, hint=hint)
+                               geometry=geometry, progress=tick, hint=hint, verify=verify)
     emit(report, as_json, _render_ops)
 
 
@@ -122,7 +126,8 @@ def dequantize(src: InArg, output: OutOpt,
                dtype: Annotated[Optional[str], typer.Option("--dtype", help="Output dtype bf16|fp16|fp32 (default: "
                                                             "each tensor's original dtype, bf16 when unknown).")] = None,
                device: DeviceOpt = "cpu", chunk_mb: ChunkOpt = 64.0, layout: LayoutOpt = None,
-               geometry: GeometryOpt = None, recipe_of: RecipeOfDumpOpt = None, as_json: JsonOpt = False) -> None:
+               geometry: GeometryOpt = None, recipe_of: RecipeOfDumpOpt = None, verify: VerifyOpt = True,
+               as_json: JsonOpt = False) -> None:
     """Decode a kvtool cache file into plain safetensors.
 
     The output has the original tensor names and shapes. An engine dump is read with --layout and --geometry."""
@@ -131,7 +136,7 @@ def dequantize(src: InArg, output: OutOpt,
     with _sigterm_cleans(), progress("dequantize") as tick:
         report = dequantize_file(src, output, dtype=dtype, device=device, chunk_mb=chunk_mb, layout=layout,
                                  geometry=geometry_with_recipe(geometry, recipe_of, layout), progress=tick,
-                                 hint=hint)
+                                 hint=hint, verify=verify)
     emit(report, as_json, _render_ops)
 
 
@@ -158,8 +163,9 @@ def _render_ops(r) -> None:
 @handle_errors
 def inspect(path: Annotated[Path, typer.Argument(metavar="FILE", help="A kvtool cache, safetensors, .pt or .npy file.",
                                                  show_default=False)],
-            verify: Annotated[bool, typer.Option("--verify", help="Recompute the checksums (exit 1 on a "
-                                                 "mismatch).")] = False,
+            verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Recompute the checksums (default; "
+                                                 "exit 1 on a mismatch or a missing record, 2 on a NaN/Inf code; "
+                                                 "--no-verify skips both checks).")] = True,
             include: IncludeOpt = None, exclude: ExcludeOpt = None, chunk_mb: ChunkOpt = 64.0,
             layout: LayoutOpt = None, geometry: GeometryOpt = None, recipe_of: RecipeOfDumpOpt = None,
             as_json: JsonOpt = False) -> None:
@@ -245,7 +251,7 @@ def diff(a: Annotated[Path, typer.Argument(metavar="A", help="Candidate A (any i
          pair: Annotated[Optional[list[str]], typer.Option("--pair", help="Compare tensor A_NAME of A with B_NAME of "
                                                            "B, e.g. x=layers.0.k (repeatable; only these pairs are "
                                                            "compared).")] = None,
-         as_json: JsonOpt = False) -> None:
+         verify: VerifyOpt = True, as_json: JsonOpt = False) -> None:
     """Compare candidate A with reference B, tensor by tensor.
 
     Across formats: value metrics, decoded-value disagreement, and (when bytes are comparable) scale- and
@@ -258,7 +264,7 @@ def diff(a: Annotated[Path, typer.Argument(metavar="A", help="Candidate A (any i
                             max_scale_mismatch=max_scale_mismatch, include=include, exclude=exclude,
                             chunk_mb=chunk_mb, layout=layout,
                             geometry=geometry_with_recipe(geometry, recipe_of, layout), layout_b=layout_b,
-                            geometry_b=geometry_b, plot=plot, pair=pair, progress=tick)
+                            geometry_b=geometry_b, plot=plot, pair=pair, progress=tick, verify=verify)
     emit(report, as_json, _render_diff)
     warn(report.warnings)
     if not report.passed:
@@ -302,7 +308,7 @@ def _render_diff(r) -> None:
     if r.plot:
         line(f"plot: {r.plot}", wrap=False)
     if r.verdict == "REPORT":
-        line("REPORT: no threshold given, so nothing was gated (--max-rel-l2, --max-abs, --min-sqnr or "
-             "--max-scale-mismatch give a PASS or FAIL)")
+        line("REPORT: no threshold given, so nothing was gated (give --max-rel-l2, --max-abs, --min-sqnr or "
+             "--max-scale-mismatch for a verdict)")
     else:
         line(r.verdict, style="bold green" if r.verdict == "PASS" else "bold red")
