@@ -54,8 +54,8 @@ class Tie(enum.IntEnum):
     EVEN:          round half to even (SPEC; PTX cvt.rn.satfinite.e2m1x2, torchao, DeepGEMM, vLLM cast_to_fp4).
     AWAY:          ties go to the larger magnitude (`|y| >= threshold` counts; triton_kernels, AITER, SGLang).
     NEAREST_FIRST: argmin over the fp32 distances |m - v| to the 8 magnitudes, the lower one on equal distance:
-                   ties go down, and above ~2**25 the distances to 4 and 6 round equal, so huge |y| give 4 (FlashInfer).
-    All saturate at 6 (NEAREST_FIRST only up to the point where its distances tie).
+                   ties go down; above |y| = 2**27 every distance rounds to |y|, so the first, 0, wins (FlashInfer).
+    All saturate at 6 (NEAREST_FIRST only up to 2**27).
     """
 
     EVEN = 0
@@ -324,7 +324,8 @@ RECIPES: dict[str, EngineRecipe] = {r.name: r for r in (
         **_NV, tie=Tie.NEAREST_FIRST, sign=Sign.NEGATIVE, outer=OuterDir.ENC, scale_value=ScaleValue.DIV6_MUL_G,
         elem=Elem.MUL_G_DIV_S, zero_scale=ZeroScale.ONE, decode=Decode.CODE_S_DIV_GENC,
         oracle="tests/engines: _nvfp4_kv_quantize_reference from the wheel",
-        note="ties round down; where the scale caps at 448, |y| far above 6 (>= ~2**25) gives 4, not 6"),
+        note="ties round down; where the scale caps at 448 (an outer scale that overflows it), |y| > 2**27 gives "
+             "code 0, not 6"),
     EngineRecipe(
         "sglang.kvfp4", "SGLang", SGLANG_V,
         "python/sglang/srt/layers/quantization/kvfp4_tensor.py: FP4MXBlock16KVQuantizeUtil.batched_(de)quantize",

@@ -4,7 +4,8 @@ The oracle is the engine's code itself, loaded from its published wheel at test 
 (torchao from its installed package); nothing of it is in this repository. Offline, without a cached wheel, each case
 skips with the reason. Inputs cover the edge classes that separate the engines: gaussian, heavy-tailed, per-row
 scales 2**-30 .. 2**30, all-zero blocks (+0 and -0), -0.0 beside non-zeros, E2M1 ties, block maxima in (6, 8) * 2**k,
-blocks whose scale underflows, and kvtool's shared edge-case table. A case compares the payload bytes, the scale bytes
+blocks whose scale underflows, block maxima past the E4M3 scale cap (448 * 6 * 2**k), and kvtool's shared edge-case
+table. A case compares the payload bytes, the scale bytes
 and, where the engine has a decoder, the decoded fp32 values bit for bit.
 """
 
@@ -75,6 +76,7 @@ CASES: dict[str, Callable[[], torch.Tensor]] = {
     "max_6_8": lambda: _blocks_with_max((6 + 2 * torch.rand(24, generator=_gen(6)))
                                         * torch.exp2(torch.arange(-12.0, 12.0)), 16, 7),
     "underflow": lambda: _blocks_with_max(torch.exp2(torch.arange(-40.0, -8.0)), 16, 8),
+    "scale_cap": lambda: _blocks_with_max(2688.0 * torch.exp2(torch.arange(0.0, 32.0)), 16, 9),  # E4M3 caps at 448
     "edge_table": lambda: edge_case_tensor(D),
 }
 

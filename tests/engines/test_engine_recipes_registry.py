@@ -56,8 +56,8 @@ def test_spec_stays_the_default():
     assert "engine_recipe" not in get_format("nvfp4").to_meta()
 
 
-# E2M1 tie and sign rules, by hand: y = [0.25, 0.75, 2.5, 3.5, 5, -0.0, -0.1, 7, 1e10]
-Y = torch.tensor([0.25, 0.75, 2.5, 3.5, 5.0, -0.0, -0.1, 7.0, 1e10])
+# E2M1 tie and sign rules, by hand: y = [0.25, 0.75, 2.5, 3.5, 5, -0.0, -0.1, 7, 2**28]
+Y = torch.tensor([0.25, 0.75, 2.5, 3.5, 5.0, -0.0, -0.1, 7.0, 2.0**28])
 
 
 @pytest.mark.parametrize("tie,sign,codes", [
@@ -65,7 +65,7 @@ Y = torch.tensor([0.25, 0.75, 2.5, 3.5, 5.0, -0.0, -0.1, 7.0, 1e10])
     (Tie.AWAY, Sign.BIT, [1, 2, 5, 6, 7, 8, 8, 7, 7]),  # triton_kernels / AITER: ties up
     (Tie.AWAY, Sign.NEGATIVE, [1, 2, 5, 6, 7, 0, 8, 7, 7]),  # SGLang: -0.0 is not < 0
     (Tie.EVEN, Sign.NONZERO, [0, 2, 4, 6, 6, 0, 0, 7, 7]),  # DeepGEMM: never code 8
-    (Tie.NEAREST_FIRST, Sign.NEGATIVE, [0, 1, 4, 5, 6, 0, 8, 7, 6]),  # FlashInfer: ties down; 1e10 -> 4 (code 6)
+    (Tie.NEAREST_FIRST, Sign.NEGATIVE, [0, 1, 4, 5, 6, 0, 8, 7, 0]),  # FlashInfer: ties down; 2**28 -> 0 (fp32 distances all tie)
 ])
 def test_e2m1_rules_by_hand(tie, sign, codes):
     assert e2m1_codes(Y, tie, sign).tolist() == codes
