@@ -272,10 +272,15 @@ def _outer_scale(value) -> str:
     return "1" if g == 1.0 else repr(g)
 
 
-def get_format(name: str, *, scale_rule=None, recipe=None, outer_scale=None, fp8_scale=None, ds_floor=None,
-               pow2=None, strict: bool = True, engine=None, rotation=None) -> Format:
+def get_format(name: str, *, scale_rule: "str | ScaleRule | None" = None, recipe: "str | NvRecipe | None" = None,
+               outer_scale: "str | float | None" = None, fp8_scale: "str | Fp8Scale | None" = None,
+               ds_floor: "bool | None" = None, pow2: "bool | None" = None, strict: bool = True,
+               engine: "str | None" = None, rotation: "int | None" = None) -> Format:
     """Resolve a name or label plus explicit options into a Format. Options that do not apply to the family raise
     FormatError when `strict` (a user passing `--scale-rule` for nvfp4 made a mistake); otherwise they are ignored.
+    Options (None = the family's default): `scale_rule` mxfp4 floor|even|ceil|rceil; `recipe` nvfp4 rcp|div|unrounded;
+    `outer_scale` nvfp4 1|"auto"|a positive number (decode direction); `fp8_scale` unit|tensor|token; `ds_floor` /
+    `pow2` the DeepSeek fp8 token options; strings or the rule enums of kvtool.formats.rules alike.
     `engine` (or a label suffix `@<recipe>`, e.g. `nvfp4@vllm.ref_nvfp4`) names an engine recipe
     (kvtool.formats.recipes), whose choices replace the family's rule options."""
     name, label_rotation = _rot.split_label(name)  # `+rot` / `+rotN` suffix, or `rotation` (kvtool.formats.rotation)
