@@ -122,8 +122,11 @@ def parse_flag(value: str | None) -> int | None:
 
 
 def to_meta(rotation: int | None) -> dict:
-    """The container / JSON record of a rotation (empty when none)."""
-    return {} if rotation is None else {"rotation": {"kind": "hadamard", "size": rotation or "head_dim"}}
+    """The container / JSON record of a rotation, in the `--rotate` spelling (`hadamard`, `hadamard:64`; a plain
+    string, as every format field is); empty when none."""
+    if rotation is None:
+        return {}
+    return {"rotation": "hadamard" if rotation == 0 else f"hadamard:{rotation}"}
 
 
 def from_meta(meta: dict) -> int | None:
@@ -131,11 +134,6 @@ def from_meta(meta: dict) -> int | None:
     rot = meta.get("rotation")
     if rot is None:
         return None
-    if not isinstance(rot, dict) or rot.get("kind") != "hadamard":
-        raise FormatError(f"unknown rotation in the format metadata: {rot!r}")
-    size = rot.get("size")
-    if size == "head_dim":
-        return 0
-    if not isinstance(size, int) or not _is_pow2(size):
-        raise FormatError(f"bad rotation size in the format metadata: {size!r}")
-    return size
+    if not isinstance(rot, str) or parse_flag(rot) is None:
+        raise FormatError(f"unknown rotation in the format metadata: {rot!r} (hadamard or hadamard:N)")
+    return parse_flag(rot)

@@ -98,8 +98,7 @@ class StreamMetrics:
         position)."""
         base = logits_base if isinstance(logits_base, BaseChunk) else BaseChunk.of(logits_base)
         lb = base.lb
-        zc = logits.double()
-        lc = zc - torch.logsumexp(zc, dim=-1, keepdim=True)
+        lc = torch.log_softmax(logits.double(), dim=-1)  # the baseline's own function: equal logits give KL 0
         kl = (base.pb * (lb - lc)).sum(-1).clamp(min=0.0)                  # [B, T]; >= 0 up to rounding
         agree = base.top == logits.argmax(-1)                               # [B, T]
         has = (next_tok >= 0).to(lb.device)
