@@ -23,10 +23,16 @@ def _layout_subjects(path, layout: str, geometry, fp8_element: str, report: Doct
     """Read an engine dump with the declared geometry; rank the candidate geometries and, when the declared one does
     not fit or is far less plausible than the best, report wrong-geometry and read the dump with the best."""
     read, err = geo_rank.read_declared(path, layout, geometry)
-    fits, given, reads = geo_rank.rank(path, layout, geometry)
-    report.candidates["geometry"] = fits[:8]
     if read is not None and read.kvtool:
         return [Subject(n, "kvtool", q=q, fp8_element=fp8_element) for n, q in read.tensors.items()]
+    given = geo_rank.parse_geometry(geometry)
+    if read is not None and all(k in given for k in geo_rank.KEYS):
+        declared_score, _ = geo_rank.plausibility(read.tensors, read.geometries)
+        if declared_score <= PLAUSIBLE_SCORE:  # complete and plausible: nothing to rank
+            return [Subject(n, f"layout:{layout}", q=q, fp8_element=fp8_element, geometry=read.geometries.get(n))
+                    for n, q in read.tensors.items()]
+    fits, given, reads = geo_rank.rank(path, layout, geometry)
+    report.candidates["geometry"] = fits[:8]
     best = fits[0] if fits else None
     if read is None and (best is None or best.score > PLAUSIBLE_SCORE):
         raise err
@@ -36,7 +42,14 @@ def _layout_subjects(path, layout: str, geometry, fp8_element: str, report: Doct
         declared = next(iter(read.geometries.values())).text()
     name = "(dump)"
     ranking = [{"geometry": f.what, "score": f.score} for f in fits[:5]]
-    if read is None:
+    if read is None and not best.detail.get("changed_keys"):
+        # the given keys were not enough to read the dump (no format, say): the best reading keeps all of them
+        report.findings.append(Finding(
+            "geometry-inferred", "info", name, f"{err}; read as {best.what}, the most plausible reading that keeps "
+            f"every given key (score {best.score})", f"pass --geometry {best.what} to pin it",
+            evidence={"declared": geometry, "best": best.what, "ranking": ranking}))
+        read = reads[best.what]
+    elif read is None:
         report.findings.append(Finding(
             "wrong-geometry", "error", name, f"the declared geometry does not fit the file ({err}); the most "
             f"plausible reading is {best.what} (score {best.score})", f"read with --geometry {best.what}",
@@ -55,7 +68,7 @@ def _layout_subjects(path, layout: str, geometry, fp8_element: str, report: Doct
             "geometry-inferred", "info", name, f"{', '.join(missing)} not given: read as {declared} "
             f"(score {declared_score}); best candidates {', '.join(f.what for f in fits[:3])}",
             f"pass --geometry {declared} to pin it", evidence={"declared": declared, "ranking": ranking}))
-    return [Subject(n, read.layout and f"layout:{layout}", q=q, fp8_element=fp8_element,
+    return [Subject(n, f"layout:{layout}", q=q, fp8_element=fp8_element,
                     geometry=read.geometries.get(n)) for n, q in read.tensors.items()]
 
 

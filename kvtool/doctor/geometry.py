@@ -27,6 +27,8 @@ PAGES = (1, 16, 32, 64, 128, 256)
 HEADS = (1, 2, 4, 8, 16, 32, 64)
 DIMS = (64, 128, 256, 512)
 MAX_CANDIDATES = 96
+KEYS = ("format", "page", "heads", "dim", "tokens")
+CHANGED_KEY_COST = 0.02
 # Largest E2M1 code of a block scaled from its own amax, per family (any rule / recipe).
 FP4_MAX_CODES = {"nvfp4": (4.0, 6.0), "mxfp4": tuple(sorted({c for cs in MX_MAX_CODES.values() for c in cs}))}
 FP8_ROW_TOPS = (0x7D, 0x7E)  # fp8 token: a row scaled from its amax tops out at 448 (0x7E); ds floor rows a bit less
@@ -69,8 +71,7 @@ def candidates(path, layout: str, geometry: "str | None") -> tuple[dict, list[di
         cand = {"format": label, "page": page, "heads": heads, "dim": dim, "tokens": tokens}
         cand.update({k: v for k, v in given.items() if k not in cand})
         out.append(cand)
-    keys = ("format", "page", "heads", "dim", "tokens")
-    out.sort(key=lambda c: sum(1 for k in keys if k in given and given[k] != c[k]))
+    out.sort(key=lambda c: sum(1 for k in KEYS if k in given and given[k] != c[k]))
     return given, out[:MAX_CANDIDATES]
 
 
@@ -144,9 +145,13 @@ def rank(path, layout: str, geometry: "str | None") -> tuple[list[CandidateFit],
         if not read.tensors:
             continue
         score, detail = plausibility(read.tensors, read.geometries)
-        text = _text({k: cand[k] for k in ("format", "page", "heads", "dim", "tokens")})
+        # among readings the bytes cannot tell apart (planes aligned, tokens / heads renumbered), the one closest
+        # to what the user said wins: each given key changed costs CHANGED_KEY_COST
+        changed = [k for k in KEYS if k in given and str(given[k]) != str(cand[k])]
+        detail["changed_keys"] = changed
+        text = _text({k: cand[k] for k in KEYS})
         reads[text] = read
-        fits.append(CandidateFit(text, score, detail))
+        fits.append(CandidateFit(text, round(score + CHANGED_KEY_COST * len(changed), 4), detail))
     fits.sort(key=lambda f: f.score)  # stable: among equals, fewest keys changed from the given geometry first
     return fits, given, reads
 

@@ -16,7 +16,7 @@ from kvtool.doctor import stats
 from kvtool.doctor.detectors import scale_realignments
 from kvtool.doctor.fnuz import E4M3FNUZ_MAX, e4m3fnuz_encode
 from kvtool.doctor.report import CandidateFit, Finding
-from kvtool.doctor.subjects import Subject
+from kvtool.doctor.subjects import Subject, page_of
 from kvtool.formats import (
     E2M1_MAX,
     E4M3_MAX,
@@ -167,7 +167,7 @@ def _realigned(s, ref, partner):
     sc = q.scales.contiguous().reshape(rows, -1)
     width = sc.shape[1]
     heads = s.heads
-    page = s.geometry.page if s.geometry is not None else 16
+    page = page_of(s, 16)
     per_head = sc.view(torch.uint8).reshape(rows // heads, heads, -1) if sc.dtype != torch.uint8 else \
         sc.reshape(rows // heads, heads, width)
     for name, fn in scale_realignments(page)[1:]:
@@ -310,7 +310,7 @@ def compare(s: Subject, ref: torch.Tensor, partner: "torch.Tensor | None", page:
                         "byte for byte", fix="", evidence=ev, **where)], fits
     identity = next((f for f in fits if f.detail["transform"] == "identity"), None)
     if identity is not None:
-        stale = _stale_pages(s, labels[identity.what][1], dump, s.geometry.page if s.geometry is not None else page)
+        stale = _stale_pages(s, labels[identity.what][1], dump, page_of(s, page))
         if stale and (best.score > 0 or t.name == "identity"):
             return [Finding("stale-or-missing-pages", "error", message=f"the dump equals the reference except "
                             f"{len(stale)} whole pages ({stale[:8]}): those pages hold other data or none",

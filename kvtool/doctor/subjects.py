@@ -146,3 +146,9 @@ def load_subjects(source, layout: str | None = None, geometry: str | None = None
                 subjects.append(subject_from_tensor(name, values, inp.kind, fp8_element))
         info = {"warnings": dict(inp.warnings)}
     return str(path), inp.kind, subjects, info
+
+
+def page_of(s: Subject, default: int) -> int:
+    """Tokens per page: the dump's geometry's (when paged), else `default` (slot-per-token layouts and files)."""
+    page = getattr(s.geometry, "page", 1) if s.geometry is not None else 1
+    return page if page > 1 else default
