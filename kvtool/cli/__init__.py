@@ -40,6 +40,7 @@ from kvtool.cli import attn_cmds  # noqa: E402,F401
 from kvtool.cli import decode_cmds  # noqa: E402,F401
 from kvtool.cli import model_cmds  # noqa: E402,F401
 from kvtool.cli import bench  # noqa: E402,F401
+from kvtool.cli import doctor_cmds  # noqa: E402,F401
 
 
 def main() -> None:
