@@ -145,7 +145,7 @@ def _render(r: vt.VerifyTopkReport) -> None:
                       "-" if row.max_score_err != row.max_score_err else f"{row.max_score_err:.1e}",
                       "-" if b is None else f"{b.exact_pct:.1f}",
                       "-" if b is None else f"{b.recall:.3f}", "-" if b is None else f"{b.rel_score_err:.1e}",
-                      "-" if c is None else c.rule_text(), row.verdict,
+                      "-" if c is None else c.rule_text(), row.verdict.split(" (")[0],
                       style=None if row.passed else "bold red")  # failing rows in red
     stdout.print(table)
     if "context_lens" in r.config:
