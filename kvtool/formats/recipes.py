@@ -160,6 +160,8 @@ class ExpRule(enum.IntEnum):
                     (FlashInfer MXFP4 reference).
     UP_BITS:        exponent field of (bits(t) + 0x7FFFFF) & 0x7F800000 (triton_kernels ROUND_UP; t = 0 -> byte 0).
     DOWN_BITS:      exponent field of bits(t) & 0x7F800000 (triton_kernels ROUND_DOWN; a subnormal t -> byte 0).
+    EVEN_LOG2:      floor(fp32 log2(r)) - 2 with r = (bits(amax) + 0x200000) & 0xFF800000, clamped to [-127, 127]
+                    (AITER: as EVEN, except that an amax rounding up to 2**128 gives log2 = inf -> e = 127, not 126).
     """
 
     FLOOR = 0
@@ -171,6 +173,7 @@ class ExpRule(enum.IntEnum):
     FLOOR_LOG2 = 6
     UP_BITS = 7
     DOWN_BITS = 8
+    EVEN_LOG2 = 9
 
 
 class Byte0(enum.IntEnum):
@@ -348,13 +351,16 @@ RECIPES: dict[str, EngineRecipe] = {r.name: r for r in (
         note="fp32 log2: a row max just above 448 * 2**k gives scale 2**k and saturating codes (kvtool's "
              "fp8-ds-pow2 gives 2**(k+1)); the GPU's approximate lg2 is not checked here"),
     EngineRecipe(
-        "aiter.mxfp4_quant_op", "AITER", "ROCm/aiter main (read, not run)",
-        "aiter/ops/triton/_triton_kernels/quant.py: _mxfp4_quant_op",
-        **_MX, tie=Tie.AWAY, exp_rule=ExpRule.EVEN, byte0=Byte0.EXACT,
-        oracle="not oracle-checked: written from reading the public source (AITER is not on PyPI; its Triton "
-               "needs ROCm)",
-        note="amax bits + 0x200000 masked to the exponent, e = floor(log2) - 2; codes by bit arithmetic rounding "
-             "ties away; the sign bit is kept (an all-zero block with -0 writes 8)"),
+        "aiter.mxfp4_quant_op", "AITER", "ROCm/aiter main (quant.py at 6920962)",
+        "aiter/ops/triton/_triton_kernels/quant/quant.py: _mxfp4_quant_op",
+        **_MX, exp_rule=ExpRule.EVEN_LOG2, byte0=Byte0.EXACT,
+        oracle="not in the engines tier (AITER is not on PyPI): checked once by hand under the Triton interpreter "
+               "on the tier's edge classes, with two interpreter-only rewrites (`tl.floor(x)` for `x.floor()`, `~m` "
+               "for `not m`): equal except 4 codes of fp32-subnormal inputs, where numpy's float32 exp2(127) is "
+               "inexact",
+        note="amax bits + 0x200000 masked to the exponent, e = floor(log2) - 2; codes by bit arithmetic, half to "
+             "even; the sign bit is kept (an all-zero block of -0 writes 8); its float -> uint8 byte cast of a "
+             "negative e is target-defined"),
     EngineRecipe(
         "atom.index_store", "ATOM", "ROCm/ATOM MiniMax-M3 FP4 index PR (read, not run)",
         "atom/model_ops/minimax_m3/index_topk.py: FP4 index key store as its PR describes it",
@@ -458,6 +464,8 @@ EXP_RULE = {
     ExpRule.FLOOR_LOG2: lambda a: _floor_log2_t(a),
     ExpRule.UP_BITS: lambda a: _bits_exp(a, 0x7FFFFF),
     ExpRule.DOWN_BITS: lambda a: _bits_exp(a, 0),
+    ExpRule.EVEN_LOG2: lambda a: (torch.floor(torch.log2(((f32_bits(a) + 0x200000) & 0x7F800000).view(torch.float32)))
+                                  - 2).clamp(-E8M0_BIAS, E8M0_BIAS).to(torch.int32),
 }
 
 BYTE0_ENCODE = {Byte0.EXACT: 2.0**127, Byte0.ONE: 1.0, Byte0.MIN_NORMAL: 2.0**126, Byte0.ZERO: 0.0}

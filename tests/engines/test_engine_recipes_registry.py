@@ -90,6 +90,16 @@ def test_small_blocks_by_hand():
     assert get_format("@triton_kernels.round_up").quantize(-mx_zero).payload[0, 0] == 0x88  # -0 keeps its sign
 
 
+def test_aiter_top_binade_by_hand():
+    """amax 3e38 (mantissa >= 1.75 at 2**127) rounds up to 2**128: the SPEC's EVEN takes its exponent (e = 126, byte
+    253), AITER takes log2(inf) = inf and clamps (e = 127, byte 254)."""
+    x = torch.full((1, 32), 3e38)
+    assert get_format("mxfp4-even").quantize(x).scales.item() == 253
+    assert get_format("@aiter.mxfp4_quant_op").quantize(x).scales.item() == 254
+    zero = -torch.zeros(1, 32)
+    assert get_format("@aiter.mxfp4_quant_op").quantize(zero).payload[0, 0] == 0x88  # -0 keeps its sign bit
+
+
 def test_triton_kernels_refuse_a_recipe():
     fmt = get_format("@vllm.ref_nvfp4")
     with pytest.raises(FormatError, match="cannot honour engine recipe 'vllm.ref_nvfp4'"):
