@@ -269,6 +269,22 @@ PRESETS: dict[str, LayoutPreset] = {p.name: p for p in (
         "ROCm/ATOM atom/model_ops/minimax_m3/sparse_attn.py (page-16 SHUFFLE K [nb, nkv, D/16, 16, 16], V [nb, nkv, "
         "1, D, 16]; per-token fp32 scales [pages, nkv, 16] for pa_fwd_asm pertokenFp8)",
         "MiniMax-M3 main K/V, per-token FP8 scales"),
+    LayoutPreset(
+        "vllm-m3-index", ("bf16", "fp8"), "bf16", 128, True, ("x",),
+        (Region("index_kv_cache", (Plane("x", PAYLOAD),), TOKEN_MAJOR),),
+        "vllm-project/vllm vllm/models/minimax_m3/common/ops/index_topk.py (index-K cache (num_blocks, 128, "
+        "idx_head_dim), single head, one 128-token page per sparse block; read without any scale)",
+        "MiniMax-M3 index keys for vLLM's common Triton ops (kvtool.engines.vllm_m3)"),
+    LayoutPreset(
+        "vllm-m3-kv", ("bf16", "fp8"), "bf16", 128, True, ("k", "v"),
+        (Region("kv_cache", (Plane("k", PAYLOAD), Plane("v", PAYLOAD)), ("page", "head", "token", "plane")),
+         Region("k_scale", (Plane("k", SCALE),), PER_HEAD_PAGE),
+         Region("v_scale", (Plane("v", SCALE),), PER_HEAD_PAGE)),
+        "vllm-project/vllm vllm/models/minimax_m3/common/ops/sparse_attn.py (main cache (num_blocks, num_kv_heads, "
+        "128, 2 * head_dim): K = [..., :head_dim], V = [..., head_dim:]; k_scale / v_scale a scalar or "
+        "[num_kv_heads, max_kv_tokens] fp32 indexed by slot)",
+        "per token K then V; vLLM's per-token scale buffers are head-major [Hkv, slots]: a region starts at its page "
+        "axis, so the preset holds them page-major and kvtool.engines.vllm_m3 transposes them"),
 )}
 
 
