@@ -354,7 +354,8 @@ RECIPES: dict[str, EngineRecipe] = {r.name: r for r in (
         "aiter.mxfp4_quant_op", "AITER", "ROCm/aiter main (quant.py at 6920962)",
         "aiter/ops/triton/_triton_kernels/quant/quant.py: _mxfp4_quant_op",
         **_MX, exp_rule=ExpRule.EVEN_LOG2, byte0=Byte0.EXACT,
-        oracle="not in the engines tier (AITER is not on PyPI): checked once by hand under the Triton interpreter "
+        oracle="not oracle-checked in the engines tier (AITER is not on PyPI): checked once by hand under the "
+               "Triton interpreter "
                "on the tier's edge classes, with two interpreter-only rewrites (`tl.floor(x)` for `x.floor()`, `~m` "
                "for `not m`): equal except 4 codes of fp32-subnormal inputs, where numpy's float32 exp2(127) is "
                "inexact",
