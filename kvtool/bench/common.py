@@ -162,6 +162,8 @@ def render_report(report: BenchReport, console=None) -> None:
                         f"{report.triton_version}, copy {report.copy_gbps:.0f} GB/s")
     for col in ("group", "case", "time (us)", "bytes", "GB/s", "of copy", "note"):
         table.add_column(col, justify="right" if col in ("time (us)", "bytes", "GB/s", "of copy") else "left")
+    for column in (table.columns[0], table.columns[-1]):
+        column.optional = True  # the CLI's renderer may leave these out at a narrow width (kvtool.cli.render)
     for r in report.rows:
         table.add_row(r.group, r.name, f"{r.time_us:.1f}", f"{r.bytes_moved:,}", f"{r.gbps:.0f}",
                       f"{100 * r.frac_copy:.1f} %", r.note)

@@ -252,11 +252,13 @@ def _text(value) -> Text:
 
 
 def from_rich(rich_table: RichTable) -> Table:
-    """A rich Table (title, caption, columns with their justification, rows with styles and sections) as a Table."""
+    """A rich Table (title, caption, columns with their justification, rows with styles and sections) as a Table.
+    A rich Column may carry `optional = True` (set as an attribute) to be left out first at a narrow width."""
     title = _text(rich_table.title).plain or None
     table = Table(title, _text(rich_table.caption).plain or None)
-    for col in rich_table.columns:
-        table.column(_text(col.header).plain, justify="right" if col.justify == "right" else "left")
+    for col in rich_table.columns:  # a column may say `optional = True` (an attribute set on the rich Column)
+        table.column(_text(col.header).plain, justify="right" if col.justify == "right" else "left",
+                     optional=bool(getattr(col, "optional", False)))
     cells = [list(col.cells) for col in rich_table.columns]
     for r, row in enumerate(rich_table.rows):
         table.row(*(_text(c[r]) if r < len(c) else Text("") for c in cells),
