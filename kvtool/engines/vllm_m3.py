@@ -30,11 +30,13 @@ interpreter cannot benchmark). numpy >= 2.4 breaks Triton 3.6's interpreter.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import sys
 import types
-from functools import lru_cache
+import warnings
+from functools import lru_cache, wraps
 
 import torch
 
@@ -129,6 +131,21 @@ def _pin_autotune(module) -> None:
         tuner.configs = [min(tuner.configs, key=lambda c: c.kwargs["BLOCK_SIZE_K"])]
 
 
+def _quiet(fn):
+    """Under the interpreter, numpy warns on every NaN / -inf the kernels compute on purpose (masked lanes, vLLM's
+    -inf * 0): keep that noise off stderr."""
+    @wraps(fn)
+    def run(*args, **kwargs):
+        ctx = warnings.catch_warnings() if interpreting() else contextlib.nullcontext()
+        with ctx:
+            if interpreting():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                warnings.simplefilter("ignore", DeprecationWarning)
+            return fn(*args, **kwargs)
+
+    return run
+
+
 # ------------------------------------------------------------------------------------------------ layout helpers
 def _standin(device: torch.device) -> bool:
     """CPU tensors run under the interpreter, where bf16 arithmetic is unreliable: pass fp32 copies instead."""
@@ -213,6 +230,7 @@ class VllmM3:
         return None
 
     # -------------------------------------------------------------------------------------------------- index
+    @_quiet
     def index(self, call: IndexCall) -> IndexOutput:
         ops = self.ops["index"]
         cfg, cache = call.cfg, call.cache
@@ -254,6 +272,7 @@ class VllmM3:
             scores_out[b_idx, q_idx] = sc
         return IndexOutput(ids_out, _rescale(scores_out, cache))
 
+    @_quiet
     def select(self, scores: torch.Tensor, q_pos: torch.Tensor, cfg: IndexerConfig) -> torch.Tensor:
         """minimax_m3_index_topk over block scores fp32 [R, NB] at positions q_pos [R] -> int32 [R, topk]."""
         ops = self.ops["index"]
@@ -267,6 +286,7 @@ class VllmM3:
         return ids[0].to(torch.int32)
 
     # ---------------------------------------------------------------------------------------------- attention
+    @_quiet
     def attend(self, call: AttnCall) -> torch.Tensor:
         ops = self.ops["attn"]
         dev = call.q.device

@@ -37,6 +37,8 @@ def test_index_decode_matches_reference(vllm, device):
     assert bf16.vs_dequant.tie_aware_pct == 100.0 and bf16.max_score_err < 1e-3
     if device == "cpu":
         assert fp8.verdict.startswith("SKIPPED") and "interpreter" in fp8.verdict
+    else:
+        assert fp8.verdict == "PASS" and fp8.checks.defect == 0
     assert _rows(r, "kvtool")[0].verdict.startswith("SKIPPED: no kernel ran")
     assert r.verdict == "PASS"
 
@@ -50,7 +52,9 @@ def test_attention_decode_and_prefill_match_reference(vllm, device):
     r = verify_attn_synthetic(["bf16", "nvfp4"], batch=2, context_lens="300,129", device=device, backend="torch",
                               impls=[vllm])
     bf16, fp4 = _rows(r, "vllm")
-    assert bf16.verdict == "PASS" and bf16.vs_dequant.max_rel < 1e-4
+    # the CPU stand-in keeps P and the partials in fp32; on the GPU vLLM rounds them to bf16
+    bound = 1e-4 if device == "cpu" else 2e-3 + 2.0 ** -8
+    assert bf16.verdict == "PASS" and bf16.vs_dequant.max_rel < bound
     assert fp4.verdict.startswith("SKIPPED") and "no FP4 path" in fp4.verdict
     # the prefill kernel (minimax_m3_sparse_attn), each row its own one-token request, GQA 4 over 2 KV heads
     gen = torch.Generator().manual_seed(1)
@@ -64,7 +68,7 @@ def test_attention_decode_and_prefill_match_reference(vllm, device):
     ref = paged_sparse_prefill_ref(q, kc, vc, table, q_req, q_pos, ids, 128)
     out = vllm.attend(AttnCall(q.to(device), kc, vc, table, q_req.to(device), q_pos.to(device), ids.to(device), 128,
                                False, 64 ** -0.5))
-    assert float((out.cpu() - ref.cpu()).abs().max() / ref.abs().max()) < 1e-4
+    assert float((out.cpu() - ref.cpu()).abs().max() / ref.abs().max()) < bound
 
 
 def test_vllm_topk_drops_a_finite_block_next_to_neg_inf(vllm, device):
