@@ -1,42 +1,56 @@
 """The kvtool cache file: a safetensors file that describes itself, read and written tensor by tensor, row block by
 row block, so that files larger than memory pass through with bounded memory.
 
-Schema 1
+Schema 2
 ========
 A kvtool cache file is a valid safetensors file (8-byte little-endian header length N, N bytes of UTF-8 JSON header,
 padded with spaces so that the data starts 8-byte aligned, then the raw little-endian tensor bytes, contiguous, in
 header order). `safetensors.safe_open` reads it. Its header `__metadata__` (string -> string) holds:
 
-- `kvtool.schema`: `"1"`. A reader refuses a larger number ("written by a newer kvtool") and never guesses.
+- `kvtool.schema`: `"2"`. A reader refuses a larger number ("written by a newer kvtool") and never guesses; schema 1
+  files (no metadata digests, no passthrough records) stay readable, with a warning.
 - `kvtool.version`: the kvtool version that wrote the file (informational).
-- `kvtool.tensors`: a JSON object, one key per LOGICAL tensor (the tensor the user quantized), each value:
+- `kvtool.tensors`: a JSON object, one key per LOGICAL tensor (the tensor the user quantized), each value exactly:
     - `format`: `Format.to_meta()`: `family` (bf16|fp8|nvfp4|mxfp4), `label` (e.g. `mxfp4-rceil`), `block`,
       `scale_element` (none|fp32-tensor|fp32-row|e4m3|e8m0) and the family's options: `scale_rule` (mxfp4:
       floor|even|ceil|rceil), `recipe` and `outer_scale` (nvfp4: rcp|div|unrounded; "1"|"auto"|a number), `fp8_scale`,
       `ds_floor`, `pow2` (fp8). The reader rebuilds the descriptor with `Format.from_meta`; an unknown name is an error.
-    - `shape`: the logical shape `[..., D]`, quantized along the last dimension D.
+    - `shape`: the logical shape `[..., D]`, quantized along the last dimension D (ints, not bools; each < 2^48).
     - `dtype`: the original floating dtype (bf16|fp16|fp32|fp64); `kvtool dequantize` restores it by default.
     - `layout`: `"planes"` (SPEC section 5): payload and scales as separate token-major tensors.
-    - `outer_scale`: the decode-direction outer scale as a float (nvfp4 `g_dec`, the value used; 1.0 otherwise).
-    - `tensor_scale`: the fp8 per-tensor scale `s` as a float (fp8 `tensor` only, else null; the stored tensor rules).
+    - `outer_scale`: the decode-direction outer scale as a finite positive float (nvfp4 `g_dec`, the value used; it
+      equals the format's numeric outer scale where the label names one; exactly 1.0 for other families).
+    - `tensor_scale`: the fp8 per-tensor scale `s` as a finite positive float (fp8 `tensor` only, else null); it equals
+      the stored scalar.
     - `payload`: name of the stored payload tensor, `"<name>.payload"`: U8 `[..., D * bits / 8]` (element codes; FP4
       packed two per byte, element 2i in the low nibble), or BF16 `[..., D]` for the bf16 format.
     - `scales`: name of the stored scale tensor `"<name>.scales"`, or null when the format has none: U8
       `[..., D / block]` (E4M3 for nvfp4, E8M0 for mxfp4), F32 `[..., 1]` (fp8 `token`), or an F32 scalar `[]` (fp8
       `tensor`).
-    - `checksum`: `{"algorithm": "blake2b-256", "payload": HEX, "scales": HEX | null}`: hashlib.blake2b with a 32-byte
-      digest over each stored tensor's raw bytes exactly as they lie in the file. `kvtool inspect --verify` recomputes.
-- Stored tensors that no logical entry names are passthrough tensors (copied unchanged by `quantize --exclude`).
+    - `checksum`: `{"algorithm": "blake2b-256", "meta": HEX, "payload": HEX, "scales": HEX | null}`:
+      hashlib.blake2b with a 32-byte digest over each stored tensor's raw bytes exactly as they lie in the file, and
+      `meta` over the entry itself (`meta_digest`: the canonical JSON of the name, every field but `checksum`, and the
+      dtype and shape of its stored planes), so that an edited scale, shape or option is caught like a flipped byte.
+- `kvtool.passthrough`: a JSON object, one key per stored tensor that no entry names (copied unchanged by `quantize
+  --exclude`): `{"dtype": ST_DTYPE, "shape": [...], "checksum": {"algorithm", "meta", "data"}}`. A stored tensor that
+  is in neither table is an error (schema 2).
+
+Limits checked before anything is parsed or allocated: the header is at most 100 MiB, JSON nests at most 64 deep
+(`MAX_JSON_DEPTH`, so no RecursionError), no duplicate keys and no NaN / Infinity literals (`load_json`), at most 16
+dimensions of at most 2^48 each. Every failure is a `FileFormatError` naming the file, the entry and the field.
+Reading verifies by default (`kvtool.readers`): digests as the bytes are read, decoded scale codes as they are used.
 
 Plain safetensors (no `kvtool.schema`) are read as caches too: each floating tensor is one cache, quantized along its
 last dimension. Headers are validated before any data is touched: truncation, offsets beyond the end of the file,
 overlapping spans and `dtype x shape != byte span` are one-line `FileFormatError`s.
 
 Writing: the writer plans every stored tensor up front (names, dtypes, shapes are known before any data), writes the
-header with placeholder checksums into a temporary file in the target directory (`tempfile.mkstemp(dir=...)`), fills
+header with placeholder checksums into a temporary file in the target directory, `.NAME.kvtool-PID-RANDOM.tmp`, fills
 each tensor row block by row block (hashing as it goes), rewrites the header with the digests (padded to the same
 length), fsyncs and `os.replace`s it onto the target. On any error the temporary file is removed; a killed process
-never leaves a partial file at the target path.
+never leaves a partial file at the target path, and the next write to the same target removes the temporary files of
+writers whose process is gone (`remove_stale_temps`). Two live writers to one target both finish: the last rename
+wins, and the target is always one complete file.
 """
 
 from __future__ import annotations
@@ -45,8 +59,9 @@ import hashlib
 import json
 import math
 import os
+import re
+import secrets
 import struct
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Callable
@@ -57,13 +72,26 @@ from kvtool import __version__
 from kvtool.errors import FileFormatError, FormatError, KvtoolError, OutputError
 from kvtool.formats import Format, QTensor
 
-SCHEMA_VERSION = 1
+
+class ChecksumError(FileFormatError):
+    """Stored bytes or metadata that do not match the file's checksums (or a record that is missing)."""
+
+SCHEMA_VERSION = 2
+READABLE_SCHEMAS = (1, 2)  # 1: no metadata digests and no passthrough records (read with a warning)
 META_SCHEMA = "kvtool.schema"
 META_VERSION = "kvtool.version"
 META_TENSORS = "kvtool.tensors"
+META_PASSTHROUGH = "kvtool.passthrough"
 CHECKSUM_ALGORITHM = "blake2b-256"
 LAYOUT_PLANES = "planes"
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
+MAX_JSON_DEPTH = 64  # kvtool's headers nest 4 deep; the json module recurses per level (RecursionError near 1000)
+MAX_DIMS = 16
+MAX_DIM = 1 << 48  # a bound on every dimension, so that products and torch allocations never overflow
+# Outer / tensor scales a file may carry: normal fp32 numbers (kvtool's own `auto` outer scale is >= 2^-118).
+SCALE_RANGE = (2.0 ** -126, 2.0 ** 126)
+ENTRY_FIELDS = ("format", "shape", "dtype", "layout", "outer_scale", "tensor_scale", "payload", "scales", "checksum")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 # safetensors dtype strings <-> torch dtypes (little-endian on disk).
 ST_DTYPES: dict[str, torch.dtype] = {
@@ -89,6 +117,81 @@ def parse_dtype(name: str) -> torch.dtype:
     if key not in DTYPES_BY_NAME:
         raise FormatError(f"unknown dtype {name!r} (choose {'|'.join(DTYPES_BY_NAME)})")
     return DTYPES_BY_NAME[key]
+
+
+# ------------------------------------------------------------------------------------------------------ JSON
+def _no_duplicates(pairs: list) -> dict:
+    seen: dict = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _JsonSchemaError(f"duplicate key {key!r}")
+        seen[key] = value
+    return seen
+
+
+def _no_constant(name: str):
+    raise _JsonSchemaError(f"non-standard JSON constant {name}")
+
+
+class _JsonSchemaError(ValueError):
+    pass
+
+
+def json_depth(text: bytes) -> int:
+    """The deepest nesting of [] / {} in JSON `text`, brackets inside strings not counted (vectorized: a 100 MiB
+    header takes well under a second)."""
+    import numpy as np
+
+    # Escapes first (a backslash and the byte after it become two neutral bytes), so every quote left delimits.
+    flat = re.sub(rb"\\.", b"__", text, flags=re.S)
+    arr = np.frombuffer(flat, dtype=np.uint8)
+    if arr.size == 0:
+        return 0
+    inside = (np.cumsum(arr == ord('"')) & 1).astype(bool)
+    step = (np.isin(arr, (ord("["), ord("{"))).astype(np.int64) - np.isin(arr, (ord("]"), ord("}"))))
+    step[inside] = 0
+    return int(np.cumsum(step).max(initial=0))
+
+
+def load_json(text: bytes | str, what: str):
+    """Parse JSON strictly: at most MAX_JSON_DEPTH deep (checked before parsing), no duplicate keys, no NaN /
+    Infinity literals. Raises FileFormatError("<what>: ...")."""
+    raw = text.encode() if isinstance(text, str) else bytes(text)
+    depth = json_depth(raw)
+    if depth > MAX_JSON_DEPTH:
+        raise FileFormatError(f"{what}: JSON nested {depth} deep (at most {MAX_JSON_DEPTH})")
+    try:
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+    except _JsonSchemaError as err:
+        raise FileFormatError(f"{what}: {err}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise FileFormatError(f"{what}: not JSON ({err})") from None
+
+
+def canonical_json(obj) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def check_shape(shape, where: str, *, allow_scalar: bool = True) -> tuple[int, ...]:
+    """A shape from a file: a list of at most MAX_DIMS ints (not bools) in [0, MAX_DIM]."""
+    if not (isinstance(shape, list) and len(shape) <= MAX_DIMS and (shape or allow_scalar)
+            and all(_is_int(d) and 0 <= d <= MAX_DIM for d in shape)):
+        raise FileFormatError(f"{where}: bad shape {_short(shape)} (a list of at most {MAX_DIMS} ints in "
+                              f"[0, 2^48]{'' if allow_scalar else ', not empty'})")
+    return tuple(shape)
+
+
+def _short(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 # ------------------------------------------------------------------------------------------------------ reading
@@ -122,6 +225,8 @@ class Header:
     tensors: dict[str, StoredTensor]
     metadata: dict[str, str]
     file_size: int
+    schema: int | None = None  # set by parse_kvtool
+    passthrough: dict = field(default_factory=dict)  # name -> PassthroughRecord (schema 2), set by parse_kvtool
 
 
 def read_header(path: Path) -> Header:
@@ -141,10 +246,7 @@ def read_header(path: Path) -> Header:
             raw = f.read(n)
     except OSError as err:
         raise FileFormatError(f"{path}: cannot read: {err.strerror or err}") from None
-    try:
-        obj = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise FileFormatError(f"{path}: corrupt safetensors header (not JSON: {err})") from None
+    obj = load_json(raw, f"{path}: corrupt safetensors header")
     if not isinstance(obj, dict):
         raise FileFormatError(f"{path}: corrupt safetensors header (not a JSON object)")
     metadata = obj.pop("__metadata__", None) or {}
@@ -163,15 +265,13 @@ def _stored_tensor(path: Path, name: str, info, base: int, size: int) -> StoredT
     where = f"{path}: header lies: tensor {name!r}"
     if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
         raise FileFormatError(f"{path}: corrupt safetensors header: tensor {name!r} lacks dtype/shape/data_offsets")
-    dtype = ST_DTYPES.get(info["dtype"])
+    dtype = ST_DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
     if dtype is None:
-        raise FileFormatError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']!r}")
-    shape, offsets = info["shape"], info["data_offsets"]
-    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
-        raise FileFormatError(f"{where}: bad shape {shape!r}")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+        raise FileFormatError(f"{path}: tensor {name!r} has unsupported dtype {_short(info['dtype'])}")
+    shape, offsets = check_shape(info["shape"], f"{where}: field shape"), info["data_offsets"]
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)
             and 0 <= offsets[0] <= offsets[1]):
-        raise FileFormatError(f"{where}: bad data_offsets {offsets!r}")
+        raise FileFormatError(f"{where}: bad data_offsets {_short(offsets)}")
     need = math.prod(shape) * dtype.itemsize
     if offsets[1] - offsets[0] != need:
         raise FileFormatError(f"{where}: {info['dtype']} {shape} needs {need} bytes but its offsets span "
@@ -179,7 +279,7 @@ def _stored_tensor(path: Path, name: str, info, base: int, size: int) -> StoredT
     if base + offsets[1] > size:
         raise FileFormatError(f"{where}: data ends at byte {base + offsets[1]}, beyond the end of the file ({size} "
                               "bytes; truncated?)")
-    return StoredTensor(name, dtype, tuple(shape), base + offsets[0], base + offsets[1])
+    return StoredTensor(name, dtype, shape, base + offsets[0], base + offsets[1])
 
 
 def read_rows(f: BinaryIO, t: StoredTensor, start: int, stop: int) -> torch.Tensor:
@@ -225,45 +325,146 @@ class CacheEntry:
     outer_scale: float = 1.0
     tensor_scale: float | None = None
     layout: str = LAYOUT_PLANES
-    checksum: dict = field(default_factory=dict)
+    checksum: dict | None = field(default_factory=dict)
+    meta_ok: bool | None = None  # the metadata digest matched (schema 2), None when the file has none (schema 1)
 
-    def to_json(self) -> dict:
+    def fields(self) -> dict:
+        """The entry's JSON fields except `checksum` (what `meta_digest` covers)."""
         return {"format": self.fmt.to_meta(), "shape": list(self.shape), "dtype": self.dtype, "layout": self.layout,
                 "outer_scale": self.outer_scale, "tensor_scale": self.tensor_scale, "payload": self.payload,
-                "scales": self.scales, "checksum": self.checksum}
+                "scales": self.scales}
+
+    def to_json(self) -> dict:
+        return {**self.fields(), "checksum": self.checksum}
 
     @classmethod
-    def from_json(cls, path: Path, name: str, d) -> "CacheEntry":
+    def from_json(cls, path: Path, name: str, d, schema: int = SCHEMA_VERSION) -> "CacheEntry":
+        """Validate one `kvtool.tensors` value against the schema (module docstring); FileFormatError naming the
+        entry and the field otherwise."""
         where = f"{path}: kvtool entry {name!r}"
-        if not isinstance(d, dict) or not {"format", "shape", "payload"} <= d.keys():
-            raise FileFormatError(f"{where} lacks format/shape/payload")
-        if not isinstance(d["format"], dict) or "family" not in d["format"]:
-            raise FileFormatError(f"{where}: format metadata lacks 'family'")
-        try:
-            fmt = Format.from_meta(d["format"])
-        except KvtoolError as err:
-            raise FormatError(f"{where}: {err}") from None
+        if not isinstance(d, dict):
+            raise FileFormatError(f"{where}: must be a JSON object, got {type(d).__name__}")
+        required = ENTRY_FIELDS if schema >= 2 else ("format", "shape", "payload")
+        missing = [k for k in required if k not in d]
+        if missing:
+            raise FileFormatError(f"{where}: lacks field(s) {', '.join(missing)}")
+        unknown = [k for k in d if k not in ENTRY_FIELDS]
+        if unknown and schema >= 2:
+            raise FileFormatError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))}")
+        fmt = _entry_format(where, d["format"], schema)
+        shape = check_shape(d["shape"], f"{where}: field shape", allow_scalar=False)
+        dtype = d.get("dtype", "fp32")
+        if not isinstance(dtype, str) or dtype not in DTYPES_BY_NAME:
+            raise FileFormatError(f"{where}: field dtype must be one of {'|'.join(DTYPES_BY_NAME)}, got "
+                                  f"{_short(dtype)}")
         layout = d.get("layout", LAYOUT_PLANES)
         if layout != LAYOUT_PLANES:
-            raise FileFormatError(f"{where}: unknown layout {layout!r} (schema 1 stores 'planes')")
-        shape = d["shape"]
-        if not (isinstance(shape, list) and shape and all(isinstance(s, int) and s >= 0 for s in shape)):
-            raise FileFormatError(f"{where}: bad shape {shape!r}")
-        try:
-            outer = float(d.get("outer_scale", 1.0))
-            tscale = None if d.get("tensor_scale") is None else float(d["tensor_scale"])
-        except (TypeError, ValueError):
-            raise FileFormatError(f"{where}: outer_scale / tensor_scale must be numbers") from None
-        checksum = d.get("checksum") or {}
-        if not isinstance(checksum, dict) or not all(v is None or isinstance(v, str) for v in checksum.values()):
-            raise FileFormatError(f"{where}: checksum must map plane names to hex digests")
-        if checksum and checksum.get("algorithm", CHECKSUM_ALGORITHM) != CHECKSUM_ALGORITHM:
-            raise FileFormatError(f"{where}: unknown checksum algorithm {checksum['algorithm']!r}")
-        scales = d.get("scales")
-        if scales is not None and not isinstance(scales, str):
-            raise FileFormatError(f"{where}: 'scales' must be a tensor name or null")
-        return cls(name, fmt, tuple(shape), str(d.get("dtype", "fp32")), str(d["payload"]), scales,
-                   outer, tscale, layout, checksum)
+            raise FileFormatError(f"{where}: field layout must be 'planes', got {_short(layout)}")
+        outer = _entry_scale(where, "outer_scale", d.get("outer_scale", 1.0))
+        expected = _expected_outer(fmt)
+        if expected is not None and outer != expected:
+            raise FileFormatError(f"{where}: field outer_scale is {outer!r} but the format {fmt.label} says "
+                                  f"{expected!r}")
+        tscale = d.get("tensor_scale")
+        if tscale is not None:
+            tscale = _entry_scale(where, "tensor_scale", tscale)
+        if (tscale is not None) != (fmt.scale_element == "fp32-tensor") and (tscale is not None or schema >= 2):
+            raise FileFormatError(f"{where}: field tensor_scale must be a number for fp8 tensor scaling and null "
+                                  f"otherwise ({fmt.label}), got {_short(tscale)}")
+        payload, scales = d["payload"], d.get("scales")
+        if not isinstance(payload, str) or not payload:
+            raise FileFormatError(f"{where}: field payload must be a tensor name, got {_short(payload)}")
+        if scales is not None and (not isinstance(scales, str) or not scales or scales == payload):
+            raise FileFormatError(f"{where}: field scales must be a tensor name other than the payload's, or null, "
+                                  f"got {_short(scales)}")
+        checksum = _entry_checksum(where, d.get("checksum"), scales is not None, schema)
+        return cls(name, fmt, shape, dtype, payload, scales, outer, tscale, layout, checksum)
+
+
+def _entry_format(where: str, meta, schema: int) -> Format:
+    if not isinstance(meta, dict) or not isinstance(meta.get("family"), str):
+        raise FileFormatError(f"{where}: field format must be an object with a string 'family'")
+    bad = [k for k, v in meta.items() if not (v is None or isinstance(v, (str, bool)) or _is_number(v))]
+    if bad:
+        raise FileFormatError(f"{where}: field format.{bad[0]} must be a string, number, bool or null, got "
+                              f"{_short(meta[bad[0]])}")
+    try:
+        fmt = Format.from_meta(meta)
+    except KvtoolError as err:
+        raise FormatError(f"{where}: field format: {err}") from None
+    except Exception as err:  # noqa: BLE001 - option values of the wrong kind (e.g. a number for a rule)
+        raise FileFormatError(f"{where}: field format: invalid options ({type(err).__name__}: {err})") from None
+    if schema >= 2:
+        rebuilt = fmt.to_meta()
+        for key in ("block", "scale_element"):
+            if key in meta and meta[key] != rebuilt[key]:
+                raise FileFormatError(f"{where}: field format.{key} is {_short(meta[key])} but {fmt.label} has "
+                                      f"{rebuilt[key]!r}")
+    return fmt
+
+
+def _entry_scale(where: str, key: str, value) -> float:
+    lo, hi = SCALE_RANGE
+    if not _is_number(value) or not (math.isfinite(value) and lo <= value <= hi):
+        raise FileFormatError(f"{where}: field {key} must be a finite positive number in [2^-126, 2^126], got "
+                              f"{_short(value)}")
+    return float(value)
+
+
+def _expected_outer(fmt: Format) -> float | None:
+    """The outer scale a format's options fix (None when free: nvfp4 `auto`)."""
+    value = getattr(fmt, "outer_scale", None)
+    if value == "auto":
+        return None
+    return 1.0 if value in (None, "1") else float(value)
+
+
+def _entry_checksum(where: str, record, has_scales: bool, schema: int) -> dict | None:
+    if record is None or record == {}:
+        return None  # no record: reading it verified is an error (kvtool.readers); --no-verify reads it
+    roles = ("meta", "payload", "scales") if schema >= 2 else ("payload", "scales")
+    if not isinstance(record, dict):
+        raise FileFormatError(f"{where}: field checksum must be an object {{algorithm, {', '.join(roles)}}}, got "
+                              f"{_short(record)}")
+    if record.get("algorithm", CHECKSUM_ALGORITHM if schema < 2 else None) != CHECKSUM_ALGORITHM:
+        raise FileFormatError(f"{where}: field checksum.algorithm must be {CHECKSUM_ALGORITHM!r}, got "
+                              f"{_short(record.get('algorithm'))}")
+    extra = [k for k in record if k not in ("algorithm", "meta", "payload", "scales")]
+    if extra:
+        raise FileFormatError(f"{where}: field checksum has unknown key(s) {', '.join(map(repr, extra))}")
+    for role in roles:
+        value = record.get(role)
+        need = role != "scales" or has_scales
+        if value is None and (schema < 2 or not need):
+            continue
+        if not need:
+            raise FileFormatError(f"{where}: field checksum.scales must be null (the entry has no scales)")
+        if not (isinstance(value, str) and _HEX64.fullmatch(value)):
+            raise FileFormatError(f"{where}: field checksum.{role} must be 64 lowercase hex digits, got "
+                                  f"{_short(value)}")
+    return dict(record)
+
+
+def meta_digest(name: str, fields: dict, planes: dict[str, StoredTensor]) -> str:
+    """blake2b-256 over the canonical JSON of an entry's name, its fields (all but `checksum`) and the dtype and shape
+    of its stored planes {role: StoredTensor}: what the `meta` digest of schema 2 covers."""
+    obj = {"name": name, "fields": fields,
+           "planes": {role: [ST_NAMES[t.dtype], list(t.shape)] for role, t in planes.items()}}
+    return hashlib.blake2b(canonical_json(obj), digest_size=32).hexdigest()
+
+
+def passthrough_digest(name: str, t: StoredTensor) -> str:
+    obj = {"name": name, "dtype": ST_NAMES[t.dtype], "shape": list(t.shape)}
+    return hashlib.blake2b(canonical_json(obj), digest_size=32).hexdigest()
+
+
+@dataclass
+class PassthroughRecord:
+    """A stored tensor no entry names (schema 2): its digests {"meta", "data"} and whether the meta digest matched."""
+
+    name: str
+    checksum: dict
+    meta_ok: bool
 
 
 def plane_specs(fmt: Format, shape: tuple[int, ...]) -> tuple[tuple, tuple | None]:
@@ -290,31 +491,78 @@ def _probe(fmt: Format, dim: int) -> QTensor:
 
 
 def parse_kvtool(header: Header) -> dict[str, CacheEntry] | None:
-    """The kvtool entries of a header, validated against the stored tensors; None for a plain safetensors file."""
+    """The kvtool entries of a header, validated against the schema and the stored tensors; None for a plain
+    safetensors file. `header.schema` and `header.passthrough` are set as a side effect (schema 2 files record their
+    passthrough tensors; see the module docstring)."""
     meta = header.metadata
     if META_SCHEMA not in meta:
         return None
     path = header.path
-    try:
-        version = int(meta[META_SCHEMA])
-    except ValueError:
-        raise FileFormatError(f"{path}: corrupt kvtool metadata: schema {meta[META_SCHEMA]!r} is not a number") from None
+    text = meta[META_SCHEMA]
+    if not re.fullmatch(r"[0-9]{1,6}", text):
+        raise FileFormatError(f"{path}: corrupt kvtool metadata: field {META_SCHEMA} {_short(text)} is not a number")
+    version = int(text)
     if version > SCHEMA_VERSION:
         raise FileFormatError(f"{path}: written by a newer kvtool (schema {version}, kvtool "
                               f"{meta.get(META_VERSION, '?')}); this kvtool {__version__} reads schema "
                               f"{SCHEMA_VERSION}: upgrade kvtool")
-    if version < 1:
+    if version not in READABLE_SCHEMAS:
         raise FileFormatError(f"{path}: corrupt kvtool metadata: schema {version}")
-    try:
-        table = json.loads(meta.get(META_TENSORS, "{}"))
-    except json.JSONDecodeError as err:
-        raise FileFormatError(f"{path}: corrupt kvtool metadata ({META_TENSORS} is not JSON: {err})") from None
+    header.schema = version
+    table = load_json(meta.get(META_TENSORS, "{}"), f"{path}: corrupt kvtool metadata: field {META_TENSORS}")
     if not isinstance(table, dict):
-        raise FileFormatError(f"{path}: corrupt kvtool metadata ({META_TENSORS} must be an object)")
-    entries = {name: CacheEntry.from_json(path, name, d) for name, d in table.items()}
+        raise FileFormatError(f"{path}: corrupt kvtool metadata: field {META_TENSORS} must be an object")
+    entries = {name: CacheEntry.from_json(path, name, d, version) for name, d in table.items()}
+    owner: dict[str, str] = {}
     for e in entries.values():
+        for stored in filter(None, (e.payload, e.scales)):
+            if stored in owner:
+                raise FileFormatError(f"{path}: kvtool entries {owner[stored]!r} and {e.name!r} both name stored "
+                                      f"tensor {stored!r}")
+            owner[stored] = e.name
         _check_planes(header, e)
+        if version >= 2 and e.checksum is not None:
+            planes = {role: header.tensors[n] for role, n in (("payload", e.payload), ("scales", e.scales)) if n}
+            fields = {k: v for k, v in table[e.name].items() if k != "checksum"}
+            e.meta_ok = meta_digest(e.name, fields, planes) == e.checksum["meta"]
+    header.passthrough = _passthrough(header, owner, version)
     return entries
+
+
+def _passthrough(header: Header, owner: dict[str, str], version: int) -> dict[str, PassthroughRecord]:
+    path = header.path
+    names = [n for n in header.tensors if n not in owner]
+    if version < 2:
+        return {}
+    table = load_json(header.metadata.get(META_PASSTHROUGH, "{}"),
+                      f"{path}: corrupt kvtool metadata: field {META_PASSTHROUGH}")
+    if not isinstance(table, dict):
+        raise FileFormatError(f"{path}: corrupt kvtool metadata: field {META_PASSTHROUGH} must be an object")
+    out = {}
+    for name in names:
+        where = f"{path}: passthrough tensor {name!r}"
+        rec = table.get(name)
+        if rec is None:
+            raise FileFormatError(f"{where} is neither a kvtool entry's plane nor listed in {META_PASSTHROUGH} "
+                                  "(added after writing?)")
+        if not isinstance(rec, dict) or set(rec) != {"dtype", "shape", "checksum"}:
+            raise FileFormatError(f"{where}: its record must be an object {{dtype, shape, checksum}}")
+        t = header.tensors[name]
+        if rec["dtype"] != ST_NAMES[t.dtype] or rec["shape"] != list(t.shape):
+            raise FileFormatError(f"{where}: recorded as {_short(rec['dtype'])} {_short(rec['shape'])}, stored as "
+                                  f"{ST_NAMES[t.dtype]} {list(t.shape)}")
+        ck = rec["checksum"]
+        if not (isinstance(ck, dict) and ck.get("algorithm") == CHECKSUM_ALGORITHM and set(ck) ==
+                {"algorithm", "meta", "data"} and all(isinstance(ck[k], str) and _HEX64.fullmatch(ck[k])
+                                                      for k in ("meta", "data"))):
+            raise FileFormatError(f"{where}: field checksum must be {{algorithm: {CHECKSUM_ALGORITHM}, meta: HEX, "
+                                  "data: HEX}")
+        out[name] = PassthroughRecord(name, dict(ck), passthrough_digest(name, t) == ck["meta"])
+    stray = [n for n in table if n not in names]
+    if stray:
+        raise FileFormatError(f"{path}: {META_PASSTHROUGH} lists {stray[0]!r}, which is not a stored passthrough "
+                              "tensor")
+    return out
 
 
 def _check_planes(header: Header, e: CacheEntry) -> None:
@@ -337,9 +585,40 @@ def _check_planes(header: Header, e: CacheEntry) -> None:
                                   f"{e.fmt.label} {list(e.shape)} needs {ST_NAMES[want[0]]} {list(want[1])}")
 
 
-def kvtool_metadata(entries: list[CacheEntry]) -> dict[str, str]:
+def kvtool_metadata(entries: list[CacheEntry], passthrough: dict[str, dict] | None = None) -> dict[str, str]:
+    """The `__metadata__` of a schema-2 file: `entries` and the passthrough records {name: record} (see
+    `passthrough_record`; placeholders first, the final digests at commit)."""
     return {META_SCHEMA: str(SCHEMA_VERSION), META_VERSION: __version__,
-            META_TENSORS: json.dumps({e.name: e.to_json() for e in entries}, separators=(",", ":"))}
+            META_TENSORS: json.dumps({e.name: e.to_json() for e in entries}, separators=(",", ":"), allow_nan=False),
+            META_PASSTHROUGH: json.dumps(passthrough or {}, separators=(",", ":"))}
+
+
+def passthrough_record(name: str, dtype: torch.dtype, shape: tuple[int, ...], data_digest: str = "0" * 64) -> dict:
+    t = StoredTensor(name, dtype, tuple(shape), 0, 0)
+    return {"dtype": ST_NAMES[dtype], "shape": list(shape),
+            "checksum": {"algorithm": CHECKSUM_ALGORITHM, "meta": passthrough_digest(name, t), "data": data_digest}}
+
+
+def final_checksums(writer: "SafetensorsWriter", entries: list[CacheEntry]) -> None:
+    """Fill every entry's checksum record from the writer's digests (payload, scales, and the metadata digest)."""
+    for ce in entries:
+        planes = {role: writer.planned(n) for role, n in (("payload", ce.payload), ("scales", ce.scales)) if n}
+        ce.checksum = {"algorithm": CHECKSUM_ALGORITHM, "meta": meta_digest(ce.name, _roundtrip(ce.fields()), planes),
+                       "payload": writer.digest(ce.payload),
+                       "scales": writer.digest(ce.scales) if ce.scales else None}
+
+
+def write_metadata(writer: "SafetensorsWriter", entries: list[CacheEntry], passthrough: list[str]) -> dict[str, str]:
+    """The final `__metadata__` of a kvtool file written by `writer`: entries' and passthrough tensors' digests."""
+    final_checksums(writer, entries)
+    records = {n: passthrough_record(n, writer.planned(n).dtype, writer.planned(n).shape, writer.digest(n))
+               for n in passthrough}
+    return kvtool_metadata(entries, records)
+
+
+def _roundtrip(obj):
+    """`obj` as the reader will see it after JSON (tuples become lists, 1e-3 stays 1e-3): digests are computed on that."""
+    return json.loads(json.dumps(obj, allow_nan=False))
 
 
 # ------------------------------------------------------------------------------------------------------ writing
@@ -364,20 +643,78 @@ def check_output(target: Path, inputs: list[Path]) -> Path:
     return target
 
 
+TEMP_PATTERN = re.compile(r"\.(?P<name>.+)\.kvtool-(?P<pid>[0-9]+)-[0-9a-f]{8}\.tmp")
+
+
+def temp_path(target: Path) -> Path:
+    """The temporary file a write to `target` goes through: `.NAME.kvtool-PID-RANDOM.tmp` beside it (the PID lets a
+    later run tell a dead writer's leftover from a live writer's file; the random part separates writers of one
+    process)."""
+    return target.parent / f".{target.name}.kvtool-{os.getpid()}-{secrets.token_hex(4)}.tmp"
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, OSError):
+        return True  # another user's process, or not ours to judge: keep its file
+    return True
+
+
+def remove_stale_temps(target: Path) -> list[Path]:
+    """Remove the temporary files of earlier writes to `target` whose writer process is gone (killed with -9, a
+    power cut); a live writer's file is left alone. Returns the paths removed."""
+    target = Path(target)
+    removed = []
+    try:
+        names = os.listdir(target.parent)
+    except OSError:
+        return removed
+    for name in names:
+        m = TEMP_PATTERN.fullmatch(name)
+        if m is None or m.group("name") != target.name or _alive(int(m.group("pid"))):
+            continue
+        try:
+            (target.parent / name).unlink()
+            removed.append(target.parent / name)
+        except OSError:
+            pass
+    return removed
+
+
+def _open_new(path: Path, mode: int) -> int:
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
+
+
+def create_temp(target: Path) -> tuple[int, Path]:
+    """(fd, path) of a new temporary file for `target` (mode 0666 & ~umask, as the target would get), after
+    removing stale ones (remove_stale_temps). OutputError when the directory cannot be written."""
+    target = Path(target)
+    remove_stale_temps(target)
+    umask = os.umask(0)
+    os.umask(umask)
+    for _ in range(16):
+        tmp = temp_path(target)
+        try:
+            return _open_new(tmp, 0o666 & ~umask), tmp
+        except FileExistsError:
+            continue
+        except OSError as err:
+            raise OutputError(f"cannot write in {target.parent}: {err.strerror or err}") from None
+    raise OutputError(f"cannot create a temporary file beside {target}")
+
+
 class AtomicFile:
-    """A temporary file in the target's directory that becomes `target` on `commit()` (fsync, then os.replace) and is
-    removed on `abort()` or when the `with` block exits without a commit."""
+    """A temporary file in the target's directory (`temp_path`) that becomes `target` on `commit()` (fsync, then
+    os.replace) and is removed on `abort()` or when the `with` block exits without a commit."""
 
     def __init__(self, target: Path):
         self.target = Path(target)
-        try:
-            fd, tmp = tempfile.mkstemp(dir=self.target.parent, prefix=f".{self.target.name}.", suffix=".tmp")
-        except OSError as err:
-            raise OutputError(f"cannot write in {self.target.parent}: {err.strerror or err}") from None
-        self.fd, self.tmp = fd, Path(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; give the final file the user's usual permissions
+        self.fd, self.tmp = create_temp(self.target)
 
     def commit(self) -> None:
         try:
@@ -480,6 +817,10 @@ class SafetensorsWriter:
     def digest(self, name: str) -> str:
         return self._hash[name].hexdigest()
 
+    def planned(self, name: str) -> StoredTensor:
+        """The planned stored tensor `name` (dtype, shape; offsets relative to the data section)."""
+        return self._spans[name]
+
     def commit(self, metadata_fn: Callable[[], dict[str, str]] | None = None) -> None:
         missing = [n for n, t in self._spans.items() if self._written[n] != t.nbytes]
         if missing:
@@ -505,4 +846,5 @@ def _align8(n: int) -> int:
 
 def placeholder_checksum(has_scales: bool) -> dict:
     """A checksum record with zero digests of the final length (so the header does not grow at commit)."""
-    return {"algorithm": CHECKSUM_ALGORITHM, "payload": "0" * 64, "scales": "0" * 64 if has_scales else None}
+    return {"algorithm": CHECKSUM_ALGORITHM, "meta": "0" * 64, "payload": "0" * 64,
+            "scales": "0" * 64 if has_scales else None}

@@ -161,6 +161,9 @@ def handle_errors(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
+            from kvtool.options import check_options  # every option's range and conflicts, in one place
+
+            check_options(fn.__name__, kwargs)
             return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, SystemExit):
             raise

@@ -296,8 +296,12 @@ def get_format(name: str, *, scale_rule: "str | ScaleRule | None" = None, recipe
     family = _family(family_name)
     given = {"scale_rule": scale_rule, "recipe": recipe, "outer_scale": outer_scale, "fp8_scale": fp8_scale,
              "ds_floor": ds_floor, "pow2": pow2}
+    labelled: dict = {}
     for token in filter(None, rest.lower().split("-")):
-        given.update(_label_token(family, token))
+        for key, value in _label_token(family, token).items():
+            _check_label_option(name, key, key in labelled, given[key], value)
+            labelled[key] = value
+    given.update(labelled)
     applicable = FAMILIES[family].options
     opts = {}
     for key, value in given.items():
@@ -351,8 +355,31 @@ def _engine_format(name: str, engine: str, *, outer_scale, strict: bool, given: 
     if outer_scale not in (None, "1", 1, 1.0) and rec.outer == recipes.OuterDir.NONE:
         raise FormatError(f"engine recipe {rec.name} takes no outer scale")
     opts = {"nvfp4": lambda: {"outer_scale": _outer_scale(outer_scale if outer_scale is not None else "1")},
-            "fp8": lambda: {"fp8_scale": Fp8Scale.TOKEN, "ds_floor": True, "pow2": rec.pow2 != recipes.Pow2.NONE}}
+            "fp8": lambda: ({"fp8_scale": Fp8Scale.TOKEN, "ds_floor": True, "pow2": rec.pow2 != recipes.Pow2.NONE}
+                            if rec.row_scale else {"fp8_scale": Fp8Scale.UNIT, "ds_floor": False, "pow2": False})}
     return Format(rec.family, **opts.get(rec.family, dict)(), engine=rec.name)
+
+
+_OPTION_ENUMS = {"scale_rule": (ScaleRule, "scale rule"), "recipe": (NvRecipe, "nvfp4 recipe"),
+                 "fp8_scale": (Fp8Scale, "fp8 scale")}
+
+
+def _option_text(key: str, value) -> str:
+    if key in _OPTION_ENUMS:
+        return parse_enum(*_OPTION_ENUMS[key][:1], value, _OPTION_ENUMS[key][1]).name.lower()
+    return _outer_scale(value) if key == "outer_scale" else str(bool(value)).lower()
+
+
+def _check_label_option(label: str, key: str, repeated: bool, flag, value) -> None:
+    """A label may set an option once (`mxfp4-floor-floor` is a typo, not a rule), and an explicit option (a flag)
+    may repeat what the label says but never contradict it (`mxfp4-floor` with --scale-rule rceil): kvtool does not
+    pick a winner silently."""
+    option = key.replace("_", "-")
+    if repeated:
+        raise FormatError(f"format label {label!r} sets {option} twice")
+    if flag not in (None, False) and _option_text(key, flag) != _option_text(key, value):
+        raise FormatError(f"format label {label!r} says {option} {_option_text(key, value)}, but the {option} option "
+                          f"says {_option_text(key, flag)}: give one of them")
 
 
 def _label_token(family: str, token: str) -> dict:

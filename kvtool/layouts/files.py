@@ -8,19 +8,23 @@
   single-region presets a tensor whose name does not end in the region name is that region, its whole name being the
   prefix. A `.pt` may also hold one bare tensor (read like a `.bin`). kvtool writes its metadata into the safetensors
   header / a `kvtool.meta` entry ({"layout", "geometry", "geometries": {prefix: geometry}, "scalars"}).
-- `planes` is kvtool's own layout: a `.safetensors` in `planes` is a kvtool cache file (schema 1, see
-  kvtool.container). Reading one takes every tensor's format, shape and scales from the file's own metadata (its
+- `planes` is kvtool's own layout: a `.safetensors` in `planes` is a kvtool cache file (schema 2, see
+  kvtool.container; its checksums are verified when it is read). Reading one takes every tensor's format, shape and scales from the file's own metadata (its
   passthrough plain tensors are not caches: they are listed as skipped); writing one writes a kvtool cache file that
   every kvtool command reads without `--layout`.
 Returned keys: `k` / `v` (paired presets) or `x`, prefixed as `<prefix>.k` or just `<prefix>` (single-tensor presets).
+
+A dump's bytes do not say its head count or head dim: without kvtool's metadata, `--geometry` must name them unless
+exactly one (heads, dim) of HEAD_CHOICES x DIM_CHOICES fits the byte count; then that one is used and
+`LayoutRead.assumed` says so (commands print it on stderr). Several fits are an error listing them.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -30,8 +34,11 @@ import torch
 from kvtool.container import (
     META_SCHEMA,
     CacheEntry,
+    ChecksumError,
     SafetensorsWriter,
+    create_temp,
     dtype_name,
+    hash_stored,
     kvtool_metadata,
     parse_dtype,
     parse_kvtool,
@@ -39,6 +46,7 @@ from kvtool.container import (
     plane_specs,
     read_header,
     read_rows,
+    write_metadata,
 )
 from kvtool.errors import FileFormatError, KvtoolError, LayoutError, OutputError
 from kvtool.formats import QTensor, get_format
@@ -229,6 +237,44 @@ def _size_error(dump: Dump, preset: LayoutPreset, given: dict, sizes: list[int],
                               "; no geometry one key away fits (check --from-layout and format)"))
 
 
+def _pin_geometry(dump: Dump, preset: LayoutPreset, given: dict, regions, prefix: str) -> tuple[dict, "str | None"]:
+    """`given` with heads / dim filled in when exactly one choice fits the dump's bytes (and a note saying so); a
+    LayoutError when several fit; `given` unchanged when none does (the size error then names what is wrong)."""
+    free = [k for k in ("heads", "dim") if k not in given]
+    if not free:
+        return given, None
+    choices = {"heads": HEAD_CHOICES, "dim": DIM_CHOICES}
+    fits = []
+    for values in itertools.product(*(choices[k] for k in free)):
+        cand = {**given, **dict(zip(free, values))}
+        try:
+            geo0 = _geometry(preset, cand, cand.get("tokens", 0))
+            live = [r.name for r in preset.regions if geo0.region_page_bytes(r)]
+            if regions is None:
+                sizes = [int(dump.raw.numel())]
+            elif all(r in regions for r in live) and len(live) == len(regions):
+                sizes = [int(regions[r].numel()) for r in live]
+            else:
+                continue
+            geo = _fit(preset, cand, sizes)
+        except KvtoolError:
+            continue
+        if geo is not None:
+            fits.append((cand, geo))
+    where = f"{dump.path.name}{f' ({prefix})' if prefix else ''}"
+    if len(fits) > 1:
+        shown = "; ".join(f"{','.join(f'{k}={c[k]}' for k in free)} ({g.tokens} tokens)" for c, g in fits[:6])
+        more = f"; ... ({len(fits)} in all)" if len(fits) > 6 else ""
+        raise LayoutError(f"{where}: the bytes do not say the geometry: {len(fits)} fit its size as {preset.name} "
+                          f"({shown}{more}); give --geometry {','.join(f'{k}=N' for k in free)} (keys format, page, "
+                          "heads, dim, tokens)")
+    if len(fits) == 1:
+        cand, geo = fits[0]
+        return cand, (f"{where}: no --geometry {'/'.join(free)} given: assumed {geo.text()}, the only "
+                      f"{'/'.join(free)} of {preset.name} that fits its size")
+    return given, None
+
+
 def _scalars(meta: dict, given: dict, key: str, logical: str) -> dict:
     """Scalars of one tensor: kvtool metadata, then geometry `outer=` / `tensor_scale=`, then `outer.<logical>=`."""
     out = dict(meta.get("scalars", {}).get(key, {}))
@@ -248,6 +294,18 @@ def _shape_geometry(preset: LayoutPreset, fmt, shape: tuple) -> Geometry:
     return Geometry(fmt, preset.page_size, heads, shape[-1] if shape else 1, tokens)
 
 
+def _verify_kvtool(f, path: Path, ce: CacheEntry, tensors: dict) -> None:
+    """The digests of one kvtool entry (its metadata and every plane): ChecksumError on a mismatch or none."""
+    where = f"{path}: kvtool entry {ce.name!r}"
+    if not ce.checksum:
+        raise ChecksumError(f"{where} has no checksum record, so its data cannot be verified")
+    if ce.meta_ok is False:
+        raise ChecksumError(f"{where}: metadata checksum mismatch (edited after writing)")
+    for role, t in tensors.items():
+        if ce.checksum.get(role) is None or hash_stored(f, t) != ce.checksum[role]:
+            raise ChecksumError(f"{where}: checksum mismatch in the {t.name!r} bytes (the file changed after writing)")
+
+
 def _read_kvtool(dump: Dump, given: dict, keep) -> "LayoutRead":
     """A kvtool cache file as planes: each entry's format, shape, scales and outer / tensor scale from its metadata.
     `given` (the --geometry keys) must agree with what the file says about every entry that `keep(name)` keeps."""
@@ -264,6 +322,7 @@ def _read_kvtool(dump: Dump, given: dict, keep) -> "LayoutRead":
             tensors = {"payload": header.tensors[ce.payload]}
             if ce.scales is not None:
                 tensors["scales"] = header.tensors[ce.scales]
+            _verify_kvtool(f, dump.path, ce, tensors)
             planes_of = {role: read_rows(f, t, 0, t.rows).reshape(t.shape) for role, t in tensors.items()}
             q = QTensor(ce.fmt, planes_of["payload"], planes_of.get("scales"), ce.outer_scale, tuple(ce.shape),
                         {"dtype": parse_dtype(ce.dtype)})
@@ -285,7 +344,7 @@ def _disagree(geo: Geometry, given: dict) -> str:
 
 
 def _write_kvtool(tensors: dict, path: Path) -> dict:
-    """{name: QTensor} as a kvtool cache file (schema 1, layout planes) at `path`, atomically; returns geometries."""
+    """{name: QTensor} as a kvtool cache file (schema 2, layout planes) at `path`, atomically; returns geometries."""
     planes = get_preset("planes")
     jobs, plan = [], []
     for name, q in tensors.items():
@@ -309,13 +368,7 @@ def _write_kvtool(tensors: dict, path: Path) -> dict:
                 s = q.scales.detach().cpu().contiguous().view(scales[0])
                 writer.write_rows(ce.scales, 0, s.reshape(1, 1) if scales[1] == () else s.reshape(rows, -1))
 
-        def final() -> dict:
-            for ce in entries:
-                ce.checksum = {"algorithm": "blake2b-256", "payload": writer.digest(ce.payload),
-                               "scales": writer.digest(ce.scales) if ce.scales else None}
-            return kvtool_metadata(entries)
-
-        writer.commit(final)
+        writer.commit(lambda: write_metadata(writer, entries, []))
     return {name: _shape_geometry(planes, q.fmt, q.shape) for name, q in tensors.items()}
 
 
@@ -333,6 +386,7 @@ class LayoutRead:
     layout: str
     kvtool: bool = False
     skipped: list = field(default_factory=list)
+    assumed: "str | None" = None  # the geometry assumed because it was the only one that fits (module docstring)
 
 
 def read_layout_all(path: "str | Path", layout: "str | LayoutPreset", geometry: "str | dict | None" = None,
@@ -364,6 +418,10 @@ def read_layout_all(path: "str | Path", layout: "str | LayoutPreset", geometry: 
     read = LayoutRead({}, {}, dump.nbytes, preset.name)
     for prefix, regions in groups.items():
         given = {**parse_geometry(per_prefix.get(prefix, dump.meta.get("geometry"))), **user}
+        if not per_prefix.get(prefix, dump.meta.get("geometry")):
+            given, assumed = _pin_geometry(dump, preset, given, regions, prefix)
+            if assumed:
+                read.assumed = assumed
         geo0 = _geometry(preset, given, given.get("tokens", 0))
         live = [r.name for r in preset.regions if geo0.region_page_bytes(r)]
         if regions is not None:
@@ -390,6 +448,8 @@ def read_layout_all(path: "str | Path", layout: "str | LayoutPreset", geometry: 
         for lg, q in decoded.items():
             if not keep(_key(preset, prefix, lg)):
                 continue
+            if read.assumed:
+                q.extra["assumed_geometry"] = read.assumed  # readers print it: the bytes did not say
             read.tensors[_key(preset, prefix, lg)] = q
             read.geometries[_key(preset, prefix, lg)] = geo
     return read
@@ -497,16 +557,10 @@ def _atomic(path: Path, write) -> None:
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
         raise OutputError(f"output directory {parent} does not exist")
-    try:
-        fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as err:
-        raise OutputError(f"cannot write in {parent}: {err.strerror}") from None
+    fd, tmp = create_temp(path)  # `.NAME.kvtool-PID-RANDOM.tmp`: a dead writer's leftover is removed next time
     os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
     try:
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; the target gets ordinary file permissions
-        write(tmp)
+        write(str(tmp))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -21,11 +21,14 @@ from kvtool.container import (
     CacheEntry,
     SafetensorsWriter,
     check_output,
+    DTYPE_NAMES,
     dtype_name,
     kvtool_metadata,
     parse_dtype,
+    passthrough_record,
     placeholder_checksum,
     plane_specs,
+    write_metadata,
 )
 from kvtool.errors import InputError, KvtoolError
 from kvtool.formats import Format, QTensor, get_format, require_finite
@@ -110,7 +113,7 @@ def tensor_amax(entry: Entry, chunk_bytes: int, tick: Callable[[int, str], None]
 def quantize_file(src: Path | InputFile, out: Path, to: str, *, options: dict | None = None, include: list[str] | None = None,
                   exclude: list[str] | None = None, device: str = "cpu", chunk_mb: float = 64.0,
                   layout: str | None = None, geometry: str | None = None, progress: Progress | None = None,
-                  hint: Hint | None = None, backend: str = "auto") -> CacheOpReport:
+                  hint: Hint | None = None, backend: str = "auto", verify: bool = True) -> CacheOpReport:
     """Quantize the selected floating tensors of `src` to format `to` (+ recipe `options`, see get_format) and write
     a kvtool cache file at `out` (atomically). `src` is a path, or an opened `InputFile` (in-memory tensors, as
     `kvtool.save` passes them; there an empty selection copies every tensor). Memory is bounded by `chunk_mb` of
@@ -125,7 +128,7 @@ def quantize_file(src: Path | InputFile, out: Path, to: str, *, options: dict | 
     report = CacheOpReport("quantize", "<memory>" if memory else str(src), str(target), fmt.label, str(dev),
                            chunk_mb)
     say = _hinter(report, hint)
-    with (contextlib.nullcontext(src) if memory else open_input(src, layout, geometry)) as inp:
+    with (contextlib.nullcontext(src) if memory else open_input(src, layout, geometry, verify=verify)) as inp:
         for note in inp.notes:
             say(note)
         chosen = set(select(list(inp.entries), include, exclude))
@@ -145,7 +148,9 @@ def quantize_file(src: Path | InputFile, out: Path, to: str, *, options: dict | 
         jobs = [_plan_entry(e, fmt if name in chosen else None) for name, e in inp.entries.items()]
         plan = [p for job in jobs for p in job["planes"]]
         cache_entries = [job["entry"] for job in jobs if job["entry"] is not None]
-        with SafetensorsWriter(target, plan, kvtool_metadata(cache_entries)) as writer:
+        copied = [job["source"] for job in jobs if job["entry"] is None]  # passthrough: checksummed too (schema 2)
+        placeholders = {e.name: passthrough_record(e.name, e.dtype, e.shape) for e in copied}
+        with SafetensorsWriter(target, plan, kvtool_metadata(cache_entries, placeholders)) as writer:
             for job in jobs:
                 e, ce = job["source"], job["entry"]
                 if ce is None:
@@ -159,13 +164,7 @@ def quantize_file(src: Path | InputFile, out: Path, to: str, *, options: dict | 
                     action, label = "copied", ce.fmt.label
                 report.tensors.append(_result(e, ce, action, label))
 
-            def final_metadata() -> dict[str, str]:
-                for ce in cache_entries:
-                    ce.checksum = {"algorithm": "blake2b-256", "payload": writer.digest(ce.payload),
-                                   "scales": writer.digest(ce.scales) if ce.scales else None}
-                return kvtool_metadata(cache_entries)
-
-            writer.commit(final_metadata)
+            writer.commit(lambda: write_metadata(writer, cache_entries, [e.name for e in copied]))
     report.bytes_in = sum(t.bytes_in for t in report.tensors)
     report.bytes_out = target.stat().st_size
     return report
@@ -177,6 +176,9 @@ def _check_quantizable(e: Entry, fmt: Format) -> None:
                          "unchanged)")
     if not e.shape:
         raise InputError(f"{e.name}: a scalar cannot be quantized along a last dimension (--exclude it)")
+    if not e.quantized and e.dtype not in DTYPE_NAMES:
+        raise InputError(f"{e.name}: dtype {dtype_name(e.dtype)} is already a low-precision format; kvtool quantizes "
+                         f"{'|'.join(DTYPE_NAMES.values())} tensors (--exclude it to copy it unchanged)")
     fmt.check_dim(e.dim, e.name)
 
 
@@ -244,10 +246,10 @@ def _copy_plain(writer, e: Entry, chunk: int, tick) -> None:
 # ------------------------------------------------------------------------------------------------ dequantize
 def dequantize_file(src: Path, out: Path, *, dtype: str | None = None, device: str = "cpu", chunk_mb: float = 64.0,
                     layout: str | None = None, geometry: str | None = None, progress: Progress | None = None,
-                    hint: Hint | None = None, backend: str = "auto") -> CacheOpReport:
+                    hint: Hint | None = None, backend: str = "auto", verify: bool = True) -> CacheOpReport:
     """Decode every quantized tensor of `src` into a plain safetensors file at `out` with the same tensor names and
     shapes as the original input; `dtype` (bf16|fp16|fp32) overrides each tensor's recorded original dtype.
-    Plain (passthrough) tensors are copied unchanged."""
+    Plain (passthrough) tensors are copied unchanged. `verify` checks checksums and codes as they are read."""
     out_dtype = parse_dtype(dtype) if dtype else None
     dev = resolve_device(device)
     backend = resolve_backend(backend, dev)
@@ -256,7 +258,7 @@ def dequantize_file(src: Path, out: Path, *, dtype: str | None = None, device: s
     report = CacheOpReport("dequantize", str(src), str(target), dtype_name(out_dtype) if out_dtype else None,
                            str(dev), chunk_mb)
     say = _hinter(report, hint)
-    with open_input(src, layout, geometry) as inp:
+    with open_input(src, layout, geometry, verify=verify) as inp:
         for note in inp.notes:
             say(note)
         if not any(e.quantized for e in inp.entries.values()):

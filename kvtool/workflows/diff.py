@@ -100,8 +100,9 @@ def diff_files(a: Path, b: Path, *, max_rel_l2: float | None = None, max_abs: fl
                include: list[str] | None = None, exclude: list[str] | None = None, chunk_mb: float = 64.0,
                layout: str | None = None, geometry: str | None = None, layout_b: str | None = None,
                geometry_b: str | None = None, plot: Path | None = None, pair: list[str] | None = None,
-               progress: Progress | None = None) -> DiffReport:
-    """Compare A (candidate) with B (reference), tensor by tensor; see the module docstring for every field."""
+               progress: Progress | None = None, verify: bool = True) -> DiffReport:
+    """Compare A (candidate) with B (reference), tensor by tensor; see the module docstring for every field.
+    `verify` checks both files' checksums and decoded codes as they are read (kvtool.readers)."""
     thresholds = {"max_rel_l2": max_rel_l2, "max_abs": max_abs, "min_sqnr": min_sqnr,
                   "max_scale_mismatch": max_scale_mismatch}
     if plot is not None:
@@ -109,7 +110,7 @@ def diff_files(a: Path, b: Path, *, max_rel_l2: float | None = None, max_abs: fl
             raise KvtoolError("--plot needs matplotlib: pip install 'kvtool[plot]' (or matplotlib)")
         plot = check_output(plot, [a, b])
     chunk = chunk_bytes(chunk_mb)
-    with open_input(a, layout, geometry) as fa, open_input(b, layout_b, geometry_b) as fb:
+    with open_input(a, layout, geometry, verify=verify) as fa, open_input(b, layout_b, geometry_b, verify=verify) as fb:
         names_a = select(list(fa.entries), include, exclude)
         names_b = select(list(fb.entries), include, exclude)
         if pair:

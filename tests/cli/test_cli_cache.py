@@ -161,7 +161,7 @@ def test_inspect_plain_and_quantized(mx, tmp_path):
     assert plain["kind"] == "safetensors" and {t["format"] for t in plain["tensors"]} == {"bf16 plain"}
     assert {t["bytes_per_token"] for t in plain["tensors"]} == {256}
     report = kv_json("inspect", mx, "--verify")
-    assert report["schema"] == 1 and report["ok"] and report["verified"]
+    assert report["schema"] == 2 and report["ok"] and report["verified"]
     idx = next(t for t in report["tensors"] if t["name"] == "layers.0.index_k")
     assert idx["format"] == "mxfp4-rceil" and idx["options"] == {"scale_rule": "rceil"}
     assert idx["bytes_per_token"] == 68 and idx["compression_vs_bf16"] == pytest.approx(256 / 68, abs=1e-4)
@@ -186,7 +186,8 @@ def test_inspect_verify_fails_with_exit_1_on_a_corrupt_byte(mx, tmp_path):
     assert r.exit_code == 1
     status = {t["name"]: t["checksum"] for t in json.loads(r.stdout)["tensors"]}
     assert status["layers.0.v"] == "mismatch: scales" and status["layers.0.k"] == "ok"
-    assert kv("inspect", bad).exit_code == 0  # without --verify the checksum is not recomputed
+    assert kv("inspect", bad).exit_code == 1  # verifying is the default
+    assert kv("inspect", bad, "--no-verify").exit_code == 0  # without verifying the checksum is not recomputed
 
 
 # ------------------------------------------------------------------------------------------------ diff
@@ -233,7 +234,7 @@ def test_diff_names_the_rule_a_mislabelled_file_really_used(tmp_path):
     meta["kvtool.tensors"] = json.dumps(table)
     lying = tmp_path / "lying.safetensors"
     save_file(tensors, str(lying), metadata=meta)
-    r = kv("diff", lying, FIX, "--max-scale-mismatch", "0", "--json")
+    r = kv("diff", lying, FIX, "--max-scale-mismatch", "0", "--json", "--no-verify")  # the record was dropped
     assert r.exit_code == 1
     for t in json.loads(r.stdout)["tensors"]:
         assert t["format_a"] == "mxfp4-rceil" and t["codes"]["scale_mismatch_pct"] > 0
@@ -379,12 +380,12 @@ def test_bad_output_paths(mx, tmp_path, monkeypatch):
                    "does not exist")
     ro = tmp_path / "ro"
     ro.mkdir()
-    import tempfile
+    import kvtool.container
 
     def refuse(*args, **kwargs):
         raise OSError(30, "Read-only file system")
 
-    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    monkeypatch.setattr(kvtool.container, "_open_new", refuse)  # where the temporary file is created
     one_line_error(kv("quantize", FIX, "-o", ro / "o.safetensors", "--to", "mxfp4"), "Read-only file system")
     assert list(ro.iterdir()) == []
 

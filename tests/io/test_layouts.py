@@ -346,8 +346,8 @@ def test_wrong_page_size_is_flagged(tmp_path, layout, label, wrong):
     path = tmp_path / "dump.bin"
     write_layout(named(layout, q), path, layout, None if layout != "vllm-nvfp4-kv" else "page=16")
     Path(str(path) + ".json").unlink()
-    assert check_plausible(read_layout(path, layout, f"format={label}")) == []
-    warnings = check_plausible(read_layout(path, layout, f"format={label},{wrong}"))  # same size, wrong bytes
+    assert check_plausible(read_layout(path, layout, f"format={label},heads=1,dim=128")) == []
+    warnings = check_plausible(read_layout(path, layout, f"format={label},heads=1,dim=128,{wrong}"))  # same size
     assert warnings and all("wrong layout or geometry?" in w for w in warnings), warnings
 
 
@@ -372,7 +372,7 @@ def test_truncated_dump_names_expected_and_actual_bytes(mx_dump):
 
 def test_wrong_heads_hints_the_geometry_that_fits(mx_dump):
     with pytest.raises(LayoutError, match=r"needs 34816 bytes.*that fit: tokens<=128 \(1 page\), heads=1"):
-        read_layout(mx_dump, "vllm-mxfp4-page", "heads=2,tokens=256")
+        read_layout(mx_dump, "vllm-mxfp4-page", "heads=2,dim=128,tokens=256")
     with pytest.raises(LayoutError, match=r"tokens<=256 \(2 pages\)"):
         read_layout(mx_dump, "vllm-mxfp4-page", "tokens=1000")
 
@@ -409,8 +409,9 @@ def test_whole_tensor_scalars_must_be_known(tmp_path):
     write_layout({"x": q}, path, "paged", "page=16")
     Path(str(path) + ".json").unlink()
     with pytest.raises(LayoutError, match="tensor_scale=VALUE"):
-        read_layout(path, "paged", "format=fp8-tensor,page=16,tokens=10")
-    back = read_layout(path, "paged", f"format=fp8-tensor,page=16,tokens=10,tensor_scale={float(q.scales)!r}")
+        read_layout(path, "paged", "format=fp8-tensor,page=16,heads=1,dim=128,tokens=10")
+    back = read_layout(path, "paged", f"format=fp8-tensor,page=16,heads=1,dim=128,tokens=10,"
+                                      f"tensor_scale={float(q.scales)!r}")
     assert_same(back["x"], q)
 
 
@@ -469,7 +470,8 @@ def test_cli_convert_json_report_and_result(tmp_path):
 
 def test_cli_convert_bad_geometry_is_one_line_exit_2(mx_dump, tmp_path):
     result = runner.invoke(app, ["convert", str(mx_dump), "-o", str(tmp_path / "o.bin"), "--from-layout",
-                                 "vllm-mxfp4-page", "--to-layout", "planes", "--geometry", "heads=2,tokens=256"])
+                                 "vllm-mxfp4-page", "--to-layout", "planes", "--geometry",
+                                 "heads=2,dim=128,tokens=256"])
     assert result.exit_code == 2, result.output
     assert result.stdout == ""
     lines = result.stderr.strip().splitlines()
