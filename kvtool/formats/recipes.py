@@ -228,6 +228,7 @@ class EngineRecipe:
     exp_rule: ExpRule | None = None
     byte0: Byte0 | None = None
     pow2: Pow2 | None = None
+    row_scale: bool | None = None  # fp8: a per-row fp32 scale (the DeepSeek indexer writers), else a plain cast
     nan: str = "reject"  # kvtool refuses non-finite input before any recipe runs; engine NaN codes are not reproduced
     oracle: str = ""
     note: str = ""
@@ -339,14 +340,14 @@ RECIPES: dict[str, EngineRecipe] = {r.name: r for r in (
     EngineRecipe(
         "vllm.indexer_k_cache", "vLLM (ROCm)", VLLM_V,
         "vllm/v1/attention/ops/rocm_aiter_mla_sparse.py: _indexer_k_quant_and_cache_kernel (scale_fmt != ue8m0)",
-        family="fp8", tie=None, sign=None, amax_min=1e-4, pow2=Pow2.NONE,
+        family="fp8", tie=None, sign=None, amax_min=1e-4, pow2=Pow2.NONE, row_scale=True,
         oracle="tests/engines: the Triton kernel under the interpreter, fp32 output buffer (the interpreter's "
                "fp32 -> e4m3 cast is wrong; the GPU's cvt.rn.satfinite is the SPEC's e4m3 encode)",
         note="pages of P > 1 tokens are stored shuffled: layout ds32-indexer-shuffled"),
     EngineRecipe(
         "vllm.indexer_k_cache_ue8m0", "vLLM (ROCm)", VLLM_V,
         "vllm/v1/attention/ops/rocm_aiter_mla_sparse.py: _indexer_k_quant_and_cache_kernel (scale_fmt = ue8m0)",
-        family="fp8", tie=None, sign=None, amax_min=1e-4, pow2=Pow2.LOG2,
+        family="fp8", tie=None, sign=None, amax_min=1e-4, pow2=Pow2.LOG2, row_scale=True,
         oracle="tests/engines: the Triton kernel under the interpreter (scales exact; fp32 output buffer)",
         note="fp32 log2: a row max just above 448 * 2**k gives scale 2**k and saturating codes (kvtool's "
              "fp8-ds-pow2 gives 2**(k+1)); the GPU's approximate lg2 is not checked here"),
@@ -363,10 +364,18 @@ RECIPES: dict[str, EngineRecipe] = {r.name: r for r in (
              "even; the sign bit is kept (an all-zero block of -0 writes 8); its float -> uint8 byte cast of a "
              "negative e is target-defined"),
     EngineRecipe(
-        "atom.index_store", "ATOM", "ROCm/ATOM MiniMax-M3 FP4 index PR (read, not run)",
-        "atom/model_ops/minimax_m3/index_topk.py: FP4 index key store as its PR describes it",
+        "atom.index_store", "ATOM", "ROCm/ATOM main (sparse_attn.py at b06c966, read)",
+        "atom/model_ops/minimax_m3/sparse_attn.py: _fused_qknorm_rope_kv_insert_shuffle_kernel, step (5): the "
+        "normed, roped index key cast to the index cache dtype (index_cache + slot * idx_head_dim)",
+        family="fp8", tie=None, sign=None, row_scale=False,
+        oracle="not oracle-checked: read from the public source (ATOM is not on PyPI; its kernel needs ROCm)",
+        note="a plain cast, no scale (layout atom-index); kvtool clamps to +-448 first, the kernel's cast of an "
+             "out-of-range value is target-defined (RMS-normed index keys stay far below 448)"),
+    EngineRecipe(
+        "atom.fp4_index_store", "ATOM", "ROCm/ATOM MiniMax-M3 FP4 index, as described (not read)",
+        "the FP4 index key store: 'scale = e4m3(amax/6), codes rounded half to even', unit outer scale",
         **_NV, scale_value=ScaleValue.DIV6_MUL_G, elem=Elem.RCP, zero_scale=ZeroScale.FLUSH, decode=Decode.CODE_S_G,
-        oracle="not oracle-checked: 'scale = e4m3(amax/6), codes rounded half to even', unit outer scale",
+        oracle="not oracle-checked: written from the description quoted in the SPEC (no public source found here)",
         note="equal to kvtool's nvfp4 (rcp, outer 1) by construction"),
 )}
 
@@ -571,13 +580,16 @@ def _mx_dequantize(r: EngineRecipe, fmt: "Format", payload, scales, outer_scale)
 
 
 def _fp8_quantize(r: EngineRecipe, fmt: "Format", x: torch.Tensor, tensor_amax):
+    if not r.row_scale:
+        return e4m3_encode(x), None, 1.0
     amax = x.abs().amax(-1, keepdim=True).clamp(min=r.amax_min)
     s = POW2[r.pow2](div_by_const(amax, E4M3_MAX))
     return e4m3_encode(x / s), s, 1.0
 
 
 def _fp8_dequantize(r: EngineRecipe, fmt: "Format", payload, scales, outer_scale) -> torch.Tensor:
-    return e4m3_decode(payload) * scales.to(payload.device)
+    values = e4m3_decode(payload)
+    return values if scales is None else values * scales.to(payload.device)
 
 
 QUANTIZE = {"nvfp4": _nv_quantize, "mxfp4": _mx_quantize, "kvfp4": _mx_quantize, "fp8": _fp8_quantize}

@@ -347,7 +347,7 @@ def _engine_format(name: str, engine: str, *, outer_scale, strict: bool, given: 
         opt = _label_token(rec.family, token)
         if "outer_scale" in opt:
             outer_scale = opt["outer_scale"] if outer_scale is None else outer_scale
-        elif rec.family != "fp8" or token not in ("token", "ds", "pow2"):
+        elif rec.family != "fp8" or token not in ("token", "ds", "pow2", "unit"):
             given += (token,)
     if strict and any(v not in (None, False) for v in given):
         raise FormatError(f"engine recipe {rec.name} fixes every rule option; give only the family "
