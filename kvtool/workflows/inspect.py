@@ -15,7 +15,8 @@ largest element code is the element's max (E2M1 6, E4M3 448): for mxfp4 the shar
 (with `floor` some of them clipped), for fp8 `unit` the rows clipped at 448, for fp8 `tensor` the rows that hold the
 tensor's max. Where the scale maps each block's amax onto the element max (nvfp4's E4M3 scale), every block reaches
 the top code by design, so the share counted is of blocks whose SCALE is at its own max (E4M3 448): there the
-block's amax exceeded 448 * 6 * outer scale and was clipped. An fp32 per-row scale (fp8 `token`) never clips:
+block's amax reached 448 * 6 * outer scale, and anything above it was clipped (with `auto`, the blocks that hold the
+tensor's max are there by construction). An fp32 per-row scale (fp8 `token`) never clips:
 `saturation` "none" and `saturated_pct` None.
 
 Engine dumps (`--layout`): `warnings` lists what kvtool.layouts.check_plausible found in the tensors read (E8M0
