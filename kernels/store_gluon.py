@@ -258,13 +258,14 @@ def applies(x3: torch.Tensor, fmt: Format, words: bool) -> bool:
 
 def launch(x3: torch.Tensor, slots: torch.Tensor | None, payload: torch.Tensor, scales: torch.Tensor | None,
            fmt: Format, opts: dict, *, page_size: int, page_stride: int, head_stride: int, g_dec: float,
-           g_enc: float, GLUON_ROWS: int | None = None, GLUON_STAGES: int | None = None,
-           GLUON_PROGRAMS: int | None = None, GLUON_WARPS: int | None = None, GLUON_MUL_PACK: bool | None = None,
-           GLUON_PACKED_AMAX: bool | None = None, GLUON_RCP_LUT: bool | None = None) -> None:
+           g_enc: float, GLUON_ROWS: int | None = None, GLUON_PROGRAMS: int | None = None,
+           GLUON_WARPS: int | None = None, GLUON_PACKED_AMAX: bool | None = None,
+           GLUON_RCP_LUT: bool | None = None) -> None:
     """Launch `store_tma_kernel` (arguments as store.launch_store, after its checks; `opts` its FAST codec choice;
-    GLUON_* override CONFIGS, MUL_PACK, PACKED_AMAX and RCP_LUT, for sweeps)."""
+    GLUON_* override CONFIGS' rows, programs and warps, PACKED_AMAX and RCP_LUT: the variants bench/sweep_quant_variants.py
+    re-measures)."""
     rows, stages, programs, warps = CONFIGS[fmt.scale_element]
-    GLUON_ROWS, GLUON_STAGES = GLUON_ROWS or rows, GLUON_STAGES or stages
+    GLUON_ROWS = GLUON_ROWS or rows
     GLUON_PROGRAMS, GLUON_WARPS = GLUON_PROGRAMS or programs, GLUON_WARPS or warps
     T, H, _ = x3.shape
     x2 = torch.as_strided(x3, (T, H * DIM), (x3.stride(0) if T > 1 else H * DIM, 1))
@@ -273,7 +274,7 @@ def launch(x3: torch.Tensor, slots: torch.Tensor | None, payload: torch.Tensor, 
     n_tiles = triton.cdiv(T, GLUON_ROWS) * H
     grid = (min(n_tiles, num_sms(x3.device) * GLUON_PROGRAMS),)
     paged = slots is not None
-    mul_pack = MUL_PACK if GLUON_MUL_PACK is None else GLUON_MUL_PACK
+    mul_pack = MUL_PACK
     fast_nv = fmt.scale_element == "e4m3" and bool(opts["FAST"]) and not mul_pack
     packed_amax = fast_nv and (PACKED_AMAX if GLUON_PACKED_AMAX is None else GLUON_PACKED_AMAX)
     table = None
@@ -285,5 +286,5 @@ def launch(x3: torch.Tensor, slots: torch.Tensor | None, payload: torch.Tensor, 
         PAGED=paged, PAGE=page_size, PB=fmt.payload_bytes(DIM), SB=fmt.scale_bytes(DIM),
         E8M0=fmt.scale_element == "e8m0", BLOCK=fmt.block, RULE=int(fmt.scale_rule or 0),
         RECIPE=int(fmt.recipe or 0), FAST=bool(opts["FAST"]), MUL_PACK=mul_pack, R=GLUON_ROWS,
-        STAGES=GLUON_STAGES, NW=GLUON_WARPS, PACKED_AMAX=packed_amax, RCP_LUT=table is not None,
+        STAGES=stages, NW=GLUON_WARPS, PACKED_AMAX=packed_amax, RCP_LUT=table is not None,
         num_warps=GLUON_WARPS)
