@@ -41,22 +41,24 @@ from kvtool.cli.common import (
 
 FIX = "fixtures/synthetic_cache.safetensors"
 
-InArg = Annotated[Path, typer.Argument(metavar="INPUT", help="Input: kvtool cache, safetensors, .pt (weights_only) or .npy file.",
-                                       show_default=False)]
-IncludeOpt = Annotated[Optional[list[str]], typer.Option("--include", metavar="GLOB", help="Only tensors whose name matches this "
-                                                         "glob (fnmatch; repeatable).")]
-CopyExcludeOpt = Annotated[Optional[list[str]], typer.Option("--exclude", metavar="GLOB", help="Leave tensors whose name matches "
-                                                             "this glob as they are: copied unchanged into the "
-                                                             "output (repeatable).")]
-ExcludeOpt = Annotated[Optional[list[str]], typer.Option("--exclude", metavar="GLOB", help="Skip tensors whose name matches this "
-                                                         "glob (repeatable).")]
-ChunkOpt = Annotated[float, typer.Option("--chunk-mb", metavar="MIB", help="Row-block size in MiB of fp32 working data: peak memory "
-                                                            "follows it, not the file size.")]
-LayoutOpt = Annotated[Optional[str], typer.Option("--layout", metavar="NAME", help="Engine dump layout of the input, e.g. "
-                                                                   "vllm-mxfp4-page (see 'kvtool layouts').")]
-GeometryOpt = Annotated[Optional[str], typer.Option("--geometry", metavar="K=V,...", help="Layout geometry KEY=VAL[,KEY=VAL...] (keys "
-                                                    "format, page, heads, dim, tokens, tensor_scale, outer), e.g. "
-                                                    "format=mxfp4,page=128,heads=2,dim=128,tokens=256.")]
+InArg = Annotated[Path, typer.Argument(
+    metavar="INPUT", help="Input: kvtool cache, safetensors, .pt (weights_only) or .npy file.", show_default=False)]
+IncludeOpt = Annotated[Optional[list[str]], typer.Option(
+    "--include", metavar="GLOB", help="Only tensors whose name matches this glob (fnmatch; repeatable).")]
+CopyExcludeOpt = Annotated[Optional[list[str]], typer.Option(
+    "--exclude", metavar="GLOB", help="Leave tensors whose name matches this glob as they are: copied unchanged into "
+                                      "the output (repeatable).")]
+ExcludeOpt = Annotated[Optional[list[str]], typer.Option(
+    "--exclude", metavar="GLOB", help="Skip tensors whose name matches this glob (repeatable).")]
+ChunkOpt = Annotated[float, typer.Option(
+    "--chunk-mb", metavar="MIB", help="Row-block size in MiB of fp32 working data: peak memory follows it, not the "
+                                      "file size.")]
+LayoutOpt = Annotated[Optional[str], typer.Option(
+    "--layout", metavar="NAME", help="Engine dump layout of the input, e.g. vllm-mxfp4-page (see 'kvtool layouts').")]
+GeometryOpt = Annotated[Optional[str], typer.Option(
+    "--geometry", metavar="K=V,...", help="Layout geometry KEY=VAL[,KEY=VAL...] (keys format, page, heads, dim, "
+                                          "tokens, tensor_scale, outer), e.g. "
+                                          "format=mxfp4,page=128,heads=2,dim=128,tokens=256.")]
 VerifyOpt = Annotated[bool, typer.Option("--verify/--no-verify", help="Check the input's checksums and decoded "
                                          "scale codes as it is read (exit 2 on a mismatch or a NaN/Inf code); "
                                          "--no-verify trusts it (faster).")]
@@ -123,8 +125,9 @@ def quantize(src: InArg, output: OutOpt, to: FormatOpt, scale_rule: ScaleRuleOpt
     f"kvtool dequantize fixtures/vllm_mxfp4_k.bin -o /tmp/k_dump.safetensors {LAYOUT_GEO}"))
 @handle_errors
 def dequantize(src: InArg, output: OutOpt,
-               dtype: Annotated[Optional[str], typer.Option("--dtype", help="Output dtype bf16|fp16|fp32 (default: "
-                                                            "each tensor's original dtype, bf16 when unknown).")] = None,
+               dtype: Annotated[Optional[str], typer.Option(
+                   "--dtype", help="Output dtype bf16|fp16|fp32 (default: each tensor's original dtype, bf16 when "
+                                   "unknown).")] = None,
                device: DeviceOpt = "cpu", chunk_mb: ChunkOpt = 64.0, layout: LayoutOpt = None,
                geometry: GeometryOpt = None, recipe_of: RecipeOfDumpOpt = None, verify: VerifyOpt = True,
                as_json: JsonOpt = False) -> None:
@@ -232,8 +235,10 @@ def _render_inspect(r) -> None:
     f"kvtool diff /tmp/k_nvfp4.safetensors {FIX} --plot /tmp/errors.png",
     f"kvtool diff fixtures/vllm_mxfp4_k.bin /tmp/k_mxfp4.safetensors {LAYOUT_GEO} --pair x=layers.0.k"))
 @handle_errors
-def diff(a: Annotated[Path, typer.Argument(metavar="A", help="Candidate A (any input kvtool reads).", show_default=False)],
-         b: Annotated[Path, typer.Argument(metavar="B", help="Reference B (e.g. the bf16 original).", show_default=False)],
+def diff(a: Annotated[Path, typer.Argument(metavar="A", help="Candidate A (any input kvtool reads).",
+                                            show_default=False)],
+         b: Annotated[Path, typer.Argument(metavar="B", help="Reference B (e.g. the bf16 original).",
+                                            show_default=False)],
          max_rel_l2: Annotated[Optional[float], typer.Option("--max-rel-l2", help="Fail (exit 1) when a tensor's "
                                                              "rel_l2 exceeds this.")] = None,
          max_abs: Annotated[Optional[float], typer.Option("--max-abs", help="Fail when a tensor's max |A - B| "

@@ -31,22 +31,23 @@ from kvtool.cli.render import Table, line, print_table, stderr, stdout
 from kvtool.errors import KvtoolError
 
 __all__ = [
-    "DeviceOpt", "FormatOpt", "Fp8ScaleOpt", "JsonOpt", "KvtoolGroup", "OuterScaleOpt", "OutOpt", "RecipeOfOpt",
-    "RecipeOfDumpOpt", "RecipeOpt", "geometry_with_recipe",
-    "ScaleRuleOpt", "Table", "emit", "examples", "format_options", "handle_errors", "hint", "line", "note",
-    "print_table", "progress", "stderr", "stdout", "to_json", "warn",
+    "DeviceOpt", "FormatOpt", "JsonOpt", "KvtoolGroup", "OutOpt", "OuterScaleOpt", "RecipeOfDumpOpt", "RecipeOfOpt",
+    "RecipeOpt", "ScaleRuleOpt", "Table", "emit", "examples", "format_options", "geometry_with_recipe",
+    "handle_errors", "hint", "lazy_module", "line", "note", "print_table", "progress", "stderr", "stdout", "to_json",
+    "warn"
 ]
 
-FormatOpt = Annotated[str, typer.Option("--to", metavar="FORMAT", help="Target format: bf16, fp8, nvfp4 (alias fp4), mxfp4, or a label "
-                                                     "such as mxfp4-floor, nvfp4-div-auto, fp8-token.")]
-ScaleRuleOpt = Annotated[Optional[str], typer.Option("--scale-rule", metavar="RULE", help="MXFP4 scale rule: floor|even|ceil|rceil "
-                                                                          "(default rceil).")]
-RecipeOpt = Annotated[Optional[str], typer.Option("--recipe", metavar="RECIPE", help="NVFP4 element recipe: rcp|div|unrounded "
-                                                                   "(default rcp).")]
-OuterScaleOpt = Annotated[Optional[str], typer.Option("--outer-scale", metavar="G", help="NVFP4 decode-direction outer scale: "
-                                                                            "1|auto|VALUE (default 1).")]
-Fp8ScaleOpt = Annotated[Optional[str], typer.Option("--fp8-scale", metavar="SCALE", help="FP8 scale: unit|tensor|token "
-                                                                        "(default unit).")]
+FormatOpt = Annotated[str, typer.Option(
+    "--to", metavar="FORMAT", help="Target format: bf16, fp8, nvfp4 (alias fp4), mxfp4, or a label such as "
+                                   "mxfp4-floor, nvfp4-div-auto, fp8-token.")]
+ScaleRuleOpt = Annotated[Optional[str], typer.Option(
+    "--scale-rule", metavar="RULE", help="MXFP4 scale rule: floor|even|ceil|rceil (default rceil).")]
+RecipeOpt = Annotated[Optional[str], typer.Option(
+    "--recipe", metavar="RECIPE", help="NVFP4 element recipe: rcp|div|unrounded (default rcp).")]
+OuterScaleOpt = Annotated[Optional[str], typer.Option(
+    "--outer-scale", metavar="G", help="NVFP4 decode-direction outer scale: 1|auto|VALUE (default 1).")]
+Fp8ScaleOpt = Annotated[Optional[str], typer.Option(
+    "--fp8-scale", metavar="SCALE", help="FP8 scale: unit|tensor|token (default unit).")]
 RecipeOfOpt = Annotated[Optional[str], typer.Option("--recipe-of", help="Engine recipe ENGINE.FUNCTION (see 'kvtool "
                                                                        "recipes'): write that engine function's "
                                                                        "bytes instead of the SPEC's.")]
@@ -54,8 +55,10 @@ RecipeOfDumpOpt = Annotated[Optional[str], typer.Option("--recipe-of", help="Eng
                                                                            "--layout (see 'kvtool recipes'); kvtool "
                                                                            "cache files record their own.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print a stable machine-readable JSON report on stdout.")]
-OutOpt = Annotated[Path, typer.Option("-o", "--output", metavar="PATH", help="Output file (written to a temporary file, then renamed).")]
-DeviceOpt = Annotated[str, typer.Option("--device", metavar="DEVICE", help="cpu (torch reference path) or cuda (Triton kernels).")]
+OutOpt = Annotated[Path, typer.Option(
+    "-o", "--output", metavar="PATH", help="Output file (written to a temporary file, then renamed).")]
+DeviceOpt = Annotated[str, typer.Option(
+    "--device", metavar="DEVICE", help="cpu (torch reference path) or cuda (Triton kernels).")]
 
 EXAMPLE_WIDTH = 76  # examples are broken into shell continuation lines to fit 80-column help (click indents 2)
 
@@ -77,6 +80,24 @@ def geometry_with_recipe(geometry: "str | None", recipe_of: "str | None", layout
     if not layout:
         raise KvtoolError("--recipe-of reads an engine dump with --layout; a kvtool cache file records its recipe")
     return f"{geometry},recipe_of={recipe_of}" if geometry else f"recipe_of={recipe_of}"
+
+
+class LazyModule:
+    """A module imported on its first attribute access: command modules name their torch-heavy workflows at module
+    level (`vt = lazy_module("kvtool.workflows.verify_topk")`) and `kvtool -h` still imports none of them."""
+
+    def __init__(self, name: str):
+        self.__dict__["_lazy_name"] = name
+
+    def __getattr__(self, attr: str):
+        import importlib
+
+        module = importlib.import_module(self.__dict__["_lazy_name"])
+        return getattr(module, attr)
+
+
+def lazy_module(name: str) -> LazyModule:
+    return LazyModule(name)
 
 
 # ------------------------------------------------------------------------------------------------ help and errors

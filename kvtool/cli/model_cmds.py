@@ -58,7 +58,8 @@ def _render_capture(r) -> None:
 
 
 def _ranges(ids: list[int]) -> str:
-    return f"{ids[0]}-{ids[-1]}" if ids == list(range(ids[0], ids[-1] + 1)) and len(ids) > 1 else ",".join(map(str, ids))
+    contiguous = ids == list(range(ids[0], ids[-1] + 1)) and len(ids) > 1
+    return f"{ids[0]}-{ids[-1]}" if contiguous else ",".join(map(str, ids))
 
 
 @app.command("capacity", epilog=examples(

@@ -55,7 +55,8 @@ class Console(RichConsole):
 stdout = Console(highlight=False)
 stderr = Console(stderr=True, highlight=False)
 
-__all__ = ["Column", "Console", "Table", "from_rich", "print_table", "render_lines", "paragraph", "line", "width", "stdout", "stderr"]
+__all__ = ["Column", "Console", "Table", "from_rich", "line", "paragraph", "print_table", "render_lines", "stderr",
+           "stdout", "width"]
 
 
 def width(console: Console | None = None) -> int:

@@ -110,9 +110,10 @@ def tensor_amax(entry: Entry, chunk_bytes: int, tick: Callable[[int, str], None]
 
 
 # ------------------------------------------------------------------------------------------------ quantize
-def quantize_file(src: Path | InputFile, out: Path, to: str, *, options: dict | None = None, include: list[str] | None = None,
-                  exclude: list[str] | None = None, device: str = "cpu", chunk_mb: float = 64.0,
-                  layout: str | None = None, geometry: str | None = None, progress: Progress | None = None,
+def quantize_file(src: Path | InputFile, out: Path, to: str, *, options: dict | None = None,
+                  include: list[str] | None = None, exclude: list[str] | None = None, device: str = "cpu",
+                  chunk_mb: float = 64.0, layout: str | None = None, geometry: str | None = None,
+                  progress: Progress | None = None,
                   hint: Hint | None = None, backend: str = "auto", verify: bool = True) -> CacheOpReport:
     """Quantize the selected floating tensors of `src` to format `to` (+ recipe `options`, see get_format) and write
     a kvtool cache file at `out` (atomically). `src` is a path, or an opened `InputFile` (in-memory tensors, as
@@ -176,6 +177,9 @@ def _check_quantizable(e: Entry, fmt: Format) -> None:
                          "unchanged)")
     if not e.shape:
         raise InputError(f"{e.name}: a scalar cannot be quantized along a last dimension (--exclude it)")
+    if e.dim == 0:
+        raise InputError(f"{e.name}: shape {list(e.shape)} has a last dimension of 0: no block to quantize along it "
+                         "(--exclude it to copy it unchanged; zero rows, e.g. [0, 128], quantize to empty planes)")
     if not e.quantized and e.dtype not in DTYPE_NAMES:
         raise InputError(f"{e.name}: dtype {dtype_name(e.dtype)} is already a low-precision format; kvtool quantizes "
                          f"{'|'.join(DTYPE_NAMES.values())} tensors (--exclude it to copy it unchanged)")
