@@ -336,7 +336,8 @@ RECIPES: dict[str, EngineRecipe] = {r.name: r for r in (
         family="kvfp4", tie=Tie.AWAY, sign=Sign.NEGATIVE, exp_rule=ExpRule.RCEIL_LOG2_MIN, byte0=Byte0.EXACT,
         oracle="tests/engines: batched_quantize / batched_dequantize from the wheel, run eagerly on fp32 input",
         note="SGLang runs it under torch.compile (fp32 arithmetic, as here); eager on bf16 input it rounds "
-             "amax / 6 and log2 to bf16 and can store a scale one binade off"),
+             "amax / 6 and log2 to bf16 and can store a scale one binade low (minimal input: a block max of 96.5 "
+             "stores byte 131 eager, 132 here; 96.5 / 16 then saturates to 6)"),
     EngineRecipe(
         "vllm.indexer_k_cache", "vLLM (ROCm)", VLLM_V,
         "vllm/v1/attention/ops/rocm_aiter_mla_sparse.py: _indexer_k_quant_and_cache_kernel (scale_fmt != ue8m0)",
