@@ -145,8 +145,8 @@ def dequantize(src: InArg, output: OutOpt,
 
 def _render_ops(r) -> None:
     table = Table(f"{r.command} {r.input} -> {r.output}" + (f" ({r.format})" if r.format else ""),
-                  legend="B/token = bytes per token per head (a row of D elements: payload + scales); x vs bf16 = "
-                         "compression against bf16.")
+                  legend="B/token: bytes per token per head (a row of D elements: payload + scales); x vs bf16: "
+                         "compression against bf16")
     for col in ("tensor", "action", "format", "shape", "in", "out", "B/token", "x vs bf16"):
         table.column(col, justify="right" if col in ("in", "out", "B/token", "x vs bf16") else "left")
     for t in r.tensors:
