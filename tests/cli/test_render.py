@@ -207,3 +207,18 @@ def test_a_real_pipe_at_80_columns_shows_whole_values(files):
     for value in ("layers.0.index_k", "mxfp4-rceil", "[256,2,128]", "0.0312..2", "checksums: ok"):
         assert any(value in line for line in proc.stdout.splitlines()), proc.stdout
     assert "…" not in proc.stdout and max(len(line) for line in proc.stdout.splitlines()) <= 80
+
+
+def test_diff_plot_histograms_have_axis_labels(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.axes
+    import torch
+
+    from kvtool.workflows import diff as diff_mod
+
+    labels = []
+    real = matplotlib.axes.Axes.set_ylabel
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_ylabel", lambda self, text, *a, **k: labels.append(text) or
+                        real(self, text, *a, **k))
+    diff_mod._plot({"k": torch.tensor([0.0, 1e-3, -2e-2, 0.5])}, tmp_path / "p.png", "title")
+    assert (tmp_path / "p.png").stat().st_size > 0 and labels == ["elements (of 4 sampled)"]
