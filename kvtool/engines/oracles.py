@@ -175,3 +175,18 @@ def torchao_mx() -> types.SimpleNamespace:
     from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize
 
     return types.SimpleNamespace(nvfp4_quantize=nvfp4_quantize, to_mx=to_mx, ScaleCalculationMode=ScaleCalculationMode)
+
+
+@functools.cache
+def triton_kernels_downcast_kernel() -> types.SimpleNamespace:
+    """vLLM's vendored triton_kernels MX conversion, Triton form: `downcast_to_mxfp` and its `_downcast_to_mxfp`
+    kernel (runs in the interpreter on CPU tensors)."""
+    import triton.language as tl
+
+    # The kernel file's module-level `MXFP_BLOCK_SIZE = tl.constexpr(32)` is given to the kernels as a plain 32: the
+    # interpreter cannot do arithmetic on a global constexpr (the compiler folds it; the values are the same).
+    details = load_defs(VLLM, "vllm/third_party/triton_kernels/numerics_details/mxfp_details/_downcast_to_mxfp.py", (
+        "_get_max_quant_val", "_compute_quant_and_scale", "_downcast_to_mxfp"), {**_triton_env(), "MXFP_BLOCK_SIZE": 32})
+    env = {**_triton_env(), "MXFP_BLOCK_SIZE": tl.constexpr(32), "_downcast_to_mxfp": details._downcast_to_mxfp}
+    return load_defs(VLLM, "vllm/third_party/triton_kernels/numerics_details/mxfp.py",
+                     ("DequantScaleRoundingMode", "downcast_to_mxfp"), env)

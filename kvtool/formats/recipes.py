@@ -309,12 +309,14 @@ RECIPES: dict[str, EngineRecipe] = {r.name: r for r in (
         "triton_kernels.round_up", "triton_kernels (vendored in vLLM)", VLLM_V,
         "vllm/third_party/triton_kernels/numerics_details/mxfp.py: downcast_to_mxfp_torch(ROUND_UP)",
         **_MX, tie=Tie.AWAY, exp_rule=ExpRule.UP_BITS, byte0=Byte0.ZERO,
-        oracle="tests/engines: downcast_to_mxfp_torch + upcast_from_mxfp_torch from the wheel"),
+        oracle="tests/engines: downcast_to_mxfp_torch + upcast_from_mxfp_torch, and the Triton kernel "
+               "_downcast_to_mxfp in the interpreter, from the wheel"),
     EngineRecipe(
         "triton_kernels.round_down", "triton_kernels (vendored in vLLM)", VLLM_V,
         "vllm/third_party/triton_kernels/numerics_details/mxfp.py: downcast_to_mxfp_torch(ROUND_DOWN)",
         **_MX, tie=Tie.AWAY, exp_rule=ExpRule.DOWN_BITS, byte0=Byte0.ZERO,
-        oracle="tests/engines: downcast_to_mxfp_torch + upcast_from_mxfp_torch from the wheel",
+        oracle="tests/engines: downcast_to_mxfp_torch + upcast_from_mxfp_torch, and the Triton kernel "
+               "_downcast_to_mxfp in the interpreter, from the wheel",
         note="2**floor(log2(amax / 6)): block maxima in (6, 8) * 2**k clip to 6"),
     EngineRecipe(
         "flashinfer.mxfp4_ref", "FlashInfer", FLASHINFER_V,
