@@ -353,6 +353,8 @@ class CacheEntry:
             raise FileFormatError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))}")
         fmt = _entry_format(where, d["format"], schema)
         shape = check_shape(d["shape"], f"{where}: field shape", allow_scalar=False)
+        if shape[-1] == 0:
+            raise FileFormatError(f"{where}: field shape {list(shape)}: the quantized last dimension must be >= 1")
         dtype = d.get("dtype", "fp32")
         if not isinstance(dtype, str) or dtype not in DTYPES_BY_NAME:
             raise FileFormatError(f"{where}: field dtype must be one of {'|'.join(DTYPES_BY_NAME)}, got "

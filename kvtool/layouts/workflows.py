@@ -11,7 +11,7 @@ from kvtool.layouts.engine import make_geometry, parse_geometry
 from kvtool.layouts.files import read_layout_all, write_layout
 from kvtool.layouts.plausible import check_plausible
 from kvtool.layouts.presets import PRESETS, RULES, LayoutPreset, Region, get_preset
-from kvtool.readers import select
+from kvtool.readers import check_outer, qtensor_entry, select
 
 _SYMBOL = {"head": "H", "token": "P"}
 
@@ -119,7 +119,8 @@ def convert_layout(src: Path, dst: Path, from_layout: str, to_layout: str, geome
     `to_geometry`, else the target preset's default). The format is unchanged. A raw output holds one cache (select
     one with `include`); a `.safetensors` / `.pt` output holds each cache's engine buffers as PREFIX.BUFFER, each with
     its own geometry. Plain passthrough tensors are skipped with a note. Plausibility warnings on what was read are
-    part of the report."""
+    part of the report; codes that decode to NaN / Inf are an error (kvtool.readers.check_codes), and a kvtool cache
+    file read as planes is verified against its checksums."""
     src, dst = Path(src), Path(dst)
     if dst.resolve() == src.resolve():
         raise OutputError(f"output {dst} is the input file")
@@ -141,6 +142,11 @@ def convert_layout(src: Path, dst: Path, from_layout: str, to_layout: str, geome
             every = f"unreadable as a whole: {err}"
         raise InputError(f"{src.name}: no tensor matches --include/--exclude (it holds: {every})")
     tensors = {n: read.tensors[n] for n in names}
+    for n, q in tensors.items():  # NaN / Inf codes and bad outer scales are refused before anything is written
+        entry = qtensor_entry(n, q)
+        entry.path = str(src)
+        check_outer(entry)
+        entry.read_q(0, entry.rows)
     written = write_layout(tensors, dst, target, None if page is None else f"page={page}")
     items = [ConvertItem(n, [int(s) for s in q.shape], q.fmt.label, read.geometries[n].as_dict(),
                          written[n].as_dict()) for n, q in tensors.items()]
@@ -148,4 +154,5 @@ def convert_layout(src: Path, dst: Path, from_layout: str, to_layout: str, geome
     return ConvertReport(
         str(src), str(dst), read.layout, target.name, ",".join(labels), items[0].geometry_in, items[0].geometry_out,
         sorted(tensors), read.nbytes, dst.stat().st_size, check_plausible(tensors), items, plain,
-        [f"{n}: a plain tensor (passthrough, not a quantized cache): skipped" for n in plain])
+        [f"{n}: a plain tensor (passthrough, not a quantized cache): skipped" for n in plain]
+        + ([read.assumed] if read.assumed else []))

@@ -283,7 +283,7 @@ def dequantize_file(src: Path, out: Path, *, dtype: str | None = None, device: s
                 report.tensors.append(TensorResult(
                     name, "dequantized" if e.quantized else "copied", dtype_name(dtypes[name]), list(e.shape),
                     e.fmt.label if e.quantized else dtype_name(e.dtype), e.nbytes, e.numel * dtypes[name].itemsize,
-                    d, round(2 * e.dim / d, 4), e.outer_scale if e.quantized else None))
+                    d, round(2 * e.dim / max(d, 1), 4), e.outer_scale if e.quantized else None))
             writer.commit()
     report.bytes_in = sum(t.bytes_in for t in report.tensors)
     report.bytes_out = target.stat().st_size
@@ -301,12 +301,12 @@ def _result(e: Entry, ce: CacheEntry | None, action: str, label: str) -> TensorR
     if ce is None:
         bpt = e.dim * e.dtype.itemsize
         return TensorResult(e.name, action, label, list(e.shape), dtype_name(e.dtype), e.nbytes, e.nbytes, bpt,
-                            round(2 * e.dim / bpt, 4))
+                            round(2 * e.dim / max(bpt, 1), 4))
     bpt = ce.fmt.bytes_per_token(e.dim)
     out_bytes = sum(math.prod(s) * d.itemsize for d, s in filter(None, plane_specs(ce.fmt, e.shape)))
     dtype_in = e.fmt.label if e.quantized else dtype_name(e.dtype)
     return TensorResult(e.name, action, label, list(e.shape), dtype_in, e.nbytes, out_bytes, bpt,
-                        round(2 * e.dim / bpt, 4), ce.outer_scale, ce.tensor_scale)
+                        round(2 * e.dim / max(bpt, 1), 4), ce.outer_scale, ce.tensor_scale)
 
 
 def _names(entries: dict, limit: int = 8) -> str:

@@ -123,7 +123,7 @@ def inspect_file(path: Path, *, verify: bool = True, include: list[str] | None =
 def _plain_info(e: Entry) -> TensorInfo:
     bpt = e.dim * e.dtype.itemsize
     return TensorInfo(e.name, f"{dtype_name(e.dtype)} plain", {}, list(e.shape), dtype_name(e.dtype), bpt,
-                      round(2 * e.dim / bpt, 4), e.nbytes, None, None, "none", None)
+                      round(2 * e.dim / max(bpt, 1), 4), e.nbytes, None, None, "none", None)
 
 
 def _quant_info(e: Entry, chunk: int) -> TensorInfo:
@@ -132,7 +132,7 @@ def _quant_info(e: Entry, chunk: int) -> TensorInfo:
     options = {k: v for k, v in meta.items() if k not in ("family", "label", "block", "scale_element")}
     bpt = fmt.bytes_per_token(e.dim)
     tscale = float(e.scalar_scale) if e.scalar_scale is not None else None
-    return TensorInfo(e.name, fmt.label, options, list(e.shape), dtype_name(e.dtype), bpt, round(2 * e.dim / bpt, 4),
+    return TensorInfo(e.name, fmt.label, options, list(e.shape), dtype_name(e.dtype), bpt, round(2 * e.dim / max(bpt, 1), 4),
                       e.nbytes, e.outer_scale, tscale, "none", scale_stats(e, chunk))
 
 
