@@ -138,3 +138,34 @@ def test_cli_recipes_lists_every_recipe():
 def test_cli_recipe_of_needs_a_layout_for_reading(tmp_path):
     one_line_error(kv("dequantize", tmp_path / "x.safetensors", "-o", tmp_path / "y.safetensors", "--recipe-of",
                       "sglang.kvfp4"), "--recipe-of reads an engine dump")
+
+
+def test_cli_quantize_with_recipe_of_then_read_an_engine_dump(tmp_path):
+    """`quantize --recipe-of` writes the recipe's bytes and records it; an engine dump read with `--layout ...
+    --recipe-of` decodes as the engine does: DeepGEMM's v * (S * g) differs from the SPEC's (v * S) * g in the last
+    bit of some values, so reading the same dump without the recipe gives other values."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    from kvtool.layouts import write_layout
+
+    x = torch.randn(20, 2, 128, generator=torch.Generator().manual_seed(4)) * 50
+    src = tmp_path / "x.safetensors"
+    save_file({"k": x}, str(src))
+    report = kv_json("quantize", src, "-o", tmp_path / "q.safetensors", "--to", "nvfp4", "--recipe-of",
+                     "deepgemm.per_token_cast_to_nvfp4", "--outer-scale", "auto")
+    assert [t["format"] for t in report["tensors"]] == ["nvfp4-auto@deepgemm.per_token_cast_to_nvfp4"]
+    q = get_format("nvfp4-auto@deepgemm.per_token_cast_to_nvfp4").quantize(x)
+    dump = tmp_path / "kv.bin"
+    write_layout({"k": q, "v": q}, dump, "vllm-nvfp4-kv", "page=16")
+    Path(str(dump) + ".json").unlink()  # a bare engine dump: format, outer scale and recipe from the command line
+    geometry = f"heads=2,dim=128,tokens=20,page=16,format=nvfp4,outer={q.outer_scale!r}"
+    decoded = {}
+    for name, extra in (("recipe", ["--recipe-of", "deepgemm.per_token_cast_to_nvfp4"]), ("spec", [])):
+        out = tmp_path / f"{name}.safetensors"
+        kv_json("dequantize", dump, "-o", out, "--layout", "vllm-nvfp4-kv", "--geometry", geometry, "--dtype", "fp32",
+                *extra)
+        decoded[name] = load_file(str(out))["k"].view(torch.int32)
+    assert torch.equal(decoded["recipe"], q.dequantize().view(torch.int32))
+    assert not torch.equal(decoded["spec"], decoded["recipe"])
