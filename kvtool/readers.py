@@ -373,7 +373,8 @@ def check_codes(q: QTensor, e: Entry, row_start: int) -> None:
         src = q.scales if plane == "scales" else q.payload
         code = src.reshape(-1)[flat]
         shown = f"0x{int(code):02X}" if src.dtype == torch.uint8 else repr(float(code))
-        where = f"{e.name} {plane}[{row}, {col}]"
+        index = [int(i) for i in np.unravel_index(row * width + col, tuple(e.shape[:-1]) + (width,))]
+        where = f"{e.name} {plane}{index}"
         t = e.stored.get(plane)
         if t is not None:
             where += f" (byte offset {t.start + (row * width + col) * t.dtype.itemsize} in {e.path or 'the file'})"
