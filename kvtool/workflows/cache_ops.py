@@ -74,6 +74,7 @@ def quantize_tensor(fmt: Format, x: torch.Tensor, tensor_amax: torch.Tensor | No
     "torch" (the bit-exact reference, `fmt.quantize`) or "triton" (`kvtool.kernels.quant.triton_quantize`, imported
     only when asked for). `tensor_amax` (fp32 scalar) is the whole tensor's amax when `x` is a chunk of it."""
     if backend == "triton":
+        fmt.require_kvtool_codec("the Triton quantize kernel")
         if check_finite:
             require_finite(x, name)  # here, so that the message names the tensor
         try:
@@ -87,6 +88,7 @@ def quantize_tensor(fmt: Format, x: torch.Tensor, tensor_amax: torch.Tensor | No
 def dequantize_tensor(q: QTensor, dtype: torch.dtype, backend: str) -> torch.Tensor:
     """Decode `q` to `dtype` [..., D]: torch reference (`q.dequantize`) or `kvtool.kernels.quant.triton_dequantize`."""
     if backend == "triton":
+        q.fmt.require_kvtool_codec("the Triton dequantize kernel")
         try:
             from kvtool.kernels.quant import triton_dequantize
         except ImportError as err:
