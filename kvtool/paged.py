@@ -17,7 +17,7 @@ import torch
 
 from kvtool.errors import InputError
 from kvtool.formats import Format, QTensor
-from kvtool.formats.codecs import fp8_row_scale, nvfp4_outer_scale
+from kvtool.formats.codecs import fp8_row_scale
 from kvtool.formats.kernel_desc import check_slots, kernel_desc, qtensor_of_bytes
 
 
@@ -83,7 +83,7 @@ class PagedCache:
         """nvfp4 decode-direction outer scale g_dec implied by the format and `tensor_amax` (1 for other formats)."""
         if not kernel_desc(self.fmt).outer_scale:
             return 1.0
-        return nvfp4_outer_scale(self.fmt, torch.zeros(1), self.tensor_amax_tensor())
+        return self.fmt.outer_scale_value(self.tensor_amax_tensor())  # an engine recipe's value in its direction
 
     def freeze_tensor_amax(self, x: torch.Tensor) -> None:
         if self.fmt.needs_tensor_amax and self.tensor_amax is None:

@@ -177,6 +177,15 @@ class Format:
             return out.to(dtype)
         return self.spec.dequantize(self, q.payload, q.scales, q.outer_scale).to(dtype)
 
+    def outer_scale_value(self, tensor_amax: torch.Tensor | None) -> float:
+        """The nvfp4 outer scale a QTensor of this format stores for a tensor of amax `tensor_amax` (1 for other
+        families): the SPEC's decode-direction g_dec, or an engine recipe's value in its own direction."""
+        if self.family != "nvfp4":
+            return 1.0
+        if self.engine:
+            return recipes.outer_scales(recipes.get_recipe(self.engine), self, torch.zeros(1), tensor_amax)[0]
+        return codecs.nvfp4_outer_scale(self, torch.zeros(1), tensor_amax)
+
     def require_kvtool_codec(self, what: str = "this kernel") -> None:
         """Raise FormatError when the format names an engine recipe: kernels implement the SPEC codecs only, so
         they refuse a recipe rather than write other bytes (the torch path runs every recipe)."""

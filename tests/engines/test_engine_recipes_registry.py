@@ -169,3 +169,18 @@ def test_cli_quantize_with_recipe_of_then_read_an_engine_dump(tmp_path):
         decoded[name] = load_file(str(out))["k"].view(torch.int32)
     assert torch.equal(decoded["recipe"], q.dequantize().view(torch.int32))
     assert not torch.equal(decoded["spec"], decoded["recipe"])
+
+
+@pytest.mark.parametrize("label", ["nvfp4-auto@vllm.ref_nvfp4", "nvfp4-auto@flashinfer.nvfp4_kv_ref",
+                                   "nvfp4-auto@torchao.nvfp4_quantize", "kvfp4@sglang.kvfp4", "nvfp4-auto"])
+def test_paged_cache_keeps_the_recipe_and_its_outer_scale_direction(label):
+    """The paged cache (decode, verify-topk) stores and decodes a recipe's bytes as the recipe does, an
+    encode-direction outer scale included (its `auto` is 2688 / amax, not amax / 2688)."""
+    from kvtool.paged import PagedCache
+
+    fmt = get_format(label)
+    x = torch.randn(20, 2, 128, generator=torch.Generator().manual_seed(6)) * 3
+    cache = PagedCache.allocate(fmt, 2, 16, 2, 128)
+    cache.store(x, torch.arange(20))
+    want = fmt.quantize(x, tensor_amax=x.abs().amax()).dequantize()
+    assert torch.equal(cache.dequantize(torch.arange(20), torch.float32).view(torch.int32), want.view(torch.int32))
