@@ -147,6 +147,7 @@ def bench_quant(
     'kvtool bench decode  (smollm2, batch 1, 1K context, CPU)',
     'kvtool bench decode --device cuda  (synthetic-m3, 4 layers, batch 64, 32K)',
     'kvtool bench decode --device cuda --kv nvfp4,fp8 --index fp4,fp8 --json',
+    'kvtool bench decode --demo  (the default kvtool decode end to end: wall and CPU time, goal <= 30 s)',
 ))
 @handle_errors
 def bench_decode(
@@ -163,13 +164,17 @@ def bench_decode(
                                                       "--model-layers.")] = None,
     backend: Annotated[str, typer.Option("--backend", help="auto | torch | triton.")] = "auto",
     device: DeviceOpt = "cpu",
+    demo: Annotated[bool, typer.Option("--demo", help="Instead: time the default `kvtool decode` end to end "
+                                                      "(wall and CPU time per phase).")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """One decode step of the whole model per cache configuration.
 
     Plain bf16 dense SDPA, bf16 paged sparse and each candidate, as tokens/s with the goals."""
-    from kvtool.bench.decode import render_goals, run_decode_bench
+    from kvtool.bench.decode import render_demo, render_goals, run_decode_bench, run_demo_bench
 
+    if demo:
+        return _emit_bench(run_demo_bench(device, progress=_progress), as_json, render_demo)
     if old_layers is not None:
         note("--layers is deprecated here: use --model-layers (the model's depth)")
         model_layers = model_layers if model_layers is not None else old_layers

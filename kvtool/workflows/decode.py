@@ -10,9 +10,15 @@ bf16 index by default) runs beside them in lockstep:
    perplexity ratio (`decode_metrics`), and per layer the block selection and attention output against the baseline's.
 2. Free-running: from the end of the prompt (each cache rewound there: later writes overwrite the teacher-forced
    tokens), each configuration generates `gen_tokens` greedily on its own; the first divergence from the baseline's
-   generation and the token agreement are reported (texts side by side for smollm2). These steps are timed: tokens/s
-   per configuration (batch / median step time), beside a plain bf16 dense decode of the same model stepped in turn
-   with them (so a load spike on a shared machine hits every configuration alike).
+   generation and the token agreement are reported (texts side by side for smollm2). The generation runs every
+   configuration in lockstep (`forward_group`: one pass over the weights per step for all of them); then each takes
+   a few more timed steps on its own: tokens/s per configuration (batch / median step time), beside a plain bf16
+   dense decode of the same model stepped in turn with them (so a load spike on a shared machine hits every
+   configuration alike).
+3. The verdict (`decode_stats`): the noise floor (the baseline again with split-K attention, a harmless change of
+   summation order) read beside every metric, per position bucket; bootstrap intervals over documents and blocks of
+   positions, paired between configurations (which ones are not distinguishable); llama.cpp's `--kl-divergence`
+   statistics under its names.
 With the default corpus the prompt fills all `tokens` positions; a user prompt (without --tokens) is teacher-forced
 together with the baseline's continuation of `gen_tokens` tokens.
 
@@ -87,6 +93,8 @@ class DecodeOptions:
     floor: bool = True  # run the noise floor: the baseline again under a harmless change (split-K attention)
     rotate: int | None = None  # Hadamard rotation added to every candidate format (kvtool.formats.rotation)
     resamples: int = 1000  # bootstrap resamples (0: no intervals)
+    lockstep: bool = True  # free run in lockstep (weights read once per step), then `timed_steps` timed steps each
+    timed_steps: int = 8
 
 
 @dataclass
@@ -432,7 +440,7 @@ def run_decode(opts: DecodeOptions, progress: Callable[[ProgressEvent], None] | 
     kernels = triton_available(note) if backend == "triton" else {}
     paths = _paths(kernels, opts.sparse)
     c = model.config
-    max_len = max(n_tok, prompt.shape[1] + n_gen)
+    max_len = max(n_tok, prompt.shape[1] + n_gen + (opts.timed_steps if opts.lockstep else 0))
     page = indexer.block_size if indexer else 64
 
     def make(spec: CacheSpec, record: bool, floor: bool = False) -> Decoder:
@@ -448,8 +456,12 @@ def run_decode(opts: DecodeOptions, progress: Callable[[ProgressEvent], None] | 
         stream_m = [StreamMetrics() for _ in cands + floor]
         layer_m = [LayerAccumulator(c.n_layers, indexer is not None) for _ in cands]
         _teacher_forced(base, cands + floor, prompt.to(device), n_tok, opts.chunk, stream_m, layer_m, progress)
-        ref = [_bf16_reference(model, base, prompt.shape[1], n_gen)] if opts.speed_reference else []
-        gens = _free_run([base] + cands + floor + ref, n_gen, progress, lambda: _running(cands, stream_m))
+        extra = opts.timed_steps if opts.lockstep else 0
+        ref = [_bf16_reference(model, base, prompt.shape[1], n_gen + extra)] if opts.speed_reference else []
+        decs = [base] + cands + floor + ref
+        timed = [True] * (1 + len(cands)) + [False] * len(floor) + [True] * len(ref)
+        gens = _free_run(decs, n_gen, progress, lambda: _running(cands, stream_m), timed,
+                         opts.timed_steps if opts.lockstep else 0)
         ref_tps = ref[0].tokens_per_s if ref else None
     report = _report(opts, model, device, indexer, paths, prompt_tail, prompt.shape[1], n_tok, n_gen, base_spec,
                      cand_specs, base, cands, stream_m[:len(cands)], layer_m, gens[:len(cands) + 1], ref_tps,
@@ -520,16 +532,70 @@ def _running(cands: list[Decoder], stream_m: list[StreamMetrics]) -> dict:
     return {d.cache.spec.label: sm.running() for d, sm in zip(cands, stream_m)}
 
 
-def _free_run(decs: list[Decoder], n_gen: int, progress: Callable | None, running: Callable) -> list[torch.Tensor]:
-    """Each decoder generates n_gen greedy tokens after the prompt on its own: [B, n_gen] each. The steps interleave
-    (step j of every decoder, then step j + 1), so a load spike on a shared machine hits every one alike."""
+def forward_group(decs: list[Decoder], tokens: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One forward of several decoders at the same position in lockstep: tokens [B, T] each -> logits [B, T, V]
+    each. The model's row-wise work (embedding, projections, MLP, LM head) runs once over every decoder's rows, so a
+    decode step reads the weights once instead of once per configuration (on a CPU a one-token step is bound by
+    that read); each decoder still stores into and attends over its own cache. Equal to `forward` per decoder up
+    to the matmuls' row blocking (a test compares them: the same bits for prefill chunks, ~1e-4 in the logits of a
+    one-token step, where more rows take another gemm path)."""
+    model, n = decs[0].model, len(decs)
+    B, T = tokens[0].shape
+    p0 = decs[0].pos
+    if any(d.pos != p0 for d in decs) or any(t.shape != tokens[0].shape for t in tokens):
+        raise KvtoolError("forward_group needs every decoder at the same position with the same token shape")
+    c = model.config
+    pos = torch.arange(p0, p0 + T, device=model.device)
+    rows = pos.repeat(n * B)
+    for d in decs:
+        d.trace, d.length = StepTrace(), p0 + T
+    h = model.embed(torch.cat(tokens).reshape(-1))                               # h: [n*B*T, hidden]
+    any_index = any(d.indexer is not None for d in decs)
+    for layer in range(c.n_layers):
+        q, k, v = model.qkv(layer, h, rows)                                       # q: [n*B*T, Hq, D]
+        iq = ik = None
+        if any_index:
+            iq, ik = model.index_qk(layer, q, k, h, rows)
+            iq, ik = iq.view(n, B, T, c.index_heads, -1), ik.view(n, B, T, -1)
+        q, k, v = q.view(n, B, T, c.n_heads, -1), k.view(n, B, T, c.n_kv_heads, -1), v.view(n, B, T, c.n_kv_heads, -1)
+        outs = []
+        for i, d in enumerate(decs):
+            has = d.indexer is not None
+            d.cache.update(layer, pos, k[i], v[i], ik[i] if has else None)
+            outs.append(d.attend(layer, q[i], iq[i] if has else None, pos))        # [B, T, Hq, D]
+        h = model.attn_out(layer, h, torch.stack(outs).reshape(n * B * T, c.n_heads, -1))
+    for d in decs:
+        d.pos += T
+    return list(model.logits(h).view(n, B, T, -1).unbind(0))
+
+
+def _free_run(decs: list[Decoder], n_gen: int, progress: Callable | None, running: Callable,
+              timed: list[bool] | None = None, timed_steps: int = 0) -> list[torch.Tensor]:
+    """Each decoder generates n_gen greedy tokens after the prompt: [B, n_gen] each.
+
+    `timed_steps` 0: every step of every decoder is a timed `decode_one`, interleaved (step j of every decoder, then
+    step j + 1, so a load spike on a shared machine hits every one alike). Otherwise the generation runs in lockstep
+    (`forward_group`, untimed: the weights read once per step for all decoders), then the decoders marked in
+    `timed` take `timed_steps` more timed `decode_one` steps each, interleaved the same way (tokens/s comes from
+    those; their tokens are not part of the generation)."""
     tokens = [[dec.at_prompt_end.argmax(-1)] for dec in decs]                     # per decoder: [B] per step
     for j in range(1, n_gen):
-        for dec, toks in zip(decs, tokens):
-            toks.append(dec.decode_one(toks[-1]).argmax(-1))
+        if timed_steps:
+            for toks, logits in zip(tokens, forward_group(decs, [t[-1][:, None] for t in tokens])):
+                toks.append(logits[:, 0].argmax(-1))
+        else:
+            for dec, toks in zip(decs, tokens):
+                toks.append(dec.decode_one(toks[-1]).argmax(-1))
         if progress:
             progress(ProgressEvent("generate", j + 1, n_gen, running()))
-    return [torch.stack(t, dim=1)[:, :n_gen] for t in tokens]
+    out = [torch.stack(t, dim=1)[:, :n_gen] for t in tokens]
+    if timed_steps and n_gen > 0:
+        last = [t[-1] for t in tokens]
+        for _ in range(timed_steps):
+            for i, dec in enumerate(decs):
+                if timed is None or timed[i]:
+                    last[i] = dec.decode_one(last[i]).argmax(-1)
+    return out
 
 
 def _bf16_reference(model: CausalLM, base: Decoder, n_prompt: int, n_gen: int) -> Decoder:

@@ -219,3 +219,58 @@ def test_cli_bad_verdict_options_exit_2_with_one_line(args):
     result = runner.invoke(app, ["decode", "--model", "tiny-llama", "--tokens", "40", *args])
     assert result.exit_code == 2, result.output
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+# --------------------------------------------------------------------------------------------------- lockstep
+def test_lockstep_group_forward_equals_each_decoder_on_its_own():
+    from kvtool.formats import get_format
+    from kvtool.indexer import IndexerConfig
+    from kvtool.models.base import load_model
+    from kvtool.workflows.decode import Decoder, forward_group
+    from kvtool.workflows.decode_cache import CacheSpec, ConfigCache, PlainCache
+
+    model = load_model("tiny-llama")
+    c = model.config
+    sel = IndexerConfig(16, 2, 0, 1)
+
+    def decoders():
+        specs = [CacheSpec(get_format("bf16"), get_format("bf16")), CacheSpec(get_format("nvfp4+rot"),
+                                                                              get_format("fp8"))]
+        decs = [Decoder(model, ConfigCache(s, c.n_layers, c.n_kv_heads, c.head_dim, c.index_dim, 2, 48, 16), sel)
+                for s in specs]
+        return decs + [Decoder(model, PlainCache(c.n_layers, c.n_kv_heads, c.head_dim, 2, 48), None)]
+
+    g = torch.Generator().manual_seed(4)
+    prompt, steps = torch.randint(0, c.vocab_size, (2, 40), generator=g), torch.randint(0, 64, (2, 3), generator=g)
+    alone, group = decoders(), decoders()
+    with torch.no_grad():
+        ref = [torch.cat([d.prefill(prompt, 16)] + [d.forward(steps[:, j:j + 1]) for j in range(3)], 1)
+               for d in alone]
+        got = [torch.cat(x, 1) for x in zip(*([forward_group(group, [prompt[:, i:i + 16]] * 3)
+                                                for i in range(0, 40, 16)]
+                                               + [forward_group(group, [steps[:, j:j + 1]] * 3) for j in range(3)]))]
+    for a, b in zip(ref, got):
+        assert torch.equal(b[:, :40], a[:, :40])  # prefill chunks: the same row blocking, the same bits here
+        torch.testing.assert_close(b, a, atol=1e-3, rtol=1e-3)  # one-token steps: another gemm path (~1e-4)
+
+
+def test_lockstep_free_run_gives_the_same_generations_and_times_every_configuration():
+    kw = dict(tokens=40, gen_tokens=6, speed_reference=True, resamples=0)
+    a, _ = _run(["nvfp4", "mxfp4"], **kw)
+    b, _ = _run(["nvfp4", "mxfp4"], lockstep=False, **kw)
+    for x, y in zip([a.baseline] + a.candidates + [a.floor], [b.baseline] + b.candidates + [b.floor]):
+        assert x.generation.tokens == y.generation.tokens
+    assert all(c.tokens_per_s > 0 for c in [a.baseline] + a.candidates) and a.bf16_dense_tokens_per_s > 0
+    assert a.floor.tokens_per_s is None
+
+
+def test_demo_bench_times_the_phases_and_states_the_goal():
+    from kvtool.bench.decode import run_demo_bench
+
+    r = run_demo_bench(model="tiny-llama", tokens=40, gen_tokens=4, resamples=50)
+    assert [row.name for row in r.rows] == ["model load + first chunk", "teacher-forced", "free run (timed steps)",
+                                            "report (bootstrap, statistics)", "whole run"]
+    assert all(row.time_us >= 0 for row in r.rows) and r.rows[-1].time_us >= max(x.time_us for x in r.rows[:-1])
+    x = r.extra
+    assert x["cpu_s"] > 0 and x["wall_s"] > 0 and "(goal <= 30 s)" in x["goals"][0]
+    assert set(x["tokens_per_s"]) == {"nvfp4 / nvfp4", "bf16 dense (plain)"}
