@@ -109,8 +109,14 @@ def examples(*commands: str) -> str:
     for cmd in commands:
         cmd, sep, comment = cmd.partition("  (")
         comment = f"  ({comment}" if sep else ""
-        units: list[str] = []  # the command and its positionals one by one; an option with the value after it
+        words: list[str] = []  # shell words: a quoted string with spaces stays one word
         for word in cmd.split(" "):
+            if words and (words[-1].count('"') % 2 or words[-1].count("'") % 2):
+                words[-1] += " " + word
+            else:
+                words.append(word)
+        units: list[str] = []  # the command and its positionals one by one; an option with the value after it
+        for word in words:
             if units and not word.startswith("-") and units[-1].startswith("-") and " " not in units[-1]:
                 units[-1] += " " + word
             else:

@@ -111,3 +111,18 @@ def test_startup_imports_no_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]", proc.stdout
+
+
+def test_examples_break_long_commands_into_shell_continuations_that_still_run():
+    import shlex
+
+    from kvtool.cli.common import EXAMPLE_WIDTH, examples
+
+    cmd = ('kvtool capture --model smollm2 --prompt "The capital of France is a city with a long name" '
+           "-o cache.safetensors --layers 0-3 --max-tokens 200 --json")
+    text = examples(cmd + "  (a comment)")
+    body = text.split("\b\n", 1)[1].splitlines()
+    assert all(len(line) <= EXAMPLE_WIDTH + 2 for line in body) and len(body) > 1
+    joined = " ".join(line.strip().removesuffix("\\").strip() for line in body)
+    assert joined.endswith("(a comment)")
+    assert shlex.split(joined.removesuffix("(a comment)")) == shlex.split(cmd)
