@@ -329,23 +329,26 @@ def _rescale(scores: torch.Tensor, cache) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------- bench entry points
 # `kvtool bench ... --peer vllm`: the arguments converted once, then a zero-argument call of the engine's function,
 # as an engine's step runs it (ids only; no score read-back), for kvtool.bench.common.time_fn (CUDA-graph replay).
+# On the CPU (interpreter, fp32 stand-ins) the rows only check the plumbing; their times mean nothing.
 def bench_index_decode(impl: VllmM3, iq: torch.Tensor, cache, table: torch.Tensor, ctx: torch.Tensor,
                        cfg: IndexerConfig, max_context: int):
     """iq bf16 [B, Hi, D] -> callable running minimax_m3_index_decode (block ids [Hi, B, topk])."""
-    ops = impl.ops["index"]
-    kcache, q = index_cache_tensor(cache), iq.to(torch.bfloat16).contiguous()
+    ops, standin = impl.ops["index"], _standin(iq.device)
+    kcache = index_cache_tensor(cache, standin)
+    q = iq.to(torch.float32 if standin else torch.bfloat16).contiguous()
     table, ctx = table.to(torch.int32).contiguous(), ctx.to(torch.int32).contiguous()
     hi = q.shape[1]
-    return lambda: ops.minimax_m3_index_decode(q, kcache, table, ctx, max_context, cfg.topk, cfg.init_blocks,
-                                               cfg.local_blocks, hi, 1, 1)
+    return _quiet(lambda: ops.minimax_m3_index_decode(q, kcache, table, ctx, max_context, cfg.topk, cfg.init_blocks,
+                                                      cfg.local_blocks, hi, 1, 1))
 
 
 def bench_index_prefill(impl: VllmM3, iq: torch.Tensor, cache, table: torch.Tensor, ctx: torch.Tensor,
                         cfg: IndexerConfig):
     """One request, every position a query: iq bf16 [1, Q, Hi, D] (the last Q positions of ctx[0]) -> callable
     running minimax_m3_index_score then minimax_m3_index_topk, as vLLM's prefill does."""
-    ops = impl.ops["index"]
-    kcache, q = index_cache_tensor(cache), iq[0].to(torch.bfloat16).contiguous()
+    ops, standin = impl.ops["index"], _standin(iq.device)
+    kcache = index_cache_tensor(cache, standin)
+    q = iq[0].to(torch.float32 if standin else torch.bfloat16).contiguous()
     n, nq, hi = int(ctx[0]), q.shape[0], q.shape[1]
     dev = q.device
     cu = torch.tensor([0, nq], dtype=torch.int32, device=dev)
@@ -353,6 +356,7 @@ def bench_index_prefill(impl: VllmM3, iq: torch.Tensor, cache, table: torch.Tens
     prefix = torch.tensor([n - nq], dtype=torch.int32, device=dev)
     table = table.to(torch.int32).contiguous()
 
+    @_quiet
     def run():
         score = ops.minimax_m3_index_score(q, kcache, table, cu, seq, prefix, nq, n, hi)
         return ops.minimax_m3_index_topk(score, cu, prefix, nq, cfg.topk, cfg.init_blocks, cfg.local_blocks)
@@ -366,12 +370,13 @@ def bench_attn_decode(impl: VllmM3, q: torch.Tensor, k_cache, v_cache, table: to
     ops = impl.ops["attn"]
     if block_size != BLOCK or k_cache.page_size != BLOCK:
         raise InputError(f"vLLM's M3 kernels fix block and page at {BLOCK} tokens")
-    kv = kv_cache_tensor(k_cache, v_cache)
+    standin = _standin(q.device)
+    kv = kv_cache_tensor(k_cache, v_cache, standin)
     k_scale, v_scale = kv_scale_tensors(k_cache, v_cache)
-    q = q.to(torch.bfloat16).contiguous()
+    q = q.to(torch.float32 if standin else torch.bfloat16).contiguous()
     topk_idx = ids.to(torch.int32).permute(1, 0, 2).contiguous()
     table, seq = table.to(torch.int32).contiguous(), ctx.to(torch.int32).contiguous()
     out = torch.empty_like(q)
     hkv, scale = k_cache.num_heads, 1.0 / math.sqrt(q.shape[-1])
-    return lambda: ops.minimax_m3_sparse_attn_decode(q, kv, topk_idx, table, seq, hkv, scale, out, 1, k_scale,
-                                                     v_scale)
+    return _quiet(lambda: ops.minimax_m3_sparse_attn_decode(q, kv, topk_idx, table, seq, hkv, scale, out, 1, k_scale,
+                                                            v_scale))
