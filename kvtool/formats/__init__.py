@@ -22,6 +22,7 @@ from kvtool.formats.registry import (
     Format,
     QTensor,
     all_formats,
+    engine_formats,
     get_format,
     require_finite,
 )
@@ -30,5 +31,5 @@ from kvtool.formats.rules import Fp8Scale, NvRecipe, ScaleRule
 __all__ = [
     "ALIASES", "E2M1", "E2M1_MAX", "E4M3", "E4M3_MAX", "E8M0_BIAS", "ElementCodec", "FAMILIES", "Family", "Format",
     "Fp8Scale", "NvRecipe", "QTensor", "ScaleRule", "all_formats", "e2m1_decode", "e2m1_encode", "e4m3_decode",
-    "e4m3_encode", "e8m0_decode", "get_format", "pack_nibbles", "require_finite", "unpack_nibbles",
+    "e4m3_encode", "e8m0_decode", "engine_formats", "get_format", "pack_nibbles", "require_finite", "unpack_nibbles",
 ]

@@ -415,3 +415,13 @@ def all_formats() -> list[Format]:
     out += [get_format("nvfp4", recipe=r, outer_scale=g) for r in NvRecipe for g in ("1", "auto")]
     out += [get_format("mxfp4", scale_rule=r) for r in ScaleRule]
     return out
+
+
+def engine_formats() -> list[Format]:
+    """Every engine recipe as a Format (with outer scales 1 and auto where the recipe takes one), after the SPEC
+    variants in diagnoses: which writer's bytes a file holds."""
+    out = []
+    for name, rec in recipes.RECIPES.items():
+        outers = (None, "auto") if rec.outer != recipes.OuterDir.NONE else (None,)
+        out += [get_format(f"@{name}", outer_scale=g) for g in outers]
+    return out

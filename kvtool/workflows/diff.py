@@ -18,7 +18,8 @@ Scale-rule diagnosis:
   outer scale): differences the declared rule change accounts for. When both declare the same format, it is 0 and
   every differing block is a data or writer difference.
 - `rule_fit` (one side plain): for every variant of the quantized side's family with the same planes (every MXFP4
-  scale rule, every NVFP4 recipe and outer scale, ...), the % of blocks whose stored bytes that variant reproduces
+  scale rule, every NVFP4 recipe and outer scale, ..., then every engine recipe of the family, e.g.
+  `mxfp4@torchao.to_mx_floor`), the % of blocks whose stored bytes that variant reproduces
   exactly from the plain values. A best fit other than the declared format means the writer used another rule than it
   declared: the silent rule mismatch that SPEC section 2 warns about.
 
@@ -45,7 +46,7 @@ import torch
 
 from kvtool.container import check_output, dtype_name, plane_specs
 from kvtool.errors import InputError, KvtoolError
-from kvtool.formats import Format, QTensor, all_formats
+from kvtool.formats import Format, QTensor, all_formats, engine_formats
 from kvtool.metrics import ValueAccumulator, ValueMetrics
 from kvtool.readers import Entry, check_finite_rows, open_input, row_chunks, select
 from kvtool.workflows.cache_ops import Progress, chunk_bytes, tensor_amax
@@ -246,7 +247,7 @@ class _CodeCounter:
             q, p = (ea, eb) if ea.quantized else (eb, ea)
             if not p.floating:
                 return None
-            variants = [v for v in all_formats() if _same_planes(v, q.fmt, q.shape)]
+            variants = [v for v in all_formats() + engine_formats() if _same_planes(v, q.fmt, q.shape)]
             return cls(q.fmt, "reencoded-b" if ea.quantized else "reencoded-a", False, p, variants, chunk)
         return None
 

@@ -184,3 +184,25 @@ def test_paged_cache_keeps_the_recipe_and_its_outer_scale_direction(label):
     cache.store(x, torch.arange(20))
     want = fmt.quantize(x, tensor_amax=x.abs().amax()).dequantize()
     assert torch.equal(cache.dequantize(torch.arange(20), torch.float32).view(torch.int32), want.view(torch.int32))
+
+
+def test_diff_names_the_engine_recipe_that_wrote_the_bytes(tmp_path):
+    """An engine's bytes declared as the SPEC format (a dump read as plain `mxfp4`): diff's rule fit ranks the engine
+    recipe that reproduces them first, at 100 %, above the declared SPEC rule."""
+    from safetensors.torch import save_file
+
+    from kvtool.layouts import write_layout
+
+    x = torch.randn(64, 1, 128, generator=torch.Generator().manual_seed(7))
+    x[:4, 0, :32] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 4)  # E2M1 ties: ROUND_UP goes away
+    plain = tmp_path / "x.safetensors"
+    save_file({"x": x}, str(plain))
+    engine = get_format("@triton_kernels.round_up").quantize(x)
+    dump = tmp_path / "dump.bin"
+    spec_view = type(engine)(get_format("mxfp4"), engine.payload, engine.scales, 1.0, engine.shape)
+    write_layout({"x": spec_view}, dump, "planes", None)
+    report = kv_json("diff", dump, plain, "--layout", "planes")
+    fit = report["tensors"][0]["rule_fit"]
+    best = next(iter(fit))
+    assert best == "mxfp4@triton_kernels.round_up" and fit[best] == 100.0, fit
+    assert fit["mxfp4-rceil"] < 100.0
