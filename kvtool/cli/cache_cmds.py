@@ -224,7 +224,8 @@ def _render_inspect(r) -> None:
             hist = " ".join(f"2^{e}:{c}" for e, c in t.scales.exponent_histogram.items())
             line(f"{t.name} scale exponents (2^e: blocks): {hist}")
     if r.verified:
-        line("checksums: ok" if r.ok else "checksums: MISMATCH")
+        recorded = any(t.checksum not in ("none", "unverified") for t in r.tensors)
+        line("checksums: MISMATCH" if not r.ok else ("checksums: ok" if recorded else "checksums: none recorded"))
 
 
 # ------------------------------------------------------------------------------------------------ diff
@@ -292,7 +293,8 @@ def _render_diff(r) -> None:
     table = Table(f"diff A={r.a} vs reference B={r.b}", legend=DIFF_LEGEND)
     for col in ("tensor", "A", "B", "rel_l2", "max_abs", "SQNR dB", "cosine", "value !=%", "scale !=%",
                 "payload !=%", "rule", "status"):
-        table.column(col, justify="left" if col in ("tensor", "A", "B", "rule", "status") else "right")
+        table.column(col, justify="left" if col in ("tensor", "A", "B", "rule", "status") else "right",
+                     optional=col in ("cosine", "value !=%", "payload !=%"))  # in --json, and rel_l2 / SQNR say it
     for t in r.tensors:
         m, c = t.metrics, t.codes
         if t.rule_fit:

@@ -7,7 +7,7 @@ changes with the width is the layout, chosen per table:
    headers; numbers right-aligned. Plain text, so a pipe or a CI log gets the same table as a terminal (a terminal
    also gets bold headers and row styles).
 2. fewer columns: when that is wider than the width, columns declared `optional` are left out (last first) and a line
-   names them (`--json` has every field).
+   names them (`--json` has every field). A column with nothing but "" or "-" in it is always left out.
 3. records: when even that does not fit, each row becomes a block of `header  value` lines under the row's first
    cell: readable at any width, values still whole.
 
@@ -99,6 +99,7 @@ class Table:
     styles: list[str | None] = field(default_factory=list)
     sections: set[int] = field(default_factory=set)  # row indices that start a new section (a rule above them)
     records: bool = False  # always the records layout (rows that are documents rather than lines)
+    keep_empty: bool = False  # show a column whose every cell is empty or "-" (by default it carries nothing: left out)
 
     def column(self, header: str, *, justify: str = "left", optional: bool = False, wrap: bool = False) -> "Table":
         self.columns.append(Column(header, justify, optional, wrap))
@@ -143,7 +144,9 @@ def render_lines(table: Table, limit: int) -> tuple[list[Text], str]:
     out: list[Text] = []
     if table.title:
         out += [Text(s, style="bold") for s in paragraph(table.title, limit)]
-    keep = list(range(len(table.columns)))
+    keep = [i for i in range(len(table.columns)) if table.keep_empty or i == 0 or not table.rows
+            or any(row[i].plain.strip() not in ("", "-") for row in table.rows)]
+    shown = list(keep)
     widths, total = _natural(table, keep)
     layout = "columns"
     while total > limit and any(table.columns[i].optional for i in keep):
@@ -152,12 +155,12 @@ def render_lines(table: Table, limit: int) -> tuple[list[Text], str]:
         widths, total = _natural(table, keep)
         layout = "fewer"
     if table.records or (total > limit and len(keep) > 1):
-        keep, layout = list(range(len(table.columns))), "records"
+        keep, layout = shown, "records"
     if layout == "records":
-        out += _records(table, limit)
+        out += _records(table, keep, limit)
     else:
         out += _columns(table, keep, widths)
-        left_out = [table.columns[i].label for i in range(len(table.columns)) if i not in keep]
+        left_out = [table.columns[i].label for i in shown if i not in keep]
         if left_out:
             out += [Text(s, style="dim") for s in paragraph(
                 f"(left out at {limit} columns: {', '.join(left_out)}; widen the terminal, set COLUMNS, or use "
@@ -194,10 +197,11 @@ def _columns(table: Table, keep: list[int], widths: list[int]) -> list[Text]:
     return out
 
 
-def _records(table: Table, limit: int) -> list[Text]:
+def _records(table: Table, keep: list[int], limit: int) -> list[Text]:
     """Each row as its first cell, then `header  value` lines (multi-line values continue under the value)."""
     out = []
-    key_w = max((len(c.label) for c in table.columns[1:]), default=0)
+    rest = [i for i in keep if i != 0]
+    key_w = max((len(table.columns[i].label) for i in rest), default=0)
     offset = INDENT + key_w + GAP
     for r, (cells, style) in enumerate(zip(table.rows, table.styles)):
         if r:
@@ -205,7 +209,7 @@ def _records(table: Table, limit: int) -> list[Text]:
         head = cells[0].copy()
         head.stylize(style or "bold")
         out.append(Text(f"{table.columns[0].label}: ") + head if table.columns[0].label else head)
-        for c, cell in zip(table.columns[1:], cells[1:]):
+        for c, cell in ((table.columns[i], cells[i]) for i in rest):
             parts = [Text(p) for p in paragraph(cell.plain, limit - offset)] if c.wrap else _split(cell)
             for k, part in enumerate(parts):
                 key = (c.label if k == 0 else "").ljust(key_w)
@@ -259,7 +263,7 @@ def from_rich(rich_table: RichTable) -> Table:
     table = Table(title, _text(rich_table.caption).plain or None)
     for col in rich_table.columns:  # a column may say `optional = True` (an attribute set on the rich Column)
         table.column(_text(col.header).plain, justify="right" if col.justify == "right" else "left",
-                     optional=bool(getattr(col, "optional", False)))
+                     optional=bool(getattr(col, "optional", False)), wrap=col.overflow == "fold")
     cells = [list(col.cells) for col in rich_table.columns]
     for r, row in enumerate(rich_table.rows):
         table.row(*(_text(c[r]) if r < len(c) else Text("") for c in cells),

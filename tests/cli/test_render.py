@@ -222,3 +222,15 @@ def test_diff_plot_histograms_have_axis_labels(tmp_path, monkeypatch):
                         real(self, text, *a, **k))
     diff_mod._plot({"k": torch.tensor([0.0, 1e-3, -2e-2, 0.5])}, tmp_path / "p.png", "title")
     assert (tmp_path / "p.png").stat().st_size > 0 and labels == ["elements (of 4 sampled)"]
+
+
+def test_a_column_with_nothing_in_it_is_left_out():
+    t = Table()
+    t.column("name")
+    t.column("scale")
+    t.column("n", justify="right")
+    t.row("a", "-", "1")
+    t.row("b", "", "2")
+    assert [x.plain for x in render_lines(t, 80)[0]] == ["name  n", "----  -", "a     1", "b     2"]
+    t.keep_empty = True
+    assert "scale" in render_lines(t, 80)[0][0].plain
