@@ -31,7 +31,7 @@ from kvtool.container import (
     write_metadata,
 )
 from kvtool.errors import InputError, KvtoolError
-from kvtool.formats import Format, QTensor, get_format, require_finite
+from kvtool.formats import Format, QTensor, get_format, require_finite, rotation
 from kvtool.readers import Entry, InputFile, check_finite_rows, open_input, row_chunks, select
 
 Progress = Callable[[int, int, str], None]  # (units done, units total, what) -> None
@@ -81,6 +81,8 @@ def quantize_tensor(fmt: Format, x: torch.Tensor, tensor_amax: torch.Tensor | No
             from kvtool.kernels.quant import triton_quantize
         except ImportError as err:
             raise KvtoolError(f"the Triton quantize kernel is not available ({err}); use --device cpu") from None
+        if fmt.rotation is not None:  # the kernel knows no rotation: it quantizes the rotated values (codes = x R)
+            x = rotation.rotate(x, fmt.rotation)
         return triton_quantize(fmt, x, tensor_amax=tensor_amax, check_finite=False)
     return fmt.quantize(x, tensor_amax=tensor_amax, name=name, check_finite=check_finite)
 
@@ -93,6 +95,8 @@ def dequantize_tensor(q: QTensor, dtype: torch.dtype, backend: str) -> torch.Ten
             from kvtool.kernels.quant import triton_dequantize
         except ImportError as err:
             raise KvtoolError(f"the Triton dequantize kernel is not available ({err}); use --device cpu") from None
+        if q.fmt.rotation is not None:  # the kernel decodes the rotated domain; R^T brings it back
+            return rotation.unrotate(triton_dequantize(q, torch.float32), q.fmt.rotation).to(dtype)
         return triton_dequantize(q, dtype)
     return q.dequantize(dtype)
 

@@ -108,3 +108,18 @@ def test_triton_dispatch_takes_the_rotation(name, device):
     q_t, q_k = backend.quantize(f, x, backend="torch"), backend.quantize(f, x, backend="triton")
     assert torch.equal(q_t.payload, q_k.payload)
     torch.testing.assert_close(backend.dequantize(q_k, backend="triton"), q_t.dequantize(), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_quantize_command_kernel_path_takes_the_rotation(device):
+    """`kvtool quantize / dequantize --device cuda` call the Triton kernels directly (cache_ops): same bytes and values
+    as the torch reference for a rotated format."""
+    pytest.importorskip("triton")
+    from kvtool.workflows.cache_ops import dequantize_tensor, quantize_tensor
+
+    f = get_format("mxfp4+rot")
+    x = torch.randn(4, 3, 64, device=device)
+    a, b = quantize_tensor(f, x, None, "torch"), quantize_tensor(f, x, None, "triton")
+    assert torch.equal(a.payload, b.payload) and torch.equal(a.scales, b.scales)
+    torch.testing.assert_close(dequantize_tensor(b, torch.float32, "triton"), dequantize_tensor(a, torch.float32,
+                                                                                                "torch"))
