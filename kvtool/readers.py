@@ -390,9 +390,10 @@ def _open_npy(path: Path) -> InputFile:
         read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
         shape, fortran, dtype = read(f)  # version 3.0 differs from 2.0 only in the header's text encoding
         offset = f.tell()
-    except (ValueError, OSError, SyntaxError) as err:
+    except Exception as err:  # noqa: BLE001 - numpy's header parser raises ValueError, SyntaxError, TokenError...
         f.close()
-        raise FileFormatError(f"{path}: corrupt .npy file ({err})") from None
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise FileFormatError(f"{path}: corrupt .npy file ({first})") from None
     if dtype.hasobject:
         f.close()
         raise FileFormatError(f"{path}: the .npy array holds Python objects; kvtool never unpickles")
