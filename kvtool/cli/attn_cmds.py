@@ -10,20 +10,22 @@ import typer
 from rich import box
 from rich.table import Table
 
-from kvtool.backend import resolve_device
 from kvtool.cli import app
-from kvtool.cli.common import DeviceOpt, JsonOpt, emit, handle_errors, stderr, stdout
+from kvtool.cli.common import DeviceOpt, JsonOpt, emit, examples, handle_errors, lazy_module, stderr, stdout
 from kvtool.errors import InputError
-from kvtool.workflows import verify_attn as va
 
-EPILOG = """Examples:\n
-  kvtool verify-attn --synthetic --device cuda --formats nvfp4,mxfp4,fp8-token,bf16\n
-  kvtool verify-attn --synthetic --batch 8 --context-lens 1,127,128,129,4097,32768,65536,150000 --device cuda\n
-  kvtool verify-attn --synthetic --batch 128 --device cuda --formats nvfp4,mxfp4 --kernel gluon   (the fast path)\n
-  kvtool verify-attn m3.safetensors --formats nvfp4,nvfp4-rcp-auto,mxfp4-floor --layers 3-5 --device cuda\n
-  TRITON_INTERPRET=1 kvtool verify-attn --synthetic --batch 2 --context-lens 300 --formats nvfp4   (kernel on CPU)\n
-  kvtool verify-attn --synthetic --impl vllm --formats bf16,fp8,fp8-token --device cuda   (vLLM's kernel beside)\n
-  kvtool verify-attn fixtures/smollm2_capture.safetensors --impl vllm --block-size 128 --device cuda"""
+va = lazy_module("kvtool.workflows.verify_attn")  # torch-heavy: imported on first use, not for --help
+DEFAULT_TOLERANCE = 2e-3  # kvtool.workflows.verify_attn.DEFAULT_TOLERANCE (a test checks they agree)
+
+EPILOG = examples(
+    "kvtool verify-attn --synthetic --device cuda --formats nvfp4,mxfp4,fp8-token,bf16",
+    "kvtool verify-attn --synthetic --batch 8 --context-lens 1,127,128,129,4097,32768,65536,150000 --device cuda",
+    "kvtool verify-attn --synthetic --batch 128 --device cuda --formats nvfp4,mxfp4 --kernel gluon  (the fast path)",
+    "kvtool verify-attn m3.safetensors --formats nvfp4,nvfp4-rcp-auto,mxfp4-floor --layers 3-5 --device cuda",
+    "TRITON_INTERPRET=1 kvtool verify-attn --synthetic --batch 2 --context-lens 300 --formats nvfp4  (kernel on CPU)",
+    "kvtool verify-attn --synthetic --impl vllm --formats bf16,fp8,fp8-token --device cuda  (vLLM's kernel beside)",
+    "kvtool verify-attn fixtures/smollm2_capture.safetensors --impl vllm --block-size 128 --device cuda",
+)
 
 FORMATS_DEFAULT = "nvfp4,mxfp4,fp8-token,fp8,bf16"
 
@@ -51,7 +53,7 @@ def verify_attn_cmd(
                                                         "one per request (default: random in [1, 8192]).")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the synthetic data and page shuffles.")] = 0,
     tolerance: Annotated[float, typer.Option("--tolerance", help="Max max_rel against the dequantized "
-                                                                 "reference.")] = va.DEFAULT_TOLERANCE,
+                                                                 "reference.")] = DEFAULT_TOLERANCE,
     backend: Annotated[str, typer.Option("--backend", help="auto | triton | torch (auto: Triton on cuda, and on "
                                                            "cpu under TRITON_INTERPRET=1).")] = "auto",
     kernel: Annotated[str, typer.Option("--kernel", help="Synthetic (decode kernel): auto | portable | gluon (auto: "
@@ -60,9 +62,13 @@ def verify_attn_cmd(
     device: DeviceOpt = "cpu",
     as_json: JsonOpt = False,
 ) -> None:
-    """Run sparse attention on quantized paged K/V and compare with (a) the reference on the DEQUANTIZED cache
-    (kernel accuracy: exit 1 when max_rel exceeds --tolerance) and (b) the reference on the bf16 original (what the
-    format costs). Files: every captured layer, selections from the reference indexer. --synthetic: M3 TP4 decode."""
+    """Check the sparse-attention kernels against the references.
+
+    Runs sparse attention on quantized paged K/V (kvtool's kernel, and --impl engine kernels beside it) and compares
+    with (a) the reference on the DEQUANTIZED cache (kernel accuracy: exit 1 when max_rel exceeds --tolerance) and
+    (b) the reference on the bf16 original (what the format costs). Files: every captured layer, selections from the
+    reference indexer. --synthetic: M3 TP4 decode."""
+    from kvtool.backend import resolve_device
     if synthetic == (file is not None):
         raise InputError("give either a capture FILE or --synthetic (not both)")
     names = [f.strip() for f in formats.split(",") if f.strip()]
@@ -87,7 +93,7 @@ def verify_attn_cmd(
         raise typer.Exit(1)
 
 
-def _render(r: va.VerifyAttnReport) -> None:
+def _render(r) -> None:
     geo = ", ".join(f"{k} {v}" for k, v in r.geometry.items() if k != "context_lens")
     # Compact enough for 80 columns: the JSON report also has max_abs and cosine of (a).
     table = Table(title=f"verify-attn: {r.source} — {r.backend} on {r.device}", caption=geo, box=box.SIMPLE_HEAD,

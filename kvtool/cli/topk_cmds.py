@@ -10,22 +10,22 @@ import typer
 from rich import box
 from rich.table import Table
 
-from kvtool.backend import resolve_device
 from kvtool.cli import app
-from kvtool.cli.common import DeviceOpt, JsonOpt, emit, handle_errors, stderr, stdout
+from kvtool.cli.common import DeviceOpt, JsonOpt, emit, examples, handle_errors, lazy_module, stderr, stdout
 from kvtool.errors import InputError
-from kvtool.indexer import IndexerConfig
-from kvtool.workflows import verify_topk as vt
 
-EPILOG = """Examples:\n
-  kvtool verify-topk --synthetic --device cuda --formats bf16,fp8,nvfp4,mxfp4\n
-  kvtool verify-topk --synthetic --batch 8 --context-lens 1,127,128,129,4097,32768,131072,150000 --device cuda\n
-  kvtool verify-topk capture.safetensors --formats nvfp4,mxfp4-floor --layers 3-5 --min-recall 0.9 --device cuda\n
-  kvtool verify-topk index_k.safetensors --queries index_q.safetensors --formats fp8,nvfp4 --json\n
-  TRITON_INTERPRET=1 kvtool verify-topk --synthetic --batch 2 --context-lens 700 --formats nvfp4   (kernel on CPU)\n
-  kvtool verify-topk --synthetic --impl vllm --formats bf16,fp8 --device cuda   (vLLM's kernel beside kvtool's)\n
-  kvtool verify-topk --edge-scores --impl vllm --device cuda   (top-k alone on -inf / NaN / tie rows)\n
-  kvtool verify-topk --scores rows.safetensors --nan-rule any --impl mypkg.kernels:my_select"""
+vt = lazy_module("kvtool.workflows.verify_topk")  # torch-heavy: imported on first use, not for --help
+
+EPILOG = examples(
+    "kvtool verify-topk --synthetic --device cuda --formats bf16,fp8,nvfp4,mxfp4",
+    "kvtool verify-topk --synthetic --batch 8 --context-lens 1,127,128,129,4097,32768,131072,150000 --device cuda",
+    "kvtool verify-topk capture.safetensors --formats nvfp4,mxfp4-floor --layers 3-5 --min-recall 0.9 --device cuda",
+    "kvtool verify-topk index_k.safetensors --queries index_q.safetensors --formats fp8,nvfp4 --json",
+    "TRITON_INTERPRET=1 kvtool verify-topk --synthetic --batch 2 --context-lens 700 --formats nvfp4  (kernel on CPU)",
+    "kvtool verify-topk --synthetic --impl vllm --formats bf16,fp8 --device cuda  (vLLM's kernel beside kvtool's)",
+    "kvtool verify-topk --edge-scores --impl vllm --device cuda  (top-k alone on -inf / NaN / tie rows)",
+    "kvtool verify-topk --scores rows.safetensors --nan-rule any --impl mypkg.kernels:my_select",
+)
 
 FORMATS_DEFAULT = "bf16,fp8,nvfp4,mxfp4"
 
@@ -71,9 +71,15 @@ def verify_topk_cmd(
     device: DeviceOpt = "cpu",
     as_json: JsonOpt = False,
 ) -> None:
-    """Select top-k index blocks from quantized paged index caches and compare with (a) the reference scorer fed the
-    DEQUANTIZED cache (every difference must be a tie: exit 1 otherwise) and (b) the reference on the original keys
-    (exact-set %, recall@k, relative block-score error; --min-recall gates it)."""
+    """Check the top-k index kernels against the references.
+
+    Selects top-k index blocks from quantized paged index caches (kvtool's kernel, and --impl engine kernels beside
+    it) and compares with (a) the reference scorer fed the DEQUANTIZED cache (every difference must be a tie, ids in
+    rank order, no dropped finite block: exit 1 otherwise) and (b) the reference on the original keys (exact-set %,
+    recall@k, relative block-score error; --min-recall gates it)."""
+    from kvtool.backend import resolve_device
+    from kvtool.indexer import IndexerConfig
+
     if int(synthetic) + int(file is not None) + int(edge_scores) + int(scores is not None) != 1:
         raise InputError("give one of FILE, --synthetic, --edge-scores, --scores")
     names = [f.strip() for f in formats.split(",") if f.strip()]
@@ -122,7 +128,7 @@ def _read_scores(path: Path):
     return out[0].float(), out[1].long()
 
 
-def _render(r: vt.VerifyTopkReport) -> None:
+def _render(r) -> None:
     cfg = ", ".join(f"{k} {v}" for k, v in r.config.items() if k != "context_lens")
     table = Table(title=f"verify-topk: {r.source} ({r.backend}, {r.device})", caption=cfg, box=box.SIMPLE_HEAD,
                   pad_edge=False, collapse_padding=True)

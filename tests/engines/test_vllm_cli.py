@@ -47,3 +47,10 @@ def test_without_vllm_exit_2_with_the_fetch_command(tmp_path, monkeypatch):
     assert res.exit_code == 2
     lines = [x for x in res.output.splitlines() if x.strip()]
     assert len(lines) == 1 and "pip download --no-deps vllm==0.33.0" in lines[0]
+
+
+def test_cli_tolerance_default_is_the_workflow_default():
+    from kvtool.cli import attn_cmds
+    from kvtool.workflows import verify_attn
+
+    assert attn_cmds.DEFAULT_TOLERANCE == verify_attn.DEFAULT_TOLERANCE
