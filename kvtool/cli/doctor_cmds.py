@@ -84,7 +84,7 @@ def _evidence(ev: dict) -> str:
     keys = [k for k in ev if k not in ("ranking", "expected", "declared_detail", "rule_rates_gaussian",
                                        "rule_rates_requantized", "per_head_pct", "block_max_histogram")]
     parts = []
-    for k in keys[:4]:
+    for k in keys[:3]:
         v = ev[k]
         text = str(v) if not isinstance(v, float) else f"{v:.4g}"
         parts.append(f"{k}={text[:40]}")
@@ -94,21 +94,22 @@ def _evidence(ev: dict) -> str:
 def _render(r) -> None:
     title = f"doctor {r.path}: {r.kind}, {len(r.tensors)} tensors" + (f", reference {r.reference}" if r.reference
                                                                         else "")
-    table = Table(title, legend="evidence: kvtool doctor --json")
-    table.column("severity").column("code").column("tensor").column("layer", justify="right", optional=True)
-    table.column("head", justify="right", optional=True).column("finding", wrap=True).column("likely fix", wrap=True)
+    table = Table(title, legend="every finding's numbers: kvtool doctor --json")
+    table.column("severity").column("code").column("tensor").column("layer", justify="right")
+    table.column("head", justify="right").column("evidence", optional=True)
     for f in r.findings:
-        table.row(f.severity, f.code, f.tensor, f.layer, f.head, f.message, f.fix or "-",
+        table.row(f.severity, f.code, f.tensor, f.layer, f.head, _evidence(f.evidence),
                   style=SEVERITY_STYLE.get(f.severity))
     if r.findings:
         print_table(table)
     for f in r.findings:
-        if f.severity != "info" and f.evidence:
-            line(f"{f.code} {f.tensor}: {_evidence(f.evidence)}")
+        line(f"{f.code} ({f.tensor}): {f.message}")
+        if f.fix:
+            line(f"  fix: {f.fix}")
     fits = r.candidates.get("geometry") or []
     if fits:
         line("geometry candidates (lower score = more plausible): " +
-             "; ".join(f"{c.what} {c.score:g}" for c in fits[:4]))
+             "; ".join(f"{c.what} {c.score:g}" for c in fits[:3]))
     errors, warnings = len(r.errors), len(r.warnings)
     line(f"{errors} error(s), {warnings} warning(s)" if r.findings else
          f"no finding in {len(r.tensors)} tensors: the cache looks clean")

@@ -97,7 +97,7 @@ def _fn_as_fnuz(sig: dict) -> bool:
 
 def detect_fp8_element(s: Subject, ctx: Context) -> list:
     sig = fp8_signature(s)
-    ev = {k: sig[k] for k in ("codes", "x7f", "x80", "rows", "rows_max_7f", "rows_max_7e")}
+    ev = {k: sig[k] for k in ("x7f", "x80", "rows_max_7f", "rows_max_7e", "rows", "codes")}
     if s.fp8_element == "fn" and _fnuz_as_fn(sig):
         return [_finding(s, "fp8-fnuz-as-fn", "error",
                          f"E4M3FNUZ bytes read as E4M3FN: {sig['x7f']} codes 0x7F/0xFF (NaN in FN, +-240 in FNUZ), "

@@ -26,7 +26,10 @@ def _layout_subjects(path, layout: str, geometry, fp8_element: str, report: Doct
     if read is not None and read.kvtool:
         return [Subject(n, "kvtool", q=q, fp8_element=fp8_element) for n, q in read.tensors.items()]
     given = geo_rank.parse_geometry(geometry)
-    if read is not None and all(k in given for k in geo_rank.KEYS):
+    preset = geo_rank.get_preset(layout)
+    # tokens default to every slot of every page, and a fixed page size is no choice: neither needs ranking
+    needed = [k for k in ("format", "page", "heads", "dim") if not (k == "page" and preset.page_fixed)]
+    if read is not None and all(k in given for k in needed):
         declared_score, _ = geo_rank.plausibility(read.tensors, read.geometries)
         if declared_score <= PLAUSIBLE_SCORE:  # complete and plausible: nothing to rank
             return [Subject(n, f"layout:{layout}", q=q, fp8_element=fp8_element, geometry=read.geometries.get(n))
@@ -40,7 +43,7 @@ def _layout_subjects(path, layout: str, geometry, fp8_element: str, report: Doct
     if read is not None:
         declared_score, detail = geo_rank.plausibility(read.tensors, read.geometries)
         declared = next(iter(read.geometries.values())).text()
-    name = "(dump)"
+    name = Path(path).name  # geometry findings are about the whole dump
     ranking = [{"geometry": f.what, "score": f.score} for f in fits[:5]]
     if read is None and not best.detail.get("changed_keys"):
         # the given keys were not enough to read the dump (no format, say): the best reading keeps all of them
@@ -63,10 +66,12 @@ def _layout_subjects(path, layout: str, geometry, fp8_element: str, report: Doct
                                                            "declared_detail": detail, "best": best.what,
                                                            "ranking": ranking}))
         read = reads[best.what]
-    elif missing := [k for k in ("format", "page", "heads", "dim", "tokens") if k not in given]:
+    elif missing := [k for k in needed if k not in given]:
+        rank_of = next((i for i, f in enumerate(fits) if f.what == declared), None)
+        where = "the most plausible" if rank_of == 0 else f"most plausible: {fits[0].what}"
         report.findings.append(Finding(
-            "geometry-inferred", "info", name, f"{', '.join(missing)} not given: read as {declared} "
-            f"(score {declared_score}); best candidates {', '.join(f.what for f in fits[:3])}",
+            "geometry-inferred", "info", name, f"{', '.join(missing)} not given: read as {declared} ({where} of "
+            f"{len(fits)} geometries that fit the size; score {declared_score})",
             f"pass --geometry {declared} to pin it", evidence={"declared": declared, "ranking": ranking}))
     return [Subject(n, f"layout:{layout}", q=q, fp8_element=fp8_element,
                     geometry=read.geometries.get(n)) for n, q in read.tensors.items()]

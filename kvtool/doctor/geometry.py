@@ -5,7 +5,8 @@ plus the code / scale statistics below); the declared geometry is compared with 
 Score (lower is more plausible; a true reading scores ~0): the share of scales that are NaN / negative / spread over
 an implausible range, of non-zero blocks whose largest code no scale rule of the format gives (a block scaled from
 its own amax tops out near the element max), of groups whose codes and scale disagree on being zero, plus a small
-term for how little consecutive tokens of a head look alike (1 - coherence) / 5.
+term for how little consecutive tokens of a head look alike ((1 - coherence) / 20, a tie-breaker), plus 0.02 per
+kvtool.layouts.check_plausible warning.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ KEYS = ("format", "page", "heads", "dim", "tokens")
 CHANGED_KEY_COST = 0.02
 # Largest E2M1 code of a block scaled from its own amax, per family (any rule / recipe).
 FP4_MAX_CODES = {"nvfp4": (4.0, 6.0), "mxfp4": tuple(sorted({c for cs in MX_MAX_CODES.values() for c in cs}))}
-FP8_ROW_TOPS = (0x7D, 0x7E)  # fp8 token: a row scaled from its amax tops out at 448 (0x7E); ds floor rows a bit less
+# fp8 token: a row scaled from its amax tops out at 448 (0x7E; 0x7F for an E4M3FNUZ writer); ds-floor rows a bit less
+FP8_ROW_TOPS = (0x7D, 0x7E, 0x7F)
 
 
 def _labels(preset, given: dict) -> list[str]:
@@ -107,7 +109,9 @@ def plausibility(tensors: dict, geometries: dict | None = None) -> tuple[float, 
             codes = stats.sample_rows(stats.element_codes(s), s.heads)
             if fam == "fp8":
                 low = codes & 0x7F
-                terms["nan_codes"] = float((low == 0x7F).float().mean()) * 10
+                # NaN under one fp8 element or the other: E4M3FN or E4M3FNUZ bytes (which one is the fp8-element
+                # detector's question) both read plausibly; bytes that are NaN under both are not fp8 codes
+                terms["nan_codes"] = min(float((low == 0x7F).float().mean()), float((codes == 0x80).float().mean())) * 10
                 if q.fmt.scale_element == "fp32-row":
                     tops = low.amax(-1)
                     live = tops > 0
@@ -126,10 +130,10 @@ def plausibility(tensors: dict, geometries: dict | None = None) -> tuple[float, 
             terms["nonfinite"] = float((~torch.isfinite(x)).float().mean()) * 10
             terms["spread"] = 0.0 if hi - lo <= 40 else 1.0
         x = stats.sample_rows(q.dequantize().reshape(s.rows, s.dim), s.heads)[: 4096 * s.heads]
-        terms["incoherence"] = (1.0 - max(0.0, coherence(x, s.heads))) / 5
+        terms["incoherence"] = (1.0 - max(0.0, coherence(x, s.heads))) / 20
         detail[name] = {k: round(v, 4) for k, v in terms.items()}
         score += sum(terms.values())
-    score = score / max(len(tensors), 1) + 0.05 * detail["warnings"]
+    score = score / max(len(tensors), 1) + 0.02 * detail["warnings"]
     return round(score, 4), detail
 
 
