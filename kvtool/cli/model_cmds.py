@@ -53,7 +53,7 @@ def _render_capture(r) -> None:
     line(f"selection defaults: block {r.block_size}, top-{r.topk}, init {r.init_blocks}, local {r.local_blocks}")
     first = f"layers.{r.layers[0]}."
     shapes = {t["name"].split(".", 2)[2]: t["shape"] for t in r.tensors if t["name"].startswith(first)}
-    line("per layer: " + ", ".join(f"{k} [{','.join(map(str, v))}]" for k, v in shapes.items()))
+    line("per layer: " + ", ".join(f"{k}=[{','.join(map(str, v))}]" for k, v in shapes.items()))  # one word each
     line(f"prompt: {r.prompt_preview!r}...", stderr)
 
 
