@@ -131,7 +131,7 @@ def _fmt_score(x: float) -> str:
     if x != x:
         return "NaN"
     if x >= 1e29:
-        return "forced"
+        return "1e30 forced init" if x >= 1e30 else "1e29 forced local"
     return f"{x:.6g}"
 
 
@@ -195,7 +195,7 @@ def _classify_one(row, ref_row, keys, scores, valid, k, tol, nan_any) -> tuple[s
     a, b = set(ids), {x for x in ref_row if x >= 0}
     only_a, only_b = sorted(a - b), sorted(b - a)
     lowest = min((keys[x] for x in ids), default=math.inf)
-    for x in only_b:  # a finite reference block the candidate left out
+    for x in sorted(only_b, key=lambda y: -keys[y]):  # the best-ranked finite reference block the candidate left out
         fin = math.isfinite(scores[x])
         if fin and (len(ids) < k or lowest < keys[x] - tol):
             kept = min(ids, key=lambda y: keys[y]) if ids else None
