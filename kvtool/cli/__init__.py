@@ -12,6 +12,8 @@ import typer
 
 from kvtool.cli.common import KvtoolGroup, VersionOpt
 
+__all__ = ["app", "main"]
+
 app = typer.Typer(
     name="kvtool",
     cls=KvtoolGroup,

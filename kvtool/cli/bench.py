@@ -9,6 +9,8 @@ import typer
 from kvtool.cli import app
 from kvtool.cli.common import DeviceOpt, JsonOpt, KvtoolGroup, emit, examples, handle_errors, note, stderr, stdout
 
+__all__ = ["bench_app", "bench_attn", "bench_codecs", "bench_decode", "bench_index", "bench_quant"]
+
 bench_app = typer.Typer(
     cls=KvtoolGroup, rich_markup_mode=None, no_args_is_help=True,
     help="Time kvtool's codecs and kernels beside their peers.\n\nEach benchmark measures the copy bandwidth first, "

@@ -39,6 +39,9 @@ from kvtool.cli.common import (
     warn,
 )
 
+__all__ = ["ChunkOpt", "CopyExcludeOpt", "ExcludeOpt", "GeometryOpt", "InArg", "IncludeOpt", "LayoutOpt", "VerifyOpt",
+           "dequantize", "diff", "inspect", "quantize"]
+
 FIX = "fixtures/synthetic_cache.safetensors"
 
 InArg = Annotated[Path, typer.Argument(

@@ -10,6 +10,8 @@ import typer
 from kvtool.cli import app
 from kvtool.cli.common import JsonOpt, OutOpt, Table, emit, examples, handle_errors, line, note, print_table, warn
 
+__all__ = ["GeometryOpt", "convert", "layouts"]
+
 GeometryOpt = Annotated[Optional[str], typer.Option(
     "--geometry", help="Input geometry KEY=VAL[,KEY=VAL...]: format, page, heads, dim, tokens, tensor_scale, outer "
                        "(missing keys: file metadata, then the preset, then heads=1, dim=128, whole pages).")]

@@ -10,6 +10,8 @@ import typer
 from kvtool.cli import app
 from kvtool.cli.common import DeviceOpt, JsonOpt, OutOpt, Table, emit, examples, handle_errors, line, print_table
 
+__all__ = ["capacity_cmd", "capture_cmd"]
+
 
 @app.command("capture", epilog=examples(
     'kvtool capture --model smollm2 --prompt "The capital of France is" -o cache.safetensors',

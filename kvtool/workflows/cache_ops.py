@@ -34,6 +34,9 @@ from kvtool.errors import InputError, KvtoolError
 from kvtool.formats import Format, QTensor, get_format, require_finite, rotation
 from kvtool.readers import Entry, InputFile, check_finite_rows, open_input, row_chunks, select
 
+__all__ = ["CacheOpReport", "Hint", "Progress", "TensorResult", "chunk_bytes", "dequantize_file", "dequantize_tensor",
+           "quantize_file", "quantize_tensor", "tensor_amax"]
+
 Progress = Callable[[int, int, str], None]  # (units done, units total, what) -> None
 Hint = Callable[[str], None]
 

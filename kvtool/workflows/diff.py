@@ -51,6 +51,8 @@ from kvtool.metrics import ValueAccumulator, ValueMetrics
 from kvtool.readers import Entry, check_finite_rows, open_input, row_chunks, select
 from kvtool.workflows.cache_ops import Progress, chunk_bytes, tensor_amax
 
+__all__ = ["CodeDiff", "DiffReport", "METRIC_SLICE", "PLOT_SAMPLES", "TensorDiff", "diff_files"]
+
 PLOT_SAMPLES = 200_000  # error samples kept per tensor for --plot
 METRIC_SLICE = 1 << 20  # elements per metric update (bounds the fp64 temporaries)
 

@@ -41,6 +41,9 @@ from kvtool.formats import E4M3_MAX, Format, e4m3_decode, e8m0_decode, unpack_ni
 from kvtool.readers import Entry, open_input, row_chunks, select
 from kvtool.workflows.cache_ops import Progress, chunk_bytes
 
+__all__ = ["InspectReport", "SATURATION", "SCALE_DECODERS", "ScaleStats", "TensorInfo", "inspect_file",
+           "scale_stats"]
+
 # Decoded value of each stored scale element (how to read a scale plane; formats name their scale element).
 SCALE_DECODERS = {"e8m0": e8m0_decode, "e4m3": e4m3_decode, "fp32-row": torch.Tensor.float,
                   "fp32-tensor": torch.Tensor.float}
@@ -132,8 +135,8 @@ def _quant_info(e: Entry, chunk: int) -> TensorInfo:
     options = {k: v for k, v in meta.items() if k not in ("family", "label", "block", "scale_element")}
     bpt = fmt.bytes_per_token(e.dim)
     tscale = float(e.scalar_scale) if e.scalar_scale is not None else None
-    return TensorInfo(e.name, fmt.label, options, list(e.shape), dtype_name(e.dtype), bpt, round(2 * e.dim / max(bpt, 1), 4),
-                      e.nbytes, e.outer_scale, tscale, "none", scale_stats(e, chunk))
+    return TensorInfo(e.name, fmt.label, options, list(e.shape), dtype_name(e.dtype), bpt,
+                      round(2 * e.dim / max(bpt, 1), 4), e.nbytes, e.outer_scale, tscale, "none", scale_stats(e, chunk))
 
 
 def scale_stats(e: Entry, chunk: int) -> ScaleStats:
