@@ -26,6 +26,7 @@ Usage, for a command's renderer:
 
 from __future__ import annotations
 
+import io
 import os
 import textwrap
 from dataclasses import dataclass, field
@@ -46,7 +47,7 @@ class Console(RichConsole):
     build rich Tables (benchmarks, older commands) get the same width-aware layouts without a rewrite."""
 
     def print(self, *objects, **kwargs) -> None:
-        if len(objects) == 1 and isinstance(objects[0], RichTable):
+        if len(objects) == 1 and isinstance(objects[0], RichTable) and objects[0].show_header:  # not a layout grid
             print_table(from_rich(objects[0]), self)
             return
         super().print(*objects, **kwargs)
@@ -253,7 +254,10 @@ def _text(value) -> Text:
         return value.copy()
     if isinstance(value, str):
         return Text.from_markup(value)
-    return Text(str(value))
+    plain = RichConsole(width=10_000, color_system=None, file=io.StringIO())  # another renderable: its text
+    with plain.capture() as captured:
+        plain.print(value, end="")
+    return Text(captured.get())
 
 
 def from_rich(rich_table: RichTable) -> Table:
