@@ -43,6 +43,12 @@ class Detector:
     codes: tuple[str, ...]
     applies: Callable[[Subject], bool]
     run: Callable[[Subject, Context], list]
+    decodes_fp8: bool = False  # its statistics depend on the fp8 element: rerun under the element the bytes are in
+
+
+# A finding that says which fp8 element the bytes really are: the element-dependent detectors are rerun under it, so
+# that (say) the clipping of an E4M3FNUZ cache is measured at FNUZ's 240, not at the NaN FN reads there.
+ELEMENT_FOUND = {"fp8-fnuz-as-fn": "fnuz", "fp8-fn-as-fnuz": "fn"}
 
 
 def _finding(s: Subject, code: str, severity: str, message: str, fix: str, head=None, **evidence) -> Finding:
@@ -644,8 +650,7 @@ DETECTORS: tuple[Detector, ...] = (
     Detector("half-swap", ("fp16-as-bf16", "bf16-as-fp16"), lambda s: s.is_half, detect_half_swap),
     Detector("unit-scale", ("unit-scale-fallback",), _is_q("fp8", "nvfp4", "mxfp4"), detect_unit_scale),
     Detector("mx-rule", ("scale-rule-mismatch",), _is_q("mxfp4"), detect_mx_rule),
-    Detector("range", ("clipping", "flush-to-zero"), lambda s: _is_q("fp8", "nvfp4", "mxfp4")(s)
-             and not (s.q.fmt.family == "fp8" and s.fp8_element != "fn"), detect_range),
+    Detector("range", ("clipping", "flush-to-zero"), _is_q("fp8", "nvfp4", "mxfp4"), detect_range, decodes_fp8=True),
     Detector("scale-pairing", ("scales-misaligned",), _is_q("fp8", "nvfp4", "mxfp4"), detect_scale_pairing),
     Detector("scale-profile", ("scales-misaligned",), _is_q("nvfp4", "mxfp4"), detect_scale_profile),
     Detector("kv-swap", ("kv-swapped",), lambda s: not s.is_ids and s.name.endswith("k"), detect_kv_swap),

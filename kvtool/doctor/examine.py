@@ -3,10 +3,11 @@ with a reference pin down the transformation that made the dump."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from kvtool.doctor import geometry as geo_rank
-from kvtool.doctor.detectors import DETECTORS, Context
+from kvtool.doctor.detectors import DETECTORS, ELEMENT_FOUND, Context
 from kvtool.doctor.reference import compare, pair_reference, reference_values
 from kvtool.doctor.report import DoctorReport, Finding
 from kvtool.doctor.subjects import Subject, load_subjects
@@ -111,9 +112,15 @@ def examine(source, layout: str | None = None, geometry: "str | dict | None" = N
     ctx = Context(by_name, topk_order=topk_order, topk_block=topk_block, page=page)
     for s in subjects:
         report.tensors.append(s.name)
-        for det in DETECTORS:
-            if det.applies(s):
-                report.findings.extend(det.run(s, ctx))
+        found = [f for det in DETECTORS if det.applies(s) for f in det.run(s, ctx)]
+        element = next((ELEMENT_FOUND[f.code] for f in found if f.code in ELEMENT_FOUND), None)
+        if element is not None:
+            redo = [det for det in DETECTORS if det.decodes_fp8]
+            dropped = {c for det in redo for c in det.codes}
+            s2 = replace(s, fp8_element=element)
+            found = [f for f in found if f.code not in dropped]
+            found += [f for det in redo if det.applies(s2) for f in det.run(s2, ctx)]
+        report.findings.extend(found)
     if reference is not None:
         report.reference = str(reference) if isinstance(reference, (str, Path)) else "<memory>"
         if reference_layout is not None:
