@@ -12,14 +12,12 @@ from typing import Callable
 
 import torch
 
-from kvtool.doctor import stats
 from kvtool.doctor.detectors import scale_realignments
 from kvtool.doctor.fnuz import E4M3FNUZ_MAX, e4m3fnuz_encode
 from kvtool.doctor.report import CandidateFit, Finding
 from kvtool.doctor.subjects import Subject, page_of
 from kvtool.formats import (
     E2M1_MAX,
-    E4M3_MAX,
     E8M0_BIAS,
     Fp8Scale,
     NvRecipe,
@@ -30,7 +28,6 @@ from kvtool.formats import (
     e4m3_encode,
     get_format,
     pack_nibbles,
-    unpack_nibbles,
 )
 from kvtool.formats.codecs import fp8_row_scale, mx_exponent
 from kvtool.formats.elements import exp2_int

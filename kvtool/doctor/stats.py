@@ -12,7 +12,6 @@ from functools import lru_cache
 import torch
 
 from kvtool.formats import E2M1, E4M3, e2m1_decode, e4m3_decode, unpack_nibbles
-from kvtool.formats.elements import E4M3_TABLE
 
 E2M1_TOP_CODE = 0b0_11_1  # 6.0
 E4M3_TOP_CODE = 0b0_1111_110  # 448.0 (0x7E)
@@ -122,5 +121,3 @@ def gaussian_rates(label: str, dim: int) -> dict:
             "zero_pct": pct(int((mags == 0).sum()), mags.numel()),
             "under_range_pct": pct(int((gmax <= top / 4).sum()), gmax.numel())}
 
-
-E4M3FN_VALUES = E4M3_TABLE
