@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich import box
@@ -13,21 +14,21 @@ from rich.table import Table
 
 from kvtool.cli import app
 from kvtool.cli.common import (DeviceOpt, Fp8ScaleOpt, JsonOpt, OuterScaleOpt, RecipeOpt, ScaleRuleOpt, emit,
-                               format_options, handle_errors, stderr, stdout)
+                               examples, format_options, handle_errors, stderr, stdout)
 from kvtool.errors import InputError, OutputError
-from kvtool.formats import rotation
-from kvtool.models import corpus
-from kvtool.workflows import decode_stats
-from kvtool.workflows.decode import DecodeOptions, DecodeReport, ProgressEvent, run_decode
 
-EPILOG = """Examples:\n
-  kvtool decode --kv nvfp4 --index fp4                      (smollm2, stdlib docs, vs bf16 K/V + bf16 index)\n
-  kvtool decode --kv fp8,nvfp4,mxfp4 --index fp8,fp4 --tokens 1024 --plot decode.png\n
-  kvtool decode --kv mxfp4-floor,mxfp4-rceil --index bf16 --prompt-file notes.txt --json > decode.json\n
-  kvtool decode --model synthetic-m3 --kv nvfp4 --index fp4 --batch 8 --device cuda\n
-  kvtool decode --kv fp8 --dense --baseline-kv fp8-token\n
-  kvtool decode --kv nvfp4,nvfp4+rot --index fp4,fp4+rot   (Hadamard rotation of the head dim before quantizing)\n
-  kvtool decode --kv nvfp4,mxfp4 --rotate hadamard:64 --batch 4   (4 documents: intervals over texts too)"""
+if TYPE_CHECKING:  # annotations only; the workflow (torch) is imported when the command runs
+    from kvtool.workflows.decode import DecodeReport, ProgressEvent
+
+EPILOG = examples(
+    'kvtool decode --kv nvfp4 --index fp4  (smollm2, stdlib docs, vs bf16 K/V + bf16 index)',
+    'kvtool decode --kv fp8,nvfp4,mxfp4 --index fp8,fp4 --tokens 1024 --plot decode.png',
+    'kvtool decode --kv mxfp4-floor,mxfp4-rceil --index bf16 --prompt-file notes.txt --json > decode.json',
+    'kvtool decode --model synthetic-m3 --kv nvfp4 --index fp4 --batch 8 --device cuda',
+    'kvtool decode --kv fp8 --dense --baseline-kv fp8-token',
+    'kvtool decode --kv nvfp4,nvfp4+rot --index fp4,fp4+rot  (Hadamard rotation of the head dim before quantizing)',
+    'kvtool decode --kv nvfp4,mxfp4 --rotate hadamard:64 --batch 4  (4 documents: intervals over texts too)',
+)
 
 
 @app.command("decode", epilog=EPILOG)
@@ -69,8 +70,10 @@ def decode_cmd(
     topk: Annotated[Optional[int], typer.Option("--topk", help="Blocks selected per query (smollm2 8).")] = None,
     local: Annotated[Optional[int], typer.Option("--local", help="Forced local blocks (default 1).")] = None,
     init: Annotated[Optional[int], typer.Option("--init", help="Forced initial blocks (default 0).")] = None,
-    layers: Annotated[Optional[int], typer.Option("--layers", help="Decoder layers of the synthetic models.")]
-    = None,
+    model_layers: Annotated[Optional[int], typer.Option("--model-layers", help="Depth (decoder layers) of the "
+                                                                               "synthetic models.")] = None,
+    old_layers: Annotated[Optional[int], typer.Option("--layers", hidden=True, help="Deprecated spelling of "
+                                                                                    "--model-layers.")] = None,
     mem_gb: Annotated[float, typer.Option("--mem-gb", help="Memory (GiB) for the tokens-that-fit column.")] = 8.0,
     rotate: Annotated[Optional[str], typer.Option("--rotate", help="Rotate every candidate format: hadamard (whole "
                                                                     "head dim) | hadamard:N | none. Same as a +rot / "
@@ -83,9 +86,16 @@ def decode_cmd(
                                                                 "this PNG (needs matplotlib).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Compare K/V and index cache formats end to end: teacher-forced KL, top-1 and perplexity by position against
+    """Compare cache formats end to end on a model.
+
+    Compare K/V and index cache formats end to end: teacher-forced KL, top-1 and perplexity by position against
     a bf16 baseline, free-running generations side by side, per-layer top-k and attention error, bytes per token
     and tokens/s (beside a plain bf16 dense decode)."""
+    from kvtool.models import corpus
+    from kvtool.workflows.decode import DecodeOptions, run_decode
+
+    if old_layers is not None:
+        print("note: --layers is deprecated in decode: use --model-layers (the model's depth)", file=sys.stderr)
     if plot is not None:
         _check_plot(plot)
     text = corpus.read_prompt(prompt, prompt_file) if prompt is not None or prompt_file is not None else None
@@ -93,7 +103,8 @@ def decode_cmd(
                          format_opts=format_options(scale_rule, recipe, outer_scale, fp8_scale), model=model,
                          prompt=text, tokens=tokens, gen_tokens=gen_tokens, seed=seed, device=device, batch=batch,
                          sparse=sparse, block_size=block_size, topk=topk, local_blocks=local, init_blocks=init,
-                         layers=layers, mem_gb=mem_gb, backend=backend,
+                         layers=model_layers if model_layers is not None else old_layers, mem_gb=mem_gb,
+                         backend=backend,
                          **_verdict_options(rotate, floor, resamples))
     with LiveProgress() as live:
         report = run_decode(opts, progress=live.update, warn=live.warn)
@@ -105,6 +116,8 @@ def decode_cmd(
 
 def _verdict_options(rotate: str | None, floor: bool, resamples: int) -> dict:
     """Only the non-default verdict options (so DecodeOptions compares equal to one built with its defaults)."""
+    from kvtool.formats import rotation
+
     if resamples < 0:
         raise InputError(f"--resamples must be >= 0, got {resamples}")
     out = {}
@@ -243,6 +256,8 @@ def _render_verdict(r: DecodeReport) -> None:
 
 def _render_llama(r: DecodeReport) -> None:
     """llama.cpp's --kl-divergence statistics, as llama-perplexity prints them, one block per configuration."""
+    from kvtool.workflows import decode_stats
+
     for c in r.candidates + ([r.floor] if r.floor else []):
         if not c.llama_cpp:
             continue

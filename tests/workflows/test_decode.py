@@ -288,7 +288,7 @@ def test_cli_option_not_fitting_any_format_exits_2():
 
 def test_cli_passes_the_options_to_the_workflow():
     fake = mock.MagicMock(side_effect=RuntimeError("stop"))
-    with mock.patch("kvtool.cli.decode_cmds.run_decode", fake):
+    with mock.patch("kvtool.workflows.decode.run_decode", fake):
         runner.invoke(app, ["decode", "--model", "synthetic-m3", "--kv", "nvfp4,mxfp4", "--index", "fp8",
                             "--recipe", "div", "--tokens", "300", "--gen-tokens", "3", "--batch", "4", "--dense",
                             "--topk", "5", "--mem-gb", "2.5", "--baseline-kv", "fp8-token"])
