@@ -63,7 +63,9 @@ def doctor(path: Annotated[Path, typer.Argument(help="The cache: kvtool file, sa
            exclude: Annotated[Optional[list[str]], typer.Option("--exclude", help="Skip tensors matching this glob "
                                                                 "(repeatable).")] = None,
            as_json: JsonOpt = False) -> None:
-    """Explain a broken cache: test every known failure (FNUZ read as FN, fp16/bf16 mix-up, unit-scale fallback,
+    """Explain a broken cache from its bytes.
+
+    Every known failure is tested (FNUZ read as FN, fp16/bf16 mix-up, unit-scale fallback,
     MX scale rule, nibble order, geometry, K/V swap, misaligned scales, top-k contract, stale pages, NaN codes,
     clipping / flush-to-zero) from the bytes, and with --reference find the transformation that made the dump.
     Exit 1 when any finding is an error."""
