@@ -153,7 +153,7 @@ class DecodeReport:
 
 @dataclass
 class ProgressEvent:
-    phase: str  # 'teacher-forced' | 'generate' | 'reference'
+    phase: str  # 'teacher-forced' | 'generate' | 'timed steps'
     done: int
     total: int
     running: dict  # label -> (mean KL, top-1 %) so far
@@ -591,10 +591,12 @@ def _free_run(decs: list[Decoder], n_gen: int, progress: Callable | None, runnin
     out = [torch.stack(t, dim=1)[:, :n_gen] for t in tokens]
     if timed_steps and n_gen > 0:
         last = [t[-1] for t in tokens]
-        for _ in range(timed_steps):
+        for j in range(timed_steps):
             for i, dec in enumerate(decs):
                 if timed is None or timed[i]:
                     last[i] = dec.decode_one(last[i]).argmax(-1)
+            if progress:
+                progress(ProgressEvent("timed steps", j + 1, timed_steps, running()))
     return out
 
 

@@ -268,8 +268,8 @@ def test_demo_bench_times_the_phases_and_states_the_goal():
     from kvtool.bench.decode import run_demo_bench
 
     r = run_demo_bench(model="tiny-llama", tokens=40, gen_tokens=4, resamples=50)
-    assert [row.name for row in r.rows] == ["model load + first chunk", "teacher-forced", "free run (timed steps)",
-                                            "report (bootstrap, statistics)", "whole run"]
+    assert [row.name for row in r.rows] == ["model load + first chunk", "teacher-forced", "free run (lockstep)",
+                                            "timed steps", "report (bootstrap, statistics)", "whole run"]
     assert all(row.time_us >= 0 for row in r.rows) and r.rows[-1].time_us >= max(x.time_us for x in r.rows[:-1])
     x = r.extra
     assert x["cpu_s"] > 0 and x["wall_s"] > 0 and "(goal <= 30 s)" in x["goals"][0]
