@@ -318,9 +318,9 @@ def detect_range(s: Subject, ctx: Context) -> list:
     else:  # a rule-scaled group holds its amax at (or next to) the top: a pile of several there is clipped data
         pile = stats.pile_min(fmt)
         clip_h = _per_head(s, ((at_top >= pile) & live).sum(-1)) / _per_head(s, live_rows).clamp(min=1)
-        # 3x the rate on normal data, at most 25 points above it, and never below 15 % (rceil rarely piles on
+        # 4x the rate on normal data, at most 25 points above it, and never below 15 % (rceil rarely piles on
         # normal data, but near-uniform blocks, like values, pile more)
-        clip_limit = max(0.15, min(3 * base["piled_groups_pct"] / 100, base["piled_groups_pct"] / 100 + 0.25))
+        clip_limit = max(0.15, min(4 * base["piled_groups_pct"] / 100, base["piled_groups_pct"] / 100 + 0.25))
         under_h = _per_head(s, ((gmax <= top / 4) & live).sum(-1)) / _per_head(s, live_rows).clamp(min=1)
         under_limit = max(0.2, 3 * base["under_range_pct"] / 100)
     out = []
