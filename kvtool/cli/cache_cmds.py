@@ -157,8 +157,7 @@ def _render_ops(r) -> None:
                   str(t.bytes_per_token), f"{t.compression_vs_bf16:.2f}")
     print_table(table)
     ratio = r.bytes_in / r.bytes_out if r.bytes_out else 0.0
-    line(f"wrote {r.output}: {_mib(r.bytes_out)} from {_mib(r.bytes_in)} of input tensor data ({ratio:.2f}x)",
-         wrap=False)
+    line(f"wrote {r.output}: {_mib(r.bytes_out)} from {_mib(r.bytes_in)} of input tensor data ({ratio:.2f}x)")
 
 
 # ------------------------------------------------------------------------------------------------ inspect

@@ -51,7 +51,7 @@ def _render_capture(r) -> None:
     from kvtool.cli.common import stderr
 
     line(f"wrote {r.output}: {r.model}, {r.tokens} tokens, layers {_ranges(r.layers)}, {r.file_bytes:,} bytes in "
-         f"{r.seconds:.2f} s", wrap=False)
+         f"{r.seconds:.2f} s")
     line(f"selection defaults: block {r.block_size}, top-{r.topk}, init {r.init_blocks}, local {r.local_blocks}")
     first = f"layers.{r.layers[0]}."
     shapes = {t["name"].split(".", 2)[2]: t["shape"] for t in r.tensors if t["name"].startswith(first)}
@@ -114,5 +114,5 @@ def _render_capacity(r) -> None:
     s = r.selected
     line(f"selected: {s.kv} KV + {s.index} index (dense layers {s.kv_dense}): {s.block_bytes:,} B per block, "
          f"{s.bytes_per_token:,} B per token" + ("" if s.blocks is None else
-                                                 f", {s.blocks:,} blocks = {s.tokens:,} tokens"), wrap=False)
+                                                 f", {s.blocks:,} blocks = {s.tokens:,} tokens"))
     line(r.note, stderr)

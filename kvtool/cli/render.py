@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import textwrap
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
@@ -239,10 +240,23 @@ def print_table(table: Table, console: Console | None = None) -> str:
     return layout
 
 
+NBSP = "\xa0"  # textwrap does not break at it
+
+
 def line(text: str, console: Console | None = None, *, style: str | None = None, wrap: bool = True) -> None:
-    """Print one message (no markup): prose wraps at spaces to the width; `wrap=False` keeps it on one line."""
+    """Print one message (no markup), wrapped to the width between its clauses only (after ", ", "; " or ": "), so
+    that "20 tokens" or "1,827,840 B per block" never splits (a clause longer than a line wraps at its spaces);
+    continuation lines are indented. `wrap=False` keeps it on one line."""
     console = console or stdout
-    pieces = paragraph(text, width(console), indent="  ") if wrap else [text]
+    if wrap:
+        limit = width(console)
+        glued = re.sub(r"(?<![,;:]) ", NBSP, text)
+        pieces = []
+        for piece in paragraph(glued, limit, indent="  "):  # a clause longer than a line wraps at its spaces
+            pieces += [piece.replace(NBSP, " ")] if len(piece) <= limit else \
+                paragraph(piece.replace(NBSP, " "), limit, indent="  ")
+    else:
+        pieces = [text]
     for piece in pieces:
         console.print(Text(piece, style=style or ""), soft_wrap=True)
 
