@@ -57,8 +57,8 @@ class Console(RichConsole):
 stdout = Console(highlight=False)
 stderr = Console(stderr=True, highlight=False)
 
-__all__ = ["Column", "Console", "Table", "from_rich", "line", "paragraph", "print_table", "render_lines", "stderr",
-           "stdout", "width"]
+__all__ = ["Column", "Console", "Table", "clauses", "from_rich", "line", "paragraph", "print_table", "render_lines",
+           "stderr", "stdout", "width"]
 
 
 def width(console: Console | None = None) -> int:
@@ -145,7 +145,7 @@ def render_lines(table: Table, limit: int) -> tuple[list[Text], str]:
     """The table laid out for `limit` columns: its lines and the layout used (columns | fewer | records)."""
     out: list[Text] = []
     if table.title:
-        out += [Text(s, style="bold") for s in paragraph(table.title, limit)]
+        out += [Text(s, style="bold") for s in clauses(table.title, limit)]
     keep = [i for i in range(len(table.columns)) if table.keep_empty or i == 0 or not table.rows
             or any(row[i].plain.strip() not in ("", "-") for row in table.rows)]
     shown = list(keep)
@@ -243,20 +243,22 @@ def print_table(table: Table, console: Console | None = None) -> str:
 NBSP = "\xa0"  # textwrap does not break at it
 
 
+def clauses(text: str, limit: int, indent: str = "  ") -> list[str]:
+    """`text` wrapped to `limit` columns between its clauses only (after ", ", "; " or ": "); a clause longer than a
+    line wraps at its spaces. Continuation lines get `indent`."""
+    out = []
+    for piece in paragraph(re.sub(r"(?<![,;:]) ", NBSP, text), limit, indent=indent):
+        plain = piece.replace(NBSP, " ")
+        out += [plain] if len(piece) <= limit else paragraph(plain, limit, indent=indent)
+    return out
+
+
 def line(text: str, console: Console | None = None, *, style: str | None = None, wrap: bool = True) -> None:
     """Print one message (no markup), wrapped to the width between its clauses only (after ", ", "; " or ": "), so
     that "20 tokens" or "1,827,840 B per block" never splits (a clause longer than a line wraps at its spaces);
     continuation lines are indented. `wrap=False` keeps it on one line."""
     console = console or stdout
-    if wrap:
-        limit = width(console)
-        glued = re.sub(r"(?<![,;:]) ", NBSP, text)
-        pieces = []
-        for piece in paragraph(glued, limit, indent="  "):  # a clause longer than a line wraps at its spaces
-            pieces += [piece.replace(NBSP, " ")] if len(piece) <= limit else \
-                paragraph(piece.replace(NBSP, " "), limit, indent="  ")
-    else:
-        pieces = [text]
+    pieces = clauses(text, width(console)) if wrap else [text]
     for piece in pieces:
         console.print(Text(piece, style=style or ""), soft_wrap=True)
 
