@@ -338,15 +338,16 @@ def plot_report(r: DecodeReport, path: Path, window: int = 16) -> None:
                     ax.fill_between([b.lo, b.hi - 1], iv[metric].lo, iv[metric].hi, color=line.get_color(),
                                     alpha=0.12, linewidth=0)
     choice = r.selection and r.selection["topk"] * r.selection["block_size"]  # top-k is a choice from here on
-    axes[0].set_yscale("symlog", linthresh=1e-6)  # the floor sits decades below the formats
+    axes[0].set_yscale("symlog", linthresh=1e-6)  # the floor sits decades below the formats (and may be 0)
+    axes[0].set_ylim(bottom=0)
     for ax, title in zip(axes, ("KL(p_base || p) [nats]", "top-1 agreement [%]", "delta-p of the next token")):
         ax.set_ylabel(title)
         ax.grid(alpha=0.3)
         if choice and choice < r.tokens:
             ax.axvline(choice, color="gray", linestyle="--", linewidth=1)
     axes[0].legend(fontsize=8)
-    axes[-1].set_xlabel(f"position (trailing mean over {window}; dashed: top-k becomes a choice; dotted black: the "
-                        f"noise floor; bands: per-bucket bootstrap intervals)")
+    axes[-1].set_xlabel(f"position (trailing mean over {window}; dashed: top-k becomes a choice)\n"
+                        f"dotted black: the noise floor; bands: per-bucket bootstrap intervals")
     fig.suptitle(f"kvtool decode: {r.model['name']}, {r.mode}, vs {r.baseline.label}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
