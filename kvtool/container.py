@@ -72,9 +72,21 @@ from kvtool import __version__
 from kvtool.errors import FileFormatError, FormatError, KvtoolError, OutputError
 from kvtool.formats import Format, QTensor
 
+__all__ = [
+    "AtomicFile", "CHECKSUM_ALGORITHM", "CacheEntry", "ChecksumError", "DTYPES_BY_NAME", "DTYPE_NAMES",
+    "ENTRY_FIELDS", "Header", "LAYOUT_PLANES", "MAX_DIM", "MAX_DIMS", "MAX_HEADER_BYTES", "MAX_JSON_DEPTH",
+    "META_PASSTHROUGH", "META_SCHEMA", "META_TENSORS", "META_VERSION", "PassthroughRecord", "READABLE_SCHEMAS",
+    "SCALE_RANGE", "SCHEMA_VERSION", "ST_DTYPES", "ST_NAMES", "SafetensorsWriter", "StoredTensor",
+    "TEMP_PATTERN", "canonical_json", "check_output", "check_shape", "create_temp", "dtype_name",
+    "final_checksums", "hash_stored", "json_depth", "kvtool_metadata", "load_json", "meta_digest",
+    "parse_dtype", "parse_kvtool", "passthrough_digest", "passthrough_record", "placeholder_checksum",
+    "plane_specs", "read_header", "read_rows", "remove_stale_temps", "temp_path", "write_metadata",
+]
+
 
 class ChecksumError(FileFormatError):
     """Stored bytes or metadata that do not match the file's checksums (or a record that is missing)."""
+
 
 SCHEMA_VERSION = 2
 READABLE_SCHEMAS = (1, 2)  # 1: no metadata digests and no passthrough records (read with a warning)
@@ -619,7 +631,7 @@ def write_metadata(writer: "SafetensorsWriter", entries: list[CacheEntry], passt
 
 
 def _roundtrip(obj):
-    """`obj` as the reader will see it after JSON (tuples become lists, 1e-3 stays 1e-3): digests are computed on that."""
+    """`obj` as the reader will see it after JSON (tuples become lists): the digests are computed on that."""
     return json.loads(json.dumps(obj, allow_nan=False))
 
 

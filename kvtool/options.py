@@ -25,6 +25,12 @@ from typing import Callable
 
 from kvtool.errors import KvtoolError
 
+__all__ = [
+    "DEVICE_PATTERN", "FINITE", "FORMAT_LIST_OPTIONS", "NON_NEGATIVE", "NON_NEGATIVE_INT", "OUTER_RANGE",
+    "OptionError", "POSITIVE", "POSITIVE_INT", "RULES", "Rule", "check_format", "check_options",
+    "check_outer_scale", "option_name",
+]
+
 OUTER_RANGE = (2.0 ** -64, 2.0 ** 64)
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:[0-9]+)?")
 FORMAT_LIST_OPTIONS = ("formats", "kv", "index", "baseline_kv", "baseline_index", "kv_dense")

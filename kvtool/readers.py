@@ -53,6 +53,11 @@ from kvtool.container import (
 from kvtool.errors import FileFormatError, InputError, LayoutError
 from kvtool.formats import Format, QTensor
 
+__all__ = [
+    "Entry", "InputFile", "NPY_MAGIC", "RowReader", "SAFETENSORS_SUFFIXES", "TORCH_SUFFIXES", "ZIP_MAGIC",
+    "check_codes", "check_finite_rows", "check_outer", "open_input", "qtensor_entry", "row_chunks", "select",
+]
+
 RowReader = Callable[[int, int], torch.Tensor]
 
 SAFETENSORS_SUFFIXES = (".safetensors", ".st")

@@ -9,9 +9,9 @@
   prefix. A `.pt` may also hold one bare tensor (read like a `.bin`). kvtool writes its metadata into the safetensors
   header / a `kvtool.meta` entry ({"layout", "geometry", "geometries": {prefix: geometry}, "scalars"}).
 - `planes` is kvtool's own layout: a `.safetensors` in `planes` is a kvtool cache file (schema 2, see
-  kvtool.container; its checksums are verified when it is read). Reading one takes every tensor's format, shape and scales from the file's own metadata (its
-  passthrough plain tensors are not caches: they are listed as skipped); writing one writes a kvtool cache file that
-  every kvtool command reads without `--layout`.
+  kvtool.container; its checksums are verified when it is read). Reading one takes every tensor's format, shape and
+  scales from the file's own metadata (its passthrough plain tensors are not caches: they are listed as skipped);
+  writing one writes a kvtool cache file that every kvtool command reads without `--layout`.
 Returned keys: `k` / `v` (paired presets) or `x`, prefixed as `<prefix>.k` or just `<prefix>` (single-tensor presets).
 
 A dump's bytes do not say its head count or head dim: without kvtool's metadata, `--geometry` must name them unless
@@ -60,6 +60,11 @@ from kvtool.layouts.engine import (
     resolve_format,
 )
 from kvtool.layouts.presets import LayoutPreset, get_preset
+
+__all__ = [
+    "DIM_CHOICES", "Dump", "HEAD_CHOICES", "LayoutRead", "META_KEY", "PAGE_CHOICES", "encode_for_write",
+    "load_dump", "plan_write", "read_layout", "read_layout_all", "read_layout_info", "write_layout",
+]
 
 META_KEY = "kvtool.meta"  # safetensors metadata key / .pt dict entry holding {"layout", "geometry", "scalars"}
 PAGE_CHOICES = (1, 16, 32, 64, 128, 256)

@@ -13,6 +13,11 @@ from kvtool.layouts.plausible import check_plausible
 from kvtool.layouts.presets import PRESETS, RULES, LayoutPreset, Region, get_preset
 from kvtool.readers import check_outer, qtensor_entry, select
 
+__all__ = [
+    "ConvertItem", "ConvertReport", "LayoutsReport", "PresetRow", "convert_layout", "list_layouts",
+    "region_byte_map",
+]
+
 _SYMBOL = {"head": "H", "token": "P"}
 
 

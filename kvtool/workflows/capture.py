@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,13 +75,12 @@ def _write_atomic(tensors: dict[str, torch.Tensor], metadata: dict[str, str], ou
     output = Path(output)
     if not output.parent.is_dir():
         raise OutputError(f"output directory {output.parent} does not exist")
-    fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.", suffix=".tmp")
+    from kvtool.container import create_temp
+
+    fd, tmp = create_temp(output)  # `.NAME.kvtool-PID-RANDOM.tmp`: a killed run's leftover is removed next time
     os.close(fd)
     try:
-        save_file(tensors, tmp, metadata=metadata)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the permissions a plain open would
+        save_file(tensors, str(tmp), metadata=metadata)
         os.replace(tmp, output)
     except OSError as err:
         raise OutputError(f"cannot write {output}: {err}") from None

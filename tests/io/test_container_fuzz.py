@@ -7,7 +7,8 @@ with verification (the default) the decoded values equal the unmutated file's, s
 and the schema must be what was written.
 
 CI runs a fixed-seed portion (hypothesis `derandomize`, FUZZ_EXAMPLES examples per test, about a minute in all on
-an idle 2-core machine). The long mode for manual runs: `KVTOOL_FUZZ_EXAMPLES=10000 pytest tests/io/test_container_fuzz.py`
+an idle 2-core machine). The long mode for manual runs:
+`KVTOOL_FUZZ_EXAMPLES=10000 pytest tests/io/test_container_fuzz.py`
 (`KVTOOL_FUZZ_RANDOM=1` draws a fresh seed instead of the fixed one).
 """
 
