@@ -45,7 +45,10 @@ def resolve_check_backend(backend: str, device: torch.device) -> tuple[str, str]
 
 def resolve_device(device: str) -> torch.device:
     """Validate a --device value; `cuda` without a GPU is a one-line error, not a traceback."""
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):  # torch's message for `tpu` is a multi-line list of every device type
+        raise KvtoolError(f"unsupported device {device!r} (choose cpu|cuda)") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise KvtoolError("--device cuda was asked for, but torch sees no CUDA device on this machine")
     if dev.type not in ("cpu", "cuda"):

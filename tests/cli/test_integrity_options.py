@@ -64,6 +64,15 @@ def test_every_rule_refuses_its_edge():
                         "outer_scale": "auto", "layers": "0-3"})
 
 
+def test_unknown_device_through_the_library(tmp_path):
+    from kvtool.errors import KvtoolError
+    from kvtool.workflows.cache_ops import quantize_file
+
+    with pytest.raises(KvtoolError, match="unsupported device 'tpu'"):
+        quantize_file(FIX, tmp_path / "o.safetensors", "mxfp4", device="tpu")
+    assert not (tmp_path / "o.safetensors").exists()
+
+
 def test_raw_dump_needs_its_geometry_unless_one_fits(tmp_path):
     """The vLLM dump is [256 tokens, 2 heads, 128]; read without heads / dim it used to be [512, 1, 128]."""
     r = kv("inspect", VLLM, "--layout", "vllm-mxfp4-page")
