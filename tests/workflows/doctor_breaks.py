@@ -57,13 +57,13 @@ def random_cache(seed: int, tokens: int | None = None, heads: int | None = None,
     return {"layers.0.k": k.to(torch.bfloat16).float(), "layers.0.v": v.to(torch.bfloat16).float()}
 
 
-def fixture_caches() -> dict:
-    """{fixture: {name: fp32 tensor}} of the committed fixtures (k / v / index_k of each)."""
+def fixture_caches(layers: tuple[int, ...] = (0, 1)) -> dict:
+    """{fixture: {name: fp32 tensor}} of the committed fixtures (k / v / index_k of the given layers)."""
     out = {}
     for f in ("synthetic_cache.safetensors", "smollm2_capture.safetensors"):
         d = load_file(str(FIXTURES / f))
         out[f] = {k: v.float() for k, v in d.items() if k.endswith((".k", ".v", ".index_k")) and k.startswith(
-            ("layers.0.", "layers.1."))}
+            tuple(f"layers.{i}." for i in layers))}
     return out
 
 

@@ -20,7 +20,7 @@ from doctor_breaks import BREAKS, FORMATS, cases, fixture_caches, quantize, rand
 from kvtool.doctor import CODES, DETECTORS, examine
 
 LONG = os.environ.get("KVTOOL_DOCTOR_LONG") == "1"
-CI_FORMATS = ("bf16", "fp8", "fp8-token", "nvfp4", "mxfp4-floor", "mxfp4-ceil")  # the fixture's CI subset
+CI_FORMATS = ("bf16", "fp8-token", "nvfp4", "mxfp4-floor")  # the fixture's CI subset (the random cache: all)
 # What the bytes of the real SmolLM2 capture cannot show (its layer-0 V is more anisotropic than its K, its heads
 # share one channel profile, it has no all-zero block and D = 64 leaves mxfp4 two blocks per row): these breaks are
 # checked there with the reference only.
@@ -69,11 +69,13 @@ def test_break_found_on_random_cache(b):
 @pytest.mark.parametrize("b", [b for b in BREAKS if b.name not in ("topk", "topk-head-major")], ids=lambda b: b.name)
 def test_break_found_on_fixture(b):
     cache = fixture_caches()["synthetic_cache.safetensors"]
+    if not LONG:  # CI: its K / V pair, one format per family, the first severity (the random cache runs them all)
+        cache = {n: x for n, x in cache.items() if not n.endswith("index_k")}
     misses = []
     for fmt in b.formats:
         if fmt not in CI_FORMATS and not LONG:
             continue
-        for sev in b.severities[:2] if not LONG else b.severities:
+        for sev in b.severities[:1] if not LONG else b.severities:
             ok, findings = found(cache, b, fmt, sev, "synthetic_cache.safetensors")
             if not ok:
                 misses.append((fmt, sev, findings[:3]))
@@ -83,7 +85,7 @@ def test_break_found_on_fixture(b):
 def test_clean_caches_no_error_no_warning():
     bad = []
     sources = [("random", random_cache(s, tokens=128)) for s in range(3)]
-    sources += list(fixture_caches().items())
+    sources += list(fixture_caches((0,) if not LONG else (0, 1, 2, 3)).items())
     for name, cache in sources:
         for fmt in FORMATS:
             rep = examine(quantize(cache, fmt))
