@@ -158,11 +158,12 @@ def test_corpus_documents_are_distinct_and_the_first_is_the_classic_default():
 
 
 def test_short_context_warns_that_the_index_format_cannot_matter():
-    r, warnings = _run(["nvfp4"], tokens=48)  # top-4 of 16-token blocks: every block selected up to 64
+    cheap = dict(gen_tokens=0, floor=False, resamples=0)
+    r, warnings = _run(["nvfp4"], tokens=48, **cheap)  # top-4 of 16-token blocks: every block selected up to 64
     assert any("too short for the index format" in w for w in warnings) and r.warnings == warnings
-    _, quiet = _run(["nvfp4"], tokens=80)
+    _, quiet = _run(["nvfp4"], tokens=80, **cheap)
     assert not any("too short" in w for w in quiet)
-    _, dense = _run(["nvfp4"], tokens=48, sparse=False)
+    _, dense = _run(["nvfp4"], tokens=48, sparse=False, **cheap)
     assert not any("too short" in w for w in dense)
 
 
