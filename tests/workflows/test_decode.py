@@ -179,7 +179,11 @@ def test_chunked_prefill_equals_token_by_token():
 
 def test_plain_bf16_reference_equals_the_paged_bf16_dense_path():
     """The speed reference (contiguous bf16 K/V, SDPA with the decode-step GQA folding) computes what the paged bf16
-    cache computes in dense mode: same logits up to fp32 summation order, in prefill and in decode steps."""
+    cache computes in dense mode: same logits up to fp32 summation order, in prefill and in decode steps. The order
+    differs (matmul over all heads vs per-sequence reads), and a last-bit difference in one layer's output can flip the
+    bf16 rounding of the next layer's cached K or V by one ulp (seen: 1 of 30 tokens, V of layer 1, on some CPUs), so
+    the bound is that of a bf16 ulp carried to the logits (observed 6.5e-4 of 3.6), not fp32 round-off. A wrong mask,
+    position or head folding moves logits by O(1)."""
     model = load_model("tiny-llama")
     c = model.config
     tokens = torch.randint(0, c.vocab_size, (2, 30), generator=torch.Generator().manual_seed(2))
@@ -187,9 +191,9 @@ def test_plain_bf16_reference_equals_the_paged_bf16_dense_path():
                                        c.index_dim, 2, 34, 16), None)
     plain = Decoder(model, PlainCache(c.n_layers, c.n_kv_heads, c.head_dim, 2, 34), None)
     with torch.no_grad():
-        torch.testing.assert_close(plain.prefill(tokens, 16), paged.prefill(tokens, 16), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(plain.prefill(tokens, 16), paged.prefill(tokens, 16), atol=3e-3, rtol=3e-3)
         step = torch.tensor([1, 2])
-        torch.testing.assert_close(plain.decode_one(step), paged.decode_one(step), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(plain.decode_one(step), paged.decode_one(step), atol=3e-3, rtol=3e-3)
 
 
 def test_dense_bf16_decoder_matches_the_models_own_dense_forward():
