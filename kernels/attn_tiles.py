@@ -18,6 +18,11 @@ import triton.language as tl
 from kvtool.formats import kernel_desc as kd
 from kvtool.kernels import codecs as kc
 
+__all__ = [
+    "ELEM_BF16", "ELEM_E2M1", "ELEM_E4M3", "SCALE_E4M3", "SCALE_E8M0", "SCALE_NONE", "SCALE_ROW", "decode",
+    "dot_operand", "load_raw", "tile_meta"
+]
+
 # Element and scale kinds: a format descriptor's `elem` and `token_scale` codes (kvtool.formats.kernel_desc, where
 # they are numbered once), as constexprs.
 ELEM_BF16 = tl.constexpr(kd.ELEM_BF16)

@@ -41,6 +41,10 @@ from kvtool.kernels.store import (
     word_aligned,
 )
 
+__all__ = [
+    "FP4_WORDS_CONFIG", "OUTPUT_DTYPES", "check_output_dtype", "gather_dequantize", "launch_dequant", "stream_ok"
+]
+
 OUTPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # FP4 word rows, compiled: 16-row tiles of 2 warps, and on CUDA the output stores marked streaming (`st.global.cs`)
 # and the payload / scale loads evict-first (STREAM): each byte is touched once. On the H200 (bf16 out) this takes

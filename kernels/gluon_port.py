@@ -17,6 +17,8 @@ import types
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
+__all__ = ["port"]
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl

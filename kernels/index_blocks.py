@@ -12,6 +12,11 @@ import triton.language as tl
 
 from kvtool.kernels import index_tiles as tiles
 
+__all__ = [
+    "INIT_SCORE", "LOCAL_SCORE", "MODE_BLOCKS", "MODE_TOKENS", "MODE_TOPK", "NAN_RANK", "col_nanmax", "finish_block",
+    "nanmax", "pair_step", "part_nanmax", "tile_step", "write_forced"
+]
+
 MODE_TOKENS = tl.constexpr(0)  # write token scores [rows, S]
 MODE_BLOCKS = tl.constexpr(1)  # write block scores [rows, NB] (forced blocks applied)
 MODE_TOPK = tl.constexpr(2)  # write per-program top-k candidates [rows, splits * KC]

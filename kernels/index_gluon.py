@@ -62,6 +62,12 @@ from kvtool.kernels import codecs as kc
 from kvtool.kernels import index_blocks as ib
 from kvtool.kernels.platform import cuda_at_least, num_sms
 
+__all__ = [
+    "BALANCE_CHUNK", "BALANCE_PROGRAMS", "CHUNK_BLOCKS", "DEFAULT_SCALES", "DIM", "FILL_PROGRAMS", "HEADS_PAD",
+    "MAXNREG", "MX_HEADS", "NUM_WARPS", "TAIL_DIV", "TAIL_MIN_CHUNK", "TAIL_PROGRAMS_PER_SM", "TOKENS", "aligned_16",
+    "applies", "chunk_blocks_for", "decode_block_parts", "device_ok", "split_grid", "tail_blocks_for"
+]
+
 try:  # Gluon ships with Triton >= 3.5; without it the portable kernel runs everywhere
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl

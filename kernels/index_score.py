@@ -86,6 +86,12 @@ from kvtool.kernels.platform import INTERPRET  # the interpreter dots in fp32
 from kvtool.kernels.store import cache_scales, native_fp8, require_tensor_scale
 from kvtool.kernels.topk import MAX_SELECT_BLOCKS, merge_candidates, pick_next, select_from_block_scores
 
+__all__ = [
+    "FORMATS", "FP4_PAIR_LAUNCH", "IndexGeometry", "LAUNCH_OPTIONS", "LEAN_DEFAULT", "MIN_WORDS_DIM",
+    "PORTABLE_OPTIONS", "POST_SCALE_DEFAULT_ROWS", "POST_SCALE_ROWS", "decode_block_scores", "decode_scores",
+    "decode_topk", "max_warps", "prefill_block_scores", "prefill_scores", "prefill_topk"
+]
+
 
 # ----------------------------------------------------------------------------------------------------------- kernel
 @triton.jit

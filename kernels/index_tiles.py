@@ -19,6 +19,8 @@ import triton.language as tl
 from kvtool.formats import kernel_desc as kd
 from kvtool.kernels import codecs as kc
 
+__all__ = ["SK_E4M3", "SK_E8M0", "SK_ROW", "fetch", "fetch_scales", "load_query", "page_of", "post_scale", "tile_dot"]
+
 # SCALE_KIND is a descriptor's `token_scale` code (kvtool.formats.kernel_desc): whole-tensor scales read as none
 # there and arrive as the runtime `gscale`: the codes run none < row < e4m3 < e8m0, so `>= SK_E4M3` is a block scale.
 SK_ROW = tl.constexpr(kd.SCALE_ROW)

@@ -4,6 +4,8 @@ planes, shared by the store, the gather-dequantize and (ported by `gluon_port`) 
 import triton
 import triton.language as tl
 
+__all__ = ["row_addresses"]
+
 
 @triton.jit
 def row_addresses(tok, head, n_tok, num_heads, slot_ptr, page_stride, head_stride,

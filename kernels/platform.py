@@ -10,6 +10,8 @@ import os
 
 import torch
 
+__all__ = ["INTERPRET", "LAUNCH_PDL", "cuda_at_least", "num_sms", "pdl_ok"]
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 @functools.lru_cache(maxsize=None)

@@ -14,6 +14,8 @@ from kvtool.formats.kernel_desc import qtensor_of_bytes
 from kvtool.kernels.dequant import OUTPUT_DTYPES, check_output_dtype, launch_dequant
 from kvtool.kernels.store import check_floating, launch_store
 
+__all__ = ["triton_dequantize", "triton_quantize"]
+
 
 def triton_quantize(fmt: Format, x: torch.Tensor, tensor_amax: torch.Tensor | None = None, *,
                     check_finite: bool = True, config: tuple[int, int] | None = None) -> QTensor:

@@ -69,6 +69,11 @@ from kvtool.kernels.platform import INTERPRET, pdl_ok
 from kvtool.kernels.store import cache_scales
 from kvtool.kernels.store import native_fp8 as store_native_fp8
 
+__all__ = [
+    "DEFAULT_JOINT", "DEFAULT_LAZY_L", "DEFAULT_STAGES", "DEFAULT_TILE", "E2M1_UNIT", "LOG2E", "PAGED_FIELDS",
+    "RESIDENT", "launch_plan", "paired_order", "sparse_decode", "sparse_prefill", "uses_fp16_dots", "uses_gluon"
+]
+
 
 LOG2E = 1.4426950408889634
 # What the launchers read of a cache (kvtool.paged.PagedCache has them): the format, the uint8 pages [num_pages, H,

@@ -71,6 +71,12 @@ from kvtool.formats import kernel_desc as kd
 from kvtool.kernels import codecs as kc
 from kvtool.kernels.platform import cuda_at_least, num_sms, pdl_ok
 
+__all__ = [
+    "BLOCK", "DIM", "FUSED_COMBINE", "MAXNREG", "MAX_GROUP", "MIN_PROGRAMS", "MIN_SPLIT_TOKENS", "NUM_WARPS", "PAYLOAD",
+    "SCALE_BYTES", "TILE", "TOKENS_PER_TILE", "applies", "default_splits", "device_ok", "format_key", "plan",
+    "sparse_decode", "split_counters", "twice_the_tokens"
+]
+
 try:  # Gluon ships with Triton >= 3.5; without it the portable kernel runs everywhere
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl

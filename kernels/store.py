@@ -44,6 +44,13 @@ from kvtool.kernels import store_gluon
 from kvtool.kernels.paged_rows import row_addresses
 from kvtool.kernels.platform import INTERPRET
 
+__all__ = [
+    "BLOCK_FORMAT_CONFIGS", "DEFAULT_VARIANT", "FAST_CODECS", "INPUT_DTYPES", "KernelFormat", "LAUNCH_CONFIGS",
+    "MUL_PACK", "SCALE_E4M3", "SCALE_E8M0", "SCALE_NONE", "SCALE_ROW", "SCALE_TENSOR", "cache_scales", "check_cache",
+    "check_floating", "check_slot_ids", "launch_config", "launch_store", "load_blocks", "load_f32", "native_fp8",
+    "next_pow2", "outer_scales", "require_tensor_scale", "row_mask", "store", "word_aligned"
+]
+
 # Scale kinds as kernel constexprs, keyed by Format.scale_element (the format is data; the kernel reads this number).
 SCALE_NONE = tl.constexpr(kd.SCALE_NONE)  # the scale kind codes are numbered once, in kvtool.formats.kernel_desc
 SCALE_TENSOR = tl.constexpr(kd.SCALE_TENSOR)

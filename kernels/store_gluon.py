@@ -47,6 +47,8 @@ from kvtool.kernels import paged_rows
 from kvtool.kernels.gluon_port import port
 from kvtool.kernels.platform import cuda_at_least, num_sms
 
+__all__ = ["CONFIGS", "DIM", "MUL_PACK", "PACKED_AMAX", "RCP_LUT", "applies", "device_ok", "launch", "rcp_lut"]
+
 try:  # Gluon ships with Triton >= 3.5; without it the portable kernel runs everywhere
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl

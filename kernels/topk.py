@@ -20,6 +20,11 @@ import triton.language as tl
 
 from kvtool.errors import KernelArgumentError
 
+__all__ = [
+    "INT32_MAX", "INT64_MIN", "MAX_SELECT_BLOCKS", "NAN_RANK", "NO_ID", "SELECT_DEFAULT", "SELECT_VARIANTS",
+    "merge_candidates", "packed_id", "packed_rank", "pick_next", "select_from_block_scores"
+]
+
 NO_ID = tl.constexpr(-1)  # "no block": padding of the output and of candidate lists
 INT32_MAX = tl.constexpr(2147483647)
 NAN_RANK = tl.constexpr(-1e30)  # kvtool.indexer.NAN_RANK: the key a NaN block score is ranked by

@@ -24,6 +24,11 @@ import torch
 from kvtool.errors import InputError
 from kvtool.paged import PagedCache
 
+__all__ = [
+    "all_blocks_selection", "dense_attention_ref", "paged_sparse_decode", "paged_sparse_decode_ref",
+    "paged_sparse_prefill", "paged_sparse_prefill_ref", "random_block_selection", "sparse_attention_ref"
+]
+
 # Gathered K/V elements per chunk of queries (bounds the reference's memory: ~256 MB of fp32 for K plus V).
 _CHUNK_ELEMENTS = 32 * 1024 * 1024
 

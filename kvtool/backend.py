@@ -13,6 +13,11 @@ from kvtool.errors import KvtoolError
 from kvtool.formats import rotation as _rotation
 from kvtool.kernels import platform as _platform  # plain torch: no Triton import
 
+__all__ = [
+    "BACKENDS", "dequantize", "gather_dequantize", "interpreting", "quantize", "resolve_backend",
+    "resolve_check_backend", "resolve_device", "store"
+]
+
 BACKENDS = ("auto", "torch", "triton")
 
 

@@ -27,6 +27,11 @@ from dataclasses import dataclass, field
 from kvtool.errors import InputError
 from kvtool.formats import Format, get_format
 
+__all__ = [
+    "BASELINE", "CapacityReport", "CapacityRow", "GIB", "INDEX_DEFAULTS", "KV_DEFAULTS", "PRESETS", "TABLE_INDEX",
+    "TABLE_KV", "block_bytes", "capacity", "index_format", "kv_format"
+]
+
 KV_DEFAULTS = {"fp8_scale": "token"}     # ATOM's main KV cache: fp8 with per-token scales
 INDEX_DEFAULTS = {"fp8_scale": "unit"}   # M3's index cache: plain fp8 cast
 TABLE_KV = ("bf16", "fp8", "nvfp4", "mxfp4")

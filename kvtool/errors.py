@@ -1,5 +1,9 @@
 """Typed errors. Every expected failure is a `KvtoolError` with a one-line message; the CLI turns it into exit code 2."""
 
+__all__ = [
+    "FileFormatError", "FormatError", "InputError", "KernelArgumentError", "KvtoolError", "LayoutError", "OutputError"
+]
+
 
 class KvtoolError(Exception):
     """Base class: a user-facing, one-line failure (bad input, bad option, bad file)."""

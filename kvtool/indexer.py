@@ -25,6 +25,13 @@ import torch
 
 from kvtool.errors import InputError
 
+__all__ = [
+    "INIT_SCORE", "IndexerConfig", "LOCAL_SCORE", "NAN_RANK", "NAN_RULES", "TIE_RULES", "TopkAccumulator",
+    "TopkMetrics", "accumulation_tolerance", "apply_forced", "batched_reference", "block_scores", "default_positions",
+    "paged_keys", "paged_reference", "rank_keys", "reference_block_scores", "select_blocks", "select_topk",
+    "token_scores", "topk_metrics"
+]
+
 TIE_RULES = ("higher-id", "lower-id", "any")
 NAN_RULES = ("low", "neg-inf", "any")
 INIT_SCORE = 1e30  # forced init blocks (fp32 1e30)

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+__all__ = ["ValueAccumulator", "ValueMetrics", "value_metrics"]
+
 
 @dataclass
 class ValueMetrics:

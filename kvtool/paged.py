@@ -20,6 +20,8 @@ from kvtool.formats import Format, QTensor
 from kvtool.formats.codecs import fp8_row_scale
 from kvtool.formats.kernel_desc import check_slots, kernel_desc, qtensor_of_bytes
 
+__all__ = ["PagedCache", "contiguous_slots"]
+
 
 @dataclass
 class PagedCache:

@@ -38,6 +38,11 @@ from kvtool.bench.common import BenchCase, BenchReport, run_cases
 from kvtool.formats import get_format
 from kvtool.paged import PagedCache
 
+__all__ = [
+    "DEFAULT_BATCHES", "DEFAULT_FORMATS", "GEOMETRY", "L2_TARGET_BYTES", "MAX_LAYERS", "PROBE_KEEP", "SWEEP",
+    "eager_sparse_decode", "layers_for", "render_goals", "run_attn_bench"
+]
+
 GEOMETRY = {"num_q_heads": 16, "num_kv_heads": 1, "head_dim": 128, "block_size": 128, "page_size": 128, "topk": 16}
 DEFAULT_FORMATS = ("bf16", "fp8", "fp8-token", "nvfp4", "mxfp4")
 DEFAULT_BATCHES = (1, 16, 64, 256)

@@ -17,6 +17,8 @@ import torch
 from kvtool.bench.common import BenchCase, BenchReport, run_cases
 from kvtool.formats import Format, get_format
 
+__all__ = ["CODEC_ROWS", "CodecRow", "DIM", "codec_cases", "io_bytes", "render_speedups", "run_codec_bench", "speedups"]
+
 DIM = 128
 
 

@@ -20,6 +20,11 @@ from typing import Any, Callable
 
 import torch
 
+__all__ = [
+    "BenchCase", "BenchReport", "BenchRow", "copy_bandwidth", "device_name", "quiet_third_party", "render_report",
+    "run_cases", "time_fn"
+]
+
 
 @contextlib.contextmanager
 def quiet_third_party(loggers: tuple[str, ...] = ("torchao", "torch.utils._pytree")):

@@ -34,6 +34,10 @@ from kvtool.models.base import CausalLM, load_model
 from kvtool.workflows.decode import Decoder
 from kvtool.workflows.decode_cache import CacheSpec, ConfigCache, PlainCache, triton_available
 
+__all__ = [
+    "DEMO_GOAL_S", "DecodeBenchSetup", "PRESETS", "render_demo", "render_goals", "run_decode_bench", "run_demo_bench"
+]
+
 # Per device: the model and sizes of the goals (kwargs of run_decode_bench).
 PRESETS = {
     "cpu": dict(model="smollm2", batch=1, context=1024, layers=None, rounds=3),

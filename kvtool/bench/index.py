@@ -38,6 +38,12 @@ from kvtool.formats import get_format
 from kvtool.indexer import IndexerConfig, apply_forced, select_topk
 from kvtool.paged import PagedCache
 
+__all__ = [
+    "DEFAULT_BATCHES", "DEFAULT_CONTEXTS", "DEFAULT_FORMATS", "DEFAULT_PREFILL", "FP4_ONLY", "GEOMETRY",
+    "L2_TARGET_BYTES", "MAX_LAYERS", "SWEEP", "eager_decode_topk", "eager_prefill_topk", "layers_for", "peer_impls",
+    "peer_ratios", "render_goals", "render_peers", "run_index_bench"
+]
+
 GEOMETRY = {"index_heads": 4, "head_dim": 128, "page_size": 128}
 DEFAULT_FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4")
 DEFAULT_BATCHES = (1, 16, 64)

@@ -41,6 +41,12 @@ from kvtool.errors import InputError
 from kvtool.formats import Format, get_format
 from kvtool.paged import PagedCache
 
+__all__ = [
+    "DEFAULT_FORMATS", "DEFAULT_SIZES", "DIM", "GOAL_FAMILIES", "GOAL_FRACTION", "GOAL_MIN_ELEMENTS", "GOAL_SPEEDUP",
+    "PAGE", "SUFFIXES", "goals", "kernels_available", "parse_configs", "parse_sizes", "quant_cases", "render_goals",
+    "run_quant_bench", "torchao_status"
+]
+
 DIM = 128
 PAGE = 128
 DEFAULT_FORMATS = ("nvfp4", "mxfp4", "fp8", "fp8-token", "bf16")

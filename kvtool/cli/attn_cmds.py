@@ -14,6 +14,8 @@ from kvtool.cli import app
 from kvtool.cli.common import DeviceOpt, JsonOpt, emit, examples, handle_errors, lazy_module, stderr, stdout
 from kvtool.errors import InputError
 
+__all__ = ["DEFAULT_TOLERANCE", "EPILOG", "FORMATS_DEFAULT", "va", "verify_attn_cmd"]
+
 va = lazy_module("kvtool.workflows.verify_attn")  # torch-heavy: imported on first use, not for --help
 DEFAULT_TOLERANCE = 2e-3  # kvtool.workflows.verify_attn.DEFAULT_TOLERANCE (a test checks they agree)
 

@@ -17,6 +17,8 @@ from kvtool.cli.common import (DeviceOpt, Fp8ScaleOpt, JsonOpt, OuterScaleOpt, R
                                examples, format_options, handle_errors, stderr, stdout)
 from kvtool.errors import InputError, OutputError
 
+__all__ = ["EPILOG", "LiveProgress", "decode_cmd", "plot_report", "render"]
+
 if TYPE_CHECKING:  # annotations only; the workflow (torch) is imported when the command runs
     from kvtool.workflows.decode import DecodeReport, ProgressEvent
 

@@ -13,6 +13,8 @@ import typer
 from kvtool.cli import app
 from kvtool.cli.common import JsonOpt, Table, examples, handle_errors, line, print_table, to_json
 
+__all__ = ["FIX", "SEVERITY_STYLE", "doctor", "findings_json"]
+
 FIX = "fixtures/synthetic_cache.safetensors"
 SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "dim"}
 

@@ -9,6 +9,8 @@ import typer
 from kvtool.cli import app
 from kvtool.cli.common import JsonOpt, Table, emit, examples, handle_errors, line, print_table
 
+__all__ = ["recipes"]
+
 
 @app.command("recipes", epilog=examples(
     "kvtool recipes",

@@ -14,6 +14,8 @@ from kvtool.cli import app
 from kvtool.cli.common import DeviceOpt, JsonOpt, emit, examples, handle_errors, lazy_module, stderr, stdout
 from kvtool.errors import InputError
 
+__all__ = ["EPILOG", "FORMATS_DEFAULT", "verify_topk_cmd", "vt"]
+
 vt = lazy_module("kvtool.workflows.verify_topk")  # torch-heavy: imported on first use, not for --help
 
 EPILOG = examples(

@@ -19,6 +19,14 @@ from kvtool.doctor.report import Finding
 from kvtool.doctor.subjects import Subject, page_of
 from kvtool.formats import ScaleRule, e4m3_decode
 
+__all__ = [
+    "Context", "DETECTORS", "Detector", "ELEMENT_FOUND", "HALF_CODE", "HALF_NAME", "HALF_OTHER", "MIN_COUNT",
+    "MIN_SHARE", "MX_MAX_CODES", "SPREAD_OK", "UNIT_BYTES", "channel_anisotropy", "coherence", "detect_fp8_element",
+    "detect_half_swap", "detect_head_major", "detect_kv_swap", "detect_mx_rule", "detect_nonfinite", "detect_pages",
+    "detect_range", "detect_scale_pairing", "detect_scale_profile", "detect_topk", "detect_unit_scale", "fp8_signature",
+    "head_stability", "mx_block_maxima", "row_spread", "scale_realignments"
+]
+
 # Clean caches: a detector fires only above these (each a share of the groups / elements it counts).
 MIN_SHARE = 0.01  # 1 %: the least share of blocks / rows that makes a statistical finding
 MIN_COUNT = 3  # and at least this many

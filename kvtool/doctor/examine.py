@@ -13,6 +13,8 @@ from kvtool.doctor.report import DoctorReport, Finding
 from kvtool.doctor.subjects import Subject, load_subjects
 from kvtool.errors import InputError, LayoutError
 
+__all__ = ["FP8_ELEMENTS", "GEOMETRY_MARGIN", "PLAUSIBLE_SCORE", "TOPK_ORDERS", "examine"]
+
 FP8_ELEMENTS = ("fn", "fnuz")
 TOPK_ORDERS = ("ascending", "descending", "any")
 # A declared geometry is wrong when the best reading scores at least this much better (and is itself plausible).

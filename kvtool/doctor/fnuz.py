@@ -13,6 +13,8 @@ import torch
 
 from kvtool.formats import ElementCodec
 
+__all__ = ["E4M3FNUZ", "E4M3FNUZ_MAX", "E4M3FNUZ_TABLE", "FNUZ_NAN", "e4m3fnuz_decode", "e4m3fnuz_encode"]
+
 # nan_top_code=False: 0x7F / 0xFF are the finite +-240; the NaN is 0x80, set below.
 E4M3FNUZ = ElementCodec("e4m3fnuz", ebits=4, mbits=3, bias=8, nan_top_code=False)  # max 240, min subnormal 2**-10
 E4M3FNUZ_MAX = E4M3FNUZ.max  # 240.0

@@ -24,6 +24,11 @@ from kvtool.formats import get_format
 from kvtool.layouts import check_plausible, get_preset, load_dump, make_geometry, parse_geometry, read_layout_all
 from kvtool.layouts.engine import resolve_format
 
+__all__ = [
+    "CHANGED_KEY_COST", "DIMS", "FP4_MAX_CODES", "FP8_ROW_TOPS", "HEADS", "KEYS", "MAX_CANDIDATES", "PAGES",
+    "candidates", "plausibility", "rank", "read_declared"
+]
+
 PAGES = (1, 16, 32, 64, 128, 256)
 HEADS = (1, 2, 4, 8, 16, 32, 64)
 DIMS = (64, 128, 256, 512)

@@ -32,6 +32,8 @@ from kvtool.formats import (
 from kvtool.formats.codecs import fp8_row_scale, mx_exponent
 from kvtool.formats.elements import exp2_int
 
+__all__ = ["TRANSFORMS", "Transform", "compare", "pair_reference", "reference_values"]
+
 
 @dataclass(frozen=True)
 class Transform:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+__all__ = ["CandidateFit", "DoctorReport", "Finding", "SEVERITIES"]
+
 SEVERITIES = ("error", "warning", "info")
 
 

@@ -13,6 +13,12 @@ import torch
 
 from kvtool.formats import E2M1, E4M3, e2m1_decode, e4m3_decode, unpack_nibbles
 
+__all__ = [
+    "E2M1_TOP_CODE", "E4M3_NAN_LOW", "E4M3_TOP_CODE", "NEG_ZERO", "SAMPLE_ROWS", "element_codes", "first_index",
+    "gaussian_rates", "group_size", "grouped", "log2_spread", "magnitude_of_codes", "pct", "pile_min", "sample_rows",
+    "top_code"
+]
+
 E2M1_TOP_CODE = 0b0_11_1  # 6.0
 E4M3_TOP_CODE = 0b0_1111_110  # 448.0 (0x7E)
 E4M3_NAN_LOW = 0b0_1111_111  # 0x7F: NaN in E4M3FN, 240 in E4M3FNUZ

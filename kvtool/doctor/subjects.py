@@ -19,6 +19,8 @@ from kvtool.errors import InputError
 from kvtool.formats import QTensor, get_format
 from kvtool.readers import open_input
 
+__all__ = ["FP8_DTYPES", "HALF_DTYPES", "LAYER_RE", "Subject", "load_subjects", "page_of", "subject_from_tensor"]
+
 LAYER_RE = re.compile(r"(?:^|\.)(?:layers?|blocks?|h)\.(\d+)(?:\.|$)")
 FP8_DTYPES = {torch.float8_e4m3fn: "fn", torch.float8_e4m3fnuz: "fnuz"}
 HALF_DTYPES = (torch.bfloat16, torch.float16)

@@ -23,6 +23,12 @@ from pathlib import Path
 
 from kvtool.engines.wheels import FLASHINFER, SGLANG, VLLM, EnginePackage, EngineUnavailable, extract
 
+__all__ = [
+    "DROPPED_DECORATORS", "TORCHAO_VERSION", "deepgemm_math", "deepgemm_nvfp4", "flashinfer_quantize", "load_defs",
+    "sglang_kvfp4", "torchao_mx", "triton_kernels_downcast_kernel", "triton_kernels_mxfp", "vllm_indexer_writer",
+    "vllm_m3_nvfp4_page", "vllm_nvfp4_emulation"
+]
+
 DROPPED_DECORATORS = ("torch.compile",)
 
 TORCHAO_VERSION = "0.18.0"

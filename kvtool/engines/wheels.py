@@ -20,6 +20,11 @@ from pathlib import Path
 
 from kvtool.errors import KvtoolError
 
+__all__ = [
+    "EnginePackage", "EngineUnavailable", "FLASHINFER", "PACKAGES", "SGLANG", "VLLM", "cache_root", "extract",
+    "fetch_wheel", "find_wheel", "installed_root", "wheel_dir"
+]
+
 
 class EngineUnavailable(KvtoolError):
     """An engine package that is neither installed nor downloadable here (offline, or pip failed)."""

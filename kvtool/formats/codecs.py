@@ -29,6 +29,12 @@ from kvtool.formats.elements import (
 )
 from kvtool.formats.rules import Fp8Scale, NvRecipe, ScaleRule
 
+__all__ = [
+    "CPU_CHUNK_ELEMENTS", "DS_AMAX_FLOOR", "NV_AUTO_MIN_OUTER", "bf16_dequantize", "bf16_quantize", "div_by_const",
+    "fp8_dequantize", "fp8_quantize", "fp8_row_scale", "mx_exponent", "mxfp4_dequantize", "mxfp4_quantize",
+    "nvfp4_dequantize", "nvfp4_outer_scale", "nvfp4_quantize"
+]
+
 if TYPE_CHECKING:
     from kvtool.formats.registry import Format
 

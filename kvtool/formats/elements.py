@@ -11,6 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
+__all__ = [
+    "E2M1", "E2M1_MAX", "E2M1_STEPS", "E2M1_TABLE", "E2M1_VALUES", "E4M3", "E4M3_MAX", "E4M3_TABLE", "E8M0_BIAS",
+    "ElementCodec", "e2m1_decode", "e2m1_encode", "e2m1_encode_reference", "e4m3_decode", "e4m3_encode", "e8m0_decode",
+    "exp2_int", "f32_bits", "f32_mantissa_nonzero", "f32_unbiased_exponent", "pack_nibbles", "unpack_nibbles"
+]
+
 
 @dataclass(frozen=True)
 class ElementCodec:

@@ -15,6 +15,10 @@ import torch
 
 from kvtool.errors import LayoutError
 
+__all__ = [
+    "BLOCK_SCALES", "ELEMENTS", "ELEMENT_BITS", "KernelDesc", "SCALES", "check_slots", "kernel_desc", "qtensor_of_bytes"
+]
+
 # Element codes: the payload's element (bf16 is the payload itself).
 ELEMENTS = ("bf16", "e4m3", "e2m1")
 ELEM_BF16, ELEM_E4M3, ELEM_E2M1 = range(len(ELEMENTS))

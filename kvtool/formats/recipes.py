@@ -41,6 +41,13 @@ from kvtool.formats.elements import (
 )
 from kvtool.formats.rules import ScaleRule
 
+__all__ = [
+    "BYTE0_DECODE", "BYTE0_ENCODE", "Byte0", "DECODE", "DEQUANTIZE", "Decode", "ELEM", "EXP_RULE", "Elem",
+    "EngineRecipe", "ExpRule", "NV_ENC", "OuterDir", "POW2", "Pow2", "QUANTIZE", "RECIPES", "RecipesReport",
+    "SCALE_VALUE", "SIGN_BIT", "ScaleValue", "Sign", "TIE_MAGNITUDE", "Tie", "ZeroScale", "dequantize", "e2m1_codes",
+    "get_recipe", "list_recipes", "outer_scales", "quantize"
+]
+
 if TYPE_CHECKING:
     from kvtool.formats.registry import Format
 

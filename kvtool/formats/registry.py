@@ -23,6 +23,11 @@ from kvtool.formats import rotation as _rot
 from kvtool.formats.elements import E2M1, E4M3, ElementCodec
 from kvtool.formats.rules import Fp8Scale, NvRecipe, ScaleRule, parse_enum
 
+__all__ = [
+    "ALIASES", "DEFAULTS", "FAMILIES", "Family", "Format", "QTensor", "SCALE_ELEMENT_BYTES", "all_formats",
+    "engine_formats", "get_format", "require_finite"
+]
+
 
 @dataclass(frozen=True)
 class Family:

@@ -27,6 +27,11 @@ import torch
 
 from kvtool.errors import FormatError
 
+__all__ = [
+    "SUFFIX", "block_size", "check_rotation", "from_meta", "hadamard", "label_suffix", "parse_flag", "rotate",
+    "split_label", "to_meta", "unrotate"
+]
+
 SUFFIX = "+rot"
 
 

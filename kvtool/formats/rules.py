@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import enum
 
+__all__ = ["Fp8Scale", "NvRecipe", "ScaleRule", "parse_enum"]
+
 
 class ScaleRule(enum.IntEnum):
     """How an MXFP4 block's E8M0 exponent `e` is chosen from the block amax (fp32 bit arithmetic, E = unbiased exponent).

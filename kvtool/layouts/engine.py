@@ -16,6 +16,11 @@ from kvtool.errors import FormatError, LayoutError
 from kvtool.formats import Format, QTensor, get_format
 from kvtool.layouts.presets import PAYLOAD, RULES, SCALE, LayoutPreset, Region
 
+__all__ = [
+    "GEOMETRY_KEYS", "Geometry", "build_qtensor", "decode", "encode", "from_canonical", "make_geometry",
+    "parse_geometry", "qtensor_scalars", "region_from_bytes", "region_to_bytes", "resolve_format", "to_canonical"
+]
+
 GEOMETRY_KEYS = ("format", "page", "heads", "dim", "tokens", "tensor_scale", "outer", "recipe_of")
 _INT_KEYS = ("page", "heads", "dim", "tokens")
 _FLOAT_KEYS = ("tensor_scale", "outer")

@@ -12,6 +12,8 @@ import torch
 
 from kvtool.formats import QTensor
 
+__all__ = ["E8M0_NAN", "MAX_FP32_SPREAD_BINADES", "MAX_SCALE_SPREAD_BINADES", "check_plausible"]
+
 E8M0_NAN = 0xFF
 # Real KV / index caches keep their block exponents within ~20 binades; random bytes spread over ~250.
 MAX_SCALE_SPREAD_BINADES = 40

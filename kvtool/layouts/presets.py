@@ -23,6 +23,11 @@ import torch
 
 from kvtool.errors import LayoutError
 
+__all__ = [
+    "ALL_FAMILIES", "ATOM_X", "AXES", "DS32_TILE", "LayoutPreset", "PAGE_HND", "PAGE_NHD", "PER_HEAD_PAGE", "PRESETS",
+    "Plane", "RULES", "Region", "Rule", "TOKEN_MAJOR", "get_preset"
+]
+
 PAYLOAD, SCALE = "payload", "scale"
 AXES = ("page", "head", "token")
 

@@ -27,6 +27,11 @@ import torch
 
 from kvtool.errors import KvtoolError
 
+__all__ = [
+    "CausalLM", "ModelConfig", "Tokenizer", "available_models", "dense_causal_attention", "dense_forward",
+    "greedy_generate", "load_model"
+]
+
 
 @dataclass(frozen=True)
 class ModelConfig:

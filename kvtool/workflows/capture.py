@@ -24,6 +24,8 @@ import torch
 from kvtool.errors import InputError, OutputError
 from kvtool.models import dense_causal_attention, load_model, tokenize
 
+__all__ = ["CAPTURE_SCHEMA", "CaptureReport", "KINDS", "capture", "parse_layers", "read_capture"]
+
 CAPTURE_SCHEMA = "1"
 KINDS = ("k", "v", "q", "index_k", "index_q")
 

@@ -54,6 +54,11 @@ from kvtool.workflows.decode_metrics import (BaseChunk, BucketMetrics, LayerAccu
                                              agreement_pct, bucket_edges, first_divergence)
 from kvtool.workflows import decode_stats
 
+__all__ = [
+    "ConfigReport", "DEFAULT_PRESET", "DecodeOptions", "DecodeReport", "Decoder", "Generation", "PRESETS",
+    "ProgressEvent", "StepTrace", "block_masked_attention", "forward_group", "resolve_specs", "run_decode"
+]
+
 # Per-model defaults (kwargs of DecodeOptions fields left None): small enough for a 2-core CPU in a few minutes.
 PRESETS = {
     "smollm2": dict(tokens=1024, gen_tokens=32),  # top-8 of 64-token blocks is a choice from position 512 on

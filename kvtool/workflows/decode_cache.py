@@ -33,6 +33,10 @@ from kvtool import backend as kv_backend
 from kvtool.formats import Format, get_format, rotation
 from kvtool.paged import PagedCache, contiguous_slots
 
+__all__ = [
+    "CacheSpec", "ConfigCache", "PlainCache", "attend_triton", "select_triton", "short_label", "triton_available"
+]
+
 
 @dataclass(frozen=True)
 class CacheSpec:

@@ -18,6 +18,11 @@ import torch
 from kvtool.indexer import TopkAccumulator, TopkMetrics
 from kvtool.metrics import ValueAccumulator
 
+__all__ = [
+    "BaseChunk", "BucketMetrics", "LayerAccumulator", "LayerMetrics", "StreamMetrics", "agreement_pct", "bucket_edges",
+    "first_divergence"
+]
+
 
 def bucket_edges(n: int, first: int = 64) -> list[tuple[int, int]]:
     """[lo, hi) position buckets covering [0, n): [0, 64), [64, 128), [128, 256), ... (the last one cut at n)."""

@@ -25,6 +25,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+__all__ = [
+    "BLOCK", "Comparison", "Confidence", "DP_HIGH", "DP_LOW", "Interval", "KLD_LOW", "KLD_PERCENTILES", "LEVEL",
+    "METRICS", "RESAMPLES", "Resampler", "bootstrap", "llama_lines", "llama_stats"
+]
+
 BLOCK = 16  # positions per bootstrap block (bucket edges 64, 128, ... are multiples)
 RESAMPLES = 1000
 LEVEL = 0.95

@@ -51,6 +51,11 @@ from kvtool.formats import Format, get_format
 from kvtool.metrics import ValueAccumulator, ValueMetrics
 from kvtool.paged import PagedCache, contiguous_slots
 
+__all__ = [
+    "AttnRow", "BF16_BOUND", "DEFAULT_TOLERANCE", "KERNELS", "M3_TP4", "SKIP_TORCH", "VerifyAttnReport", "build_paged",
+    "parse_context_lens", "synthetic_kv", "verify_attn_file", "verify_attn_synthetic"
+]
+
 DEFAULT_TOLERANCE = 2e-3
 M3_TP4 = {"num_q_heads": 16, "num_kv_heads": 1, "head_dim": 128, "block_size": 128, "page_size": 128, "topk": 16}
 

@@ -56,6 +56,12 @@ from kvtool.indexer import (
 )
 from kvtool.paged import PagedCache, contiguous_slots
 
+__all__ = [
+    "DIAGNOSES", "M3_DECODE", "MAX_EVIDENCE", "RULE_GRID", "SKIP_TORCH", "SelectionCheck", "TopkRow",
+    "VerifyTopkReport", "build_index_cache", "cache_from_qtensor", "classify_rows", "diagnose", "edge_scores",
+    "synthetic_index_keys", "verify_topk_capture", "verify_topk_files", "verify_topk_scores", "verify_topk_synthetic"
+]
+
 M3_DECODE = {"index_heads": 4, "head_dim": 128, "page_size": 128}
 
 

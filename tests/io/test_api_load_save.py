@@ -103,3 +103,34 @@ def test_the_readme_python_section_runs(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_every_public_module_declares_all():
+    """Every public kvtool module (kernels/ is kvtool.kernels) says what it exports (`__all__`), and every exported
+    name exists there (parsed, not imported: kernels and engines need no Triton or wheel for this)."""
+    import ast
+
+    missing, unknown = [], []
+    for path in sorted(p for folder in ("kvtool", "kernels") for p in (ROOT / folder).rglob("*.py")):
+        if path.name == "__main__.py" or (path.name.startswith("_") and path.name != "__init__.py"):
+            continue
+        tree = ast.parse(path.read_text())
+        exported = next((node.value for node in tree.body if isinstance(node, ast.Assign)
+                         and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)), None)
+        defined = {n.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+                   for n in ast.walk(node) if isinstance(n, ast.Name)}
+        defined |= {node.name for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+        defined |= {a.asname or a.name.split(".")[0] for node in ast.walk(tree)
+                    if isinstance(node, (ast.Import, ast.ImportFrom)) for a in node.names}
+        has_public = bool({n for n in defined if not n.startswith("_")})
+        rel = str(path.relative_to(ROOT))
+        if exported is None:
+            if has_public and path.name != "__init__.py":
+                missing.append(rel)
+            continue
+        names = [e.value for e in exported.elts]
+        if "__getattr__" in defined:  # a module that exports lazily (kvtool: load, save, ...) checks on import
+            continue
+        unknown += [f"{rel}: {n}" for n in names if n not in defined and n != "__version__"]
+    assert not missing, f"modules without __all__: {missing}"
+    assert not unknown, f"__all__ names not defined: {unknown}"
