@@ -48,6 +48,8 @@ from kvtool.attention import (
 from kvtool.backend import resolve_check_backend
 from kvtool.errors import InputError
 from kvtool.formats import Format, get_format
+from kvtool.formats.rotation import rotate, unrotate
+from kvtool.workflows.verify_topk import ROTATION_SKIP
 from kvtool.metrics import ValueAccumulator, ValueMetrics
 from kvtool.paged import PagedCache, contiguous_slots
 
@@ -213,7 +215,11 @@ def _run_case(layer: str, fmts: list[Format], q: torch.Tensor, ks: list[torch.Te
 
     for fmt in fmts:
         k_cache, v_cache, table = build_paged(fmt, ks, vs, page_size, device, gen)
-        ref_deq = paged_sparse_prefill_ref(q, k_cache, v_cache, table, q_req, q_pos, ids, block_size)
+        q_ref = q
+        if fmt.rotation is not None:  # the kernel's query is bf16(q R); R^T takes it back for the reference, so
+            # q_ref . deq(K) = bf16(q R) . codes and (a) stays a check of the kernel's arithmetic
+            q_ref = unrotate(rotate(q, fmt.rotation).to(q.dtype), fmt.rotation)
+        ref_deq = paged_sparse_prefill_ref(q_ref, k_cache, v_cache, table, q_req, q_pos, ids, block_size)
         if backend != "triton":  # the reference itself: (a) cannot fail, (b) still says what the format costs
             _add_row(layer, fmt.label, ref_deq, ref_deq, ref_orig, report, scores, "torch", "kvtool",
                      report.tolerance)
@@ -222,8 +228,8 @@ def _run_case(layer: str, fmts: list[Format], q: torch.Tensor, ks: list[torch.Te
             _kvtool_row(layer, fmt, q, k_cache, v_cache, table, q_req, q_pos, ids, ref_deq, ref_orig, block_size,
                         report, scores, decode, kernel)
         for impl in impls or []:
-            why = impl.unsupported("attend", fmt, block_size=block_size, page_size=page_size, head_dim=q.shape[-1],
-                                   device=q.device)
+            why = ROTATION_SKIP if fmt.rotation is not None else impl.unsupported(
+                "attend", fmt, block_size=block_size, page_size=page_size, head_dim=q.shape[-1], device=q.device)
             if why:
                 report.layers.append(_skipped(layer, fmt.label, q.shape[0], impl.name, f"SKIPPED: {why}"))
                 continue
@@ -251,6 +257,9 @@ def _kvtool_row(layer, fmt, q, k_cache, v_cache, table, q_req, q_pos, ids, ref_d
                 scores, decode, kernel) -> None:
     from kvtool.kernels.sparse_attn import sparse_decode, sparse_prefill, uses_gluon
 
+    rot = fmt.rotation
+    if rot is not None:  # the kernel reads the codes of K R and V R: softmax((q R)(K R)^T) (V R) = out R
+        q = rotate(q, rot).to(q.dtype)
     if decode:
         gluon = _GLUON_OPTION[kernel]
         ran = gluon if gluon is not None else uses_gluon(q, k_cache, v_cache, block_size)
@@ -261,6 +270,8 @@ def _kvtool_row(layer, fmt, q, k_cache, v_cache, table, q_req, q_pos, ids, ref_d
         out = sparse_prefill(q, k_cache, v_cache, table, q_req.to(torch.int32), q_pos.to(torch.int32),
                              ids.to(torch.int32), block_size, out_dtype=torch.float32).float()
         used = "prefill"
+    if rot is not None:
+        out = unrotate(out, rot)
     _add_row(layer, fmt.label, out, ref_deq, ref_orig, report, scores, used, "kvtool", report.tolerance)
 
 

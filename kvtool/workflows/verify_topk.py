@@ -41,6 +41,7 @@ import torch
 from kvtool.backend import resolve_check_backend
 from kvtool.errors import InputError
 from kvtool.formats import Format, QTensor, get_format
+from kvtool.formats.rotation import rotate, unrotate
 from kvtool.indexer import (
     LOCAL_SCORE,
     apply_forced,
@@ -57,7 +58,7 @@ from kvtool.indexer import (
 from kvtool.paged import PagedCache, contiguous_slots
 
 __all__ = [
-    "DIAGNOSES", "M3_DECODE", "MAX_EVIDENCE", "RULE_GRID", "SKIP_TORCH", "SelectionCheck", "TopkRow",
+    "DIAGNOSES", "M3_DECODE", "MAX_EVIDENCE", "ROTATION_SKIP", "RULE_GRID", "SKIP_TORCH", "SelectionCheck", "TopkRow",
     "VerifyTopkReport", "build_index_cache", "cache_from_qtensor", "classify_rows", "diagnose", "edge_scores",
     "synthetic_index_keys", "verify_topk_capture", "verify_topk_files", "verify_topk_scores", "verify_topk_synthetic"
 ]
@@ -390,6 +391,10 @@ SKIP_TORCH = ("SKIPPED: no kernel ran (torch backend: the reference compared wit
               "CPU with TRITON_INTERPRET=1)")
 
 
+# An engine's kernel reads its cache as stored and knows nothing of kvtool's rotation option.
+ROTATION_SKIP = "the engine's kernel takes no rotation (a +rot format's codes hold x R)"
+
+
 def _skipped(layer, label, rows, impl, why) -> TopkRow:
     return TopkRow(layer, label, rows, None, math.nan, 0.0, None, True, impl, why, None)
 
@@ -402,18 +407,22 @@ def _candidates(iq4, cache, table, ctx, q_pos, cfg, backend, launch, impls):
     if backend == "triton":
         from kvtool.kernels import index_score as K
 
+        kernel_q = iq4
+        if cache.fmt.rotation is not None:  # the kernel scores the stored codes (k R): (q R) . (k R) = q . k
+            kernel_q = rotate(iq4, cache.fmt.rotation).to(iq4.dtype)
         if iq4.shape[1] == 1 and q_pos is None:
-            ids = K.decode_topk(iq4[:, 0], cache, table, ctx, cfg, **launch)[:, None]
-            scores = K.decode_block_scores(iq4[:, 0], cache, table, ctx, cfg, **launch)[:, None]
+            ids = K.decode_topk(kernel_q[:, 0], cache, table, ctx, cfg, **launch)[:, None]
+            scores = K.decode_block_scores(kernel_q[:, 0], cache, table, ctx, cfg, **launch)[:, None]
         else:
-            ids = K.prefill_topk(iq4, cache, table, ctx, cfg, q_pos=q_pos, **launch)
-            scores = K.prefill_block_scores(iq4, cache, table, ctx, cfg, q_pos=q_pos, **launch)
+            ids = K.prefill_topk(kernel_q, cache, table, ctx, cfg, q_pos=q_pos, **launch)
+            scores = K.prefill_block_scores(kernel_q, cache, table, ctx, cfg, q_pos=q_pos, **launch)
         out.append(("kvtool", ids, scores, None))
     else:  # the reference itself: (a) cannot fail, (b) still says what the format costs
         out.append(("kvtool", None, None, "reference"))
     for impl in impls:
-        why = impl.unsupported("index", cache.fmt, block_size=cfg.block_size, page_size=cache.page_size,
-                               head_dim=cache.head_dim, device=iq4.device)
+        why = ROTATION_SKIP if cache.fmt.rotation is not None else impl.unsupported(
+            "index", cache.fmt, block_size=cfg.block_size, page_size=cache.page_size, head_dim=cache.head_dim,
+            device=iq4.device)
         if why:
             out.append((impl.name, None, None, f"SKIPPED: {why}"))
             continue
@@ -441,10 +450,14 @@ def _check_layer(layer: str, caches: list[tuple[str, tuple]], iq4: torch.Tensor,
     launch = launch or {}
     bsz, nq, hi, _ = iq4.shape
     for label, (cache, table, ctx) in caches:
-        ref_ids, ref_scores = paged_reference(iq4, cache, table, ctx, cfg, q_pos)
+        q_ref = iq4
+        if cache.fmt.rotation is not None:  # the query the kernel scores with, bf16(q R), taken back by R^T:
+            # q_ref . deq(k) = bf16(q R) . codes, the kernel's product, so (a) stays an fp32-order check
+            q_ref = unrotate(rotate(iq4, cache.fmt.rotation).to(iq4.dtype), cache.fmt.rotation)
+        ref_ids, ref_scores = paged_reference(q_ref, cache, table, ctx, cfg, q_pos)
         keys = [paged_keys(cache, table, int(n), b) for b, n in enumerate(ctx.tolist()) if n]
         ik = torch.cat(keys) if keys else torch.zeros(0, iq4.shape[-1], device=iq4.device)
-        tol = accumulation_tolerance(iq4, ik)  # per row [B, Q, Hi]
+        tol = accumulation_tolerance(q_ref, ik)  # per row [B, Q, Hi]
         pos = (ctx.long()[:, None] - nq + torch.arange(nq, device=ctx.device)[None, :]) if q_pos is None \
             else q_pos.long()
         pos_rows = pos[:, :, None].expand(bsz, nq, hi).reshape(-1)
