@@ -174,6 +174,9 @@ def _realigned(s, ref, partner):
         yield f"scales {name}", (p, moved.reshape(-1).contiguous().view(torch.uint8))
     for k in (1, -1):
         yield f"scales shifted {k:+d} token", (p, per_head.roll(k, 0).reshape(-1).contiguous().view(torch.uint8))
+    flat = per_head.reshape(-1).contiguous().view(torch.uint8)
+    for k in (1, 2, 3, 4, -1, -2, -3, -4):  # the whole plane (every head) offset by a few bytes: a wrong base offset
+        yield f"scale plane offset {k:+d} bytes", (p, flat.roll(k))
 
 
 def _scaled_by(fmt, ref: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -140,6 +140,7 @@ class Broken:
     reference: dict | None = None  # {name: fp32 tensor}: the original, when the break needs it
     options: dict = field(default_factory=dict)  # examine() keyword options
     tensor: str | None = None  # the tensor the finding must name (None: any)
+    noop: bool = False  # the break left the bytes as they were (e.g. two recipes that agree on this data)
 
 
 @dataclass(frozen=True)
@@ -221,8 +222,10 @@ def _nv_recipe(cache, fmt, sev, gen):
     written = get_format("nvfp4", recipe=sev)
     declared = get_format("nvfp4-rcp") if sev != "rcp" else get_format("nvfp4-div")
     out = dict(quantize(cache, declared.label))
+    clean = out[name]
     out[name] = with_(written.quantize(cache[name]), fmt=declared)
-    return Broken(out, {name: cache[name]}, tensor=name)
+    same = torch.equal(clean.payload, out[name].payload) and torch.equal(clean.scales, out[name].scales)
+    return Broken(out, {name: cache[name]}, tensor=name, noop=same)
 
 
 def _nibbles(cache, fmt, sev, gen):

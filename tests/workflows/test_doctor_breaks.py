@@ -33,6 +33,8 @@ def found(cache, b, fmt, sev, source="random") -> tuple[bool, list]:
     if not applicable(cache, b):
         return True, []
     br = b.make(cache, fmt, sev, torch.Generator().manual_seed(7))
+    if br.noop:
+        return True, []
     ref = br.reference
     if ref is None and (source, b.name) in BYTES_BLIND:
         ref = {n: cache[n] for n in br.tensors if n in cache}
