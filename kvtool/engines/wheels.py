@@ -137,3 +137,19 @@ def extract(pkg: EnginePackage, patterns: list[str] | tuple[str, ...], *, downlo
                 tmp.write_bytes(zf.read(name))
                 os.replace(tmp, target)
     return out
+
+
+def prefetch() -> int:
+    """Download every pinned engine wheel that is not cached yet (`python -m kvtool.engines.wheels`), one process at
+    a time, so that parallel test workers only ever extract. Unavailable engines are reported, not fatal: their
+    tests skip with the reason."""
+    for pkg in PACKAGES.values():
+        try:
+            print(f"{pkg.dist}=={pkg.version}: {fetch_wheel(pkg)}")
+        except EngineUnavailable as exc:
+            print(f"{pkg.dist}=={pkg.version}: unavailable ({exc})", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(prefetch())
