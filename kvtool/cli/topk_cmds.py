@@ -71,6 +71,9 @@ def verify_topk_cmd(
     backend: Annotated[str, typer.Option("--backend", help="auto | triton | torch (auto: Triton on cuda, and on "
                                                            "cpu under TRITON_INTERPRET=1).")] = "auto",
     device: DeviceOpt = "cpu",
+    verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Check the checksums and decoded codes of "
+                                         "kvtool cache files read (FILE with --queries, --scores) as they are read "
+                                         "(default); --no-verify trusts them, for speed.")] = True,
     as_json: JsonOpt = False,
 ) -> None:
     """Check the top-k index kernels against the references.
@@ -99,13 +102,13 @@ def verify_topk_cmd(
     elif edge_scores or scores is not None:
         rows = pos = None
         if scores is not None:
-            rows, pos = _read_scores(scores)
+            rows, pos = _read_scores(scores, verify)
         report = vt.verify_topk_scores(rows, pos, cfg=cfg, source=str(scores or "edge cases"), device=dev,
                                        backend=backend, impls=impls)
     elif queries is not None:
         report = vt.verify_topk_files(file, queries, names, max_queries=max_queries, page_size=page_size,
                                       block_size=block_size, topk=topk, tie_rule=tie_rule, nan_rule=nan_rule,
-                                      **common)
+                                      verify=verify, **common)
     else:
         from kvtool.workflows.capture import parse_layers
 
@@ -117,10 +120,10 @@ def verify_topk_cmd(
         raise typer.Exit(1)
 
 
-def _read_scores(path: Path):
+def _read_scores(path: Path, verify: bool = True):
     from kvtool.readers import open_input
 
-    with open_input(Path(path)) as f:
+    with open_input(Path(path), verify=verify) as f:
         if "scores" not in f.entries or "q_pos" not in f.entries:
             raise InputError(f"{path}: needs tensors `scores` [R, NB] and `q_pos` [R] (has {list(f.entries)})")
         out = []

@@ -699,8 +699,9 @@ def verify_topk_files(cache_path: Path, query_path: Path, formats: list[str], *,
                       tie_rule: str = "higher-id", device: str = "cpu", backend: str = "auto",
                       min_recall: float | None = None, progress: Callable[[str], None] | None = None,
                       launch: dict | None = None, impls: list | None = None,
-                      nan_rule: str = "low") -> VerifyTopkReport:
-    """An index cache file (float keys, or a kvtool cache file) plus a query file; see the module docstring."""
+                      nan_rule: str = "low", verify: bool = True) -> VerifyTopkReport:
+    """An index cache file (float keys, or a kvtool cache file) plus a query file; see the module docstring.
+    verify: check kvtool files' checksums and decoded codes as they are read (False trusts them)."""
     from kvtool.readers import open_input
 
     dev = torch.device(device)
@@ -711,7 +712,7 @@ def verify_topk_files(cache_path: Path, query_path: Path, formats: list[str], *,
                               min_recall)
     impls = _resolve_impls(impls, report)
     overall = _Overall()
-    with open_input(Path(cache_path)) as kf, open_input(Path(query_path)) as qf:
+    with open_input(Path(cache_path), verify=verify) as kf, open_input(Path(query_path), verify=verify) as qf:
         pairs = _pair_entries(kf.entries, qf.entries)
         fmts = [get_format(f) for f in formats]
         for kname, qentry in pairs:
