@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
@@ -135,9 +136,13 @@ def _verdict_options(rotate: str | None, floor: bool, resamples: int) -> dict:
 
 # ------------------------------------------------------------------------------------------------- live progress
 class LiveProgress:
-    """A rich progress display on stderr: one bar per phase, with each configuration's running KL and top-1."""
+    """Progress on stderr: on a terminal a rich display, one bar per phase with each configuration's running KL and
+    top-1; piped or in a log, plain lines `decode PHASE: done/total STATS`, at most one every `every_s` seconds per
+    phase plus one when a phase completes (a rich display would only be drawn once, at the end)."""
 
-    def __init__(self):
+    def __init__(self, every_s: float = 5.0):
+        self.plain = not stderr.is_terminal
+        self.every_s, self.last, self.done_phases = every_s, {}, set()
         self.progress = Progress(TextColumn("{task.description:<15}"), BarColumn(bar_width=16),
                                  MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.fields[stats]}"),
                                  console=stderr, transient=False)
@@ -153,6 +158,9 @@ class LiveProgress:
             self.progress.stop()
 
     def update(self, ev: ProgressEvent) -> None:
+        if self.plain:
+            self._line(ev)
+            return
         if not self.started:
             self.progress.start()
             self.started = True
@@ -162,7 +170,21 @@ class LiveProgress:
                           list(ev.running.items())[:2])
         self.progress.update(self.tasks[ev.phase], completed=ev.done, stats=stats)
 
+    def _line(self, ev: ProgressEvent) -> None:
+        now = time.monotonic()
+        finished = ev.done >= ev.total
+        if ev.phase in self.done_phases or (not finished and now - self.last.get(ev.phase, 0.0) < self.every_s):
+            return
+        self.last[ev.phase] = now
+        if finished:
+            self.done_phases.add(ev.phase)
+        stats = "  ".join(f"{label} KL {kl:.4f} top-1 {top1:.1f}%" for label, (kl, top1) in ev.running.items())
+        print(f"decode {ev.phase}: {ev.done}/{max(ev.total, 1)} {stats}".rstrip(), file=sys.stderr, flush=True)
+
     def warn(self, msg: str) -> None:
+        if self.plain:
+            print(f"warning: {msg}", file=sys.stderr, flush=True)
+            return
         self.progress.console.print(f"[yellow]warning:[/] {msg}")
 
 
