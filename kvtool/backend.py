@@ -91,16 +91,31 @@ def gather_dequantize(cache, slots: torch.Tensor, dtype: torch.dtype = torch.flo
     return triton_gather(cache, slots, dtype)
 
 
-def quantize(fmt, x: torch.Tensor, tensor_amax: torch.Tensor | None = None, backend: str = "auto"):
-    """`fmt.quantize(x, tensor_amax=...)` -> QTensor, on either backend (x [..., D], rows along the last dim)."""
-    if resolve_backend(backend, x.device) == "torch":
-        return fmt.quantize(x, tensor_amax=tensor_amax)
-    fmt.require_kvtool_codec("the Triton quantize kernel")
-    from kvtool.kernels.quant import triton_quantize
+def _triton(module: str, what: str):
+    """`kvtool.kernels.<module>`, or a one-line error saying why the Triton path cannot run here."""
+    import importlib
 
+    try:
+        return importlib.import_module(f"kvtool.kernels.{module}")
+    except ImportError as err:
+        raise KvtoolError(f"the Triton {what} kernel is not available ({err}); use --device cpu") from None
+
+
+def quantize(fmt, x: torch.Tensor, tensor_amax: torch.Tensor | None = None, backend: str = "auto", *,
+             name: str = "tensor", check_finite: bool = True):
+    """`fmt.quantize(x, tensor_amax=...)` -> QTensor, on either backend (x [..., D], rows along the last dim).
+    `check_finite` rejects NaN / Inf input with a message naming `name` and the first bad index."""
+    if resolve_backend(backend, x.device) == "torch":
+        return fmt.quantize(x, tensor_amax=tensor_amax, name=name, check_finite=check_finite)
+    fmt.require_kvtool_codec("the Triton quantize kernel")
+    if check_finite:
+        from kvtool.formats import require_finite
+
+        require_finite(x, name)  # here, so that the message names the tensor
+    quant = _triton("quant", "quantize")
     if fmt.rotation is not None:
         x = _rotation.rotate(x, fmt.rotation)
-    return triton_quantize(fmt, x, tensor_amax)
+    return quant.triton_quantize(fmt, x, tensor_amax, check_finite=False)
 
 
 def dequantize(q, dtype: torch.dtype = torch.float32, backend: str = "auto") -> torch.Tensor:
@@ -108,8 +123,7 @@ def dequantize(q, dtype: torch.dtype = torch.float32, backend: str = "auto") -> 
     if resolve_backend(backend, q.payload.device) == "torch":
         return q.dequantize(dtype)
     q.fmt.require_kvtool_codec("the Triton dequantize kernel")
-    from kvtool.kernels.quant import triton_dequantize
-
+    triton_dequantize = _triton("quant", "dequantize").triton_dequantize
     if q.fmt.rotation is not None:
         return _rotation.unrotate(triton_dequantize(q, torch.float32), q.fmt.rotation).to(dtype)
     return triton_dequantize(q, dtype)

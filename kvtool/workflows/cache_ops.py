@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from kvtool import backend as dispatch
 from kvtool.backend import resolve_backend, resolve_device
 from kvtool.container import (
     CacheEntry,
@@ -31,7 +32,7 @@ from kvtool.container import (
     write_metadata,
 )
 from kvtool.errors import InputError, KvtoolError
-from kvtool.formats import Format, QTensor, get_format, require_finite, rotation
+from kvtool.formats import Format, QTensor, get_format
 from kvtool.readers import Entry, InputFile, check_finite_rows, open_input, row_chunks, select
 
 __all__ = ["CacheOpReport", "Hint", "Progress", "TensorResult", "chunk_bytes", "dequantize_file", "dequantize_tensor",
@@ -73,35 +74,15 @@ class CacheOpReport:
 # ------------------------------------------------------------------------------------------------ one tensor
 def quantize_tensor(fmt: Format, x: torch.Tensor, tensor_amax: torch.Tensor | None, backend: str, *,
                     name: str = "tensor", check_finite: bool = True) -> QTensor:
-    """Quantize floating `x` [..., D] (on the backend's device) to `fmt` along its last dimension. `backend` is
-    "torch" (the bit-exact reference, `fmt.quantize`) or "triton" (`kvtool.kernels.quant.triton_quantize`, imported
-    only when asked for). `tensor_amax` (fp32 scalar) is the whole tensor's amax when `x` is a chunk of it."""
-    if backend == "triton":
-        fmt.require_kvtool_codec("the Triton quantize kernel")
-        if check_finite:
-            require_finite(x, name)  # here, so that the message names the tensor
-        try:
-            from kvtool.kernels.quant import triton_quantize
-        except ImportError as err:
-            raise KvtoolError(f"the Triton quantize kernel is not available ({err}); use --device cpu") from None
-        if fmt.rotation is not None:  # the kernel knows no rotation: it quantizes the rotated values (codes = x R)
-            x = rotation.rotate(x, fmt.rotation)
-        return triton_quantize(fmt, x, tensor_amax=tensor_amax, check_finite=False)
-    return fmt.quantize(x, tensor_amax=tensor_amax, name=name, check_finite=check_finite)
+    """Quantize floating `x` [..., D] (on the backend's device) to `fmt` along its last dimension, through the one
+    dispatch (`kvtool.backend.quantize`: "torch" is the bit-exact reference, "triton" the kernel). `tensor_amax`
+    (fp32 scalar) is the whole tensor's amax when `x` is a chunk of it."""
+    return dispatch.quantize(fmt, x, tensor_amax, backend, name=name, check_finite=check_finite)
 
 
 def dequantize_tensor(q: QTensor, dtype: torch.dtype, backend: str) -> torch.Tensor:
-    """Decode `q` to `dtype` [..., D]: torch reference (`q.dequantize`) or `kvtool.kernels.quant.triton_dequantize`."""
-    if backend == "triton":
-        q.fmt.require_kvtool_codec("the Triton dequantize kernel")
-        try:
-            from kvtool.kernels.quant import triton_dequantize
-        except ImportError as err:
-            raise KvtoolError(f"the Triton dequantize kernel is not available ({err}); use --device cpu") from None
-        if q.fmt.rotation is not None:  # the kernel decodes the rotated domain; R^T brings it back
-            return rotation.unrotate(triton_dequantize(q, torch.float32), q.fmt.rotation).to(dtype)
-        return triton_dequantize(q, dtype)
-    return q.dequantize(dtype)
+    """Decode `q` to `dtype` [..., D] through the one dispatch (`kvtool.backend.dequantize`)."""
+    return dispatch.dequantize(q, dtype, backend)
 
 
 def tensor_amax(entry: Entry, chunk_bytes: int, tick: Callable[[int, str], None] | None = None) -> torch.Tensor:
