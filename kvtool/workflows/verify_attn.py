@@ -257,6 +257,7 @@ def _kvtool_row(layer, fmt, q, k_cache, v_cache, table, q_req, q_pos, ids, ref_d
                 scores, decode, kernel) -> None:
     from kvtool.kernels.sparse_attn import sparse_decode, sparse_prefill, uses_gluon
 
+    fmt.require_kvtool_codec("the Triton sparse-attention kernel")  # it decodes the SPEC codecs, not a recipe's
     rot = fmt.rotation
     if rot is not None:  # the kernel reads the codes of K R and V R: softmax((q R)(K R)^T) (V R) = out R
         q = rotate(q, rot).to(q.dtype)

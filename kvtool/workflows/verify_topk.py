@@ -407,6 +407,7 @@ def _candidates(iq4, cache, table, ctx, q_pos, cfg, backend, launch, impls):
     if backend == "triton":
         from kvtool.kernels import index_score as K
 
+        cache.fmt.require_kvtool_codec("the Triton index scorer")  # it decodes the SPEC codecs, not a recipe's
         kernel_q = iq4
         if cache.fmt.rotation is not None:  # the kernel scores the stored codes (k R): (q R) . (k R) = q . k
             kernel_q = rotate(iq4, cache.fmt.rotation).to(iq4.dtype)

@@ -25,3 +25,18 @@ def test_rotated_attention_un_rotates_the_output(device):
         assert row.vs_dequant.max_rel <= 5e-4, row  # a missing un-rotation would leave O(1) errors
         assert row.vs_original.max_rel < 1.0
 
+
+
+def test_kernel_paths_refuse_engine_recipes(device):
+    """kvtool's kernels decode the SPEC codecs; an engine recipe's bytes decode otherwise, so the check refuses to
+    run them rather than report a difference that is the recipe's (the torch backend runs every recipe)."""
+    import pytest
+
+    from kvtool.errors import FormatError
+
+    with pytest.raises(FormatError, match="engine recipe"):
+        verify_topk_synthetic(["nvfp4@vllm.ref_nvfp4"], batch=1, context_lens="256", device=device)
+    with pytest.raises(FormatError, match="engine recipe"):
+        verify_attn_synthetic(["nvfp4@vllm.ref_nvfp4"], batch=1, context_lens="256", device=device)
+    assert verify_topk_synthetic(["nvfp4@vllm.ref_nvfp4"], batch=1, context_lens="256", device=device,
+                                 backend="torch").verdict.startswith("SKIPPED")
