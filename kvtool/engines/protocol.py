@@ -33,7 +33,11 @@ import torch
 from kvtool.errors import InputError
 from kvtool.indexer import IndexerConfig
 
-__all__ = ["IndexCall", "IndexOutput", "AttnCall", "EngineImpl", "IMPLS", "resolve_impl", "FunctionImpl"]
+# An engine's kernel reads its cache as stored and knows nothing of kvtool's rotation option (kvtool.formats.rotation):
+# the workflows skip it, with this reason, on a rotated format.
+ROTATION_SKIP = "the engine's kernel takes no rotation (a +rot format's codes hold x R)"
+
+__all__ = ["IndexCall", "IndexOutput", "AttnCall", "EngineImpl", "IMPLS", "ROTATION_SKIP", "resolve_impl", "FunctionImpl"]
 
 
 @dataclass

@@ -49,7 +49,6 @@ from kvtool.backend import resolve_check_backend
 from kvtool.errors import InputError
 from kvtool.formats import Format, get_format
 from kvtool.formats.rotation import rotate, unrotate
-from kvtool.workflows.verify_topk import ROTATION_SKIP
 from kvtool.metrics import ValueAccumulator, ValueMetrics
 from kvtool.paged import PagedCache, contiguous_slots
 
@@ -228,6 +227,8 @@ def _run_case(layer: str, fmts: list[Format], q: torch.Tensor, ks: list[torch.Te
             _kvtool_row(layer, fmt, q, k_cache, v_cache, table, q_req, q_pos, ids, ref_deq, ref_orig, block_size,
                         report, scores, decode, kernel)
         for impl in impls or []:
+            from kvtool.engines.protocol import ROTATION_SKIP
+
             why = ROTATION_SKIP if fmt.rotation is not None else impl.unsupported(
                 "attend", fmt, block_size=block_size, page_size=page_size, head_dim=q.shape[-1], device=q.device)
             if why:

@@ -58,7 +58,7 @@ from kvtool.indexer import (
 from kvtool.paged import PagedCache, contiguous_slots
 
 __all__ = [
-    "DIAGNOSES", "M3_DECODE", "MAX_EVIDENCE", "ROTATION_SKIP", "RULE_GRID", "SKIP_TORCH", "SelectionCheck", "TopkRow",
+    "DIAGNOSES", "M3_DECODE", "MAX_EVIDENCE", "RULE_GRID", "SKIP_TORCH", "SelectionCheck", "TopkRow",
     "VerifyTopkReport", "build_index_cache", "cache_from_qtensor", "classify_rows", "diagnose", "edge_scores",
     "synthetic_index_keys", "verify_topk_capture", "verify_topk_files", "verify_topk_scores", "verify_topk_synthetic"
 ]
@@ -391,10 +391,6 @@ SKIP_TORCH = ("SKIPPED: no kernel ran (torch backend: the reference compared wit
               "CPU with TRITON_INTERPRET=1)")
 
 
-# An engine's kernel reads its cache as stored and knows nothing of kvtool's rotation option.
-ROTATION_SKIP = "the engine's kernel takes no rotation (a +rot format's codes hold x R)"
-
-
 def _skipped(layer, label, rows, impl, why) -> TopkRow:
     return TopkRow(layer, label, rows, None, math.nan, 0.0, None, True, impl, why, None)
 
@@ -421,6 +417,8 @@ def _candidates(iq4, cache, table, ctx, q_pos, cfg, backend, launch, impls):
     else:  # the reference itself: (a) cannot fail, (b) still says what the format costs
         out.append(("kvtool", None, None, "reference"))
     for impl in impls:
+        from kvtool.engines.protocol import ROTATION_SKIP
+
         why = ROTATION_SKIP if cache.fmt.rotation is not None else impl.unsupported(
             "index", cache.fmt, block_size=cfg.block_size, page_size=cache.page_size, head_dim=cache.head_dim,
             device=iq4.device)
