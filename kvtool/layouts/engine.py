@@ -14,6 +14,7 @@ import torch
 
 from kvtool.errors import FormatError, LayoutError
 from kvtool.formats import Format, QTensor, get_format
+from kvtool.formats.kernel_desc import kernel_desc, qtensor_of_bytes
 from kvtool.layouts.presets import PAYLOAD, RULES, SCALE, LayoutPreset, Region
 
 __all__ = [
@@ -166,35 +167,31 @@ def qtensor_scalars(q: QTensor) -> dict:
     out = {}
     if q.fmt.scale_element == "fp32-tensor" and q.scales is not None:
         out["tensor_scale"] = float(q.scales.reshape(-1)[0])
-    if q.fmt.family == "nvfp4":
+    if kernel_desc(q.fmt).outer_scale:
         out["outer"] = float(q.outer_scale)
     return out
 
 
 def build_qtensor(name: str, rows: dict, geo: Geometry) -> QTensor:
-    """A QTensor of logical shape [N, H, D] from plane rows {part: uint8 [N, H, nb]} and the geometry's scalars."""
+    """A QTensor of logical shape [N, H, D] from plane rows {part: uint8 [N, H, nb]} and the geometry's scalars
+    (the bytes -> QTensor step is `kernel_desc.qtensor_of_bytes`, shared with the paged cache and the kernels)."""
     fmt, scalars = geo.fmt, geo.scalars.get(name, {})
-    payload = rows[PAYLOAD]
-    if fmt.family == "bf16":
-        payload = payload.view(torch.bfloat16)
-    scales = None
-    if fmt.scale_element in ("e4m3", "e8m0"):
-        scales = rows[SCALE]
-    elif fmt.scale_element == "fp32-row":
-        scales = rows[SCALE].view(torch.float32)
-    elif fmt.scale_element == "fp32-tensor":
+    tensor_scale = None
+    if fmt.scale_element == "fp32-tensor":
         if "tensor_scale" not in scalars:
             raise LayoutError(f"{name}: {fmt.label} needs its fp32 tensor scale (add tensor_scale=VALUE to --geometry)")
-        scales = torch.tensor(scalars["tensor_scale"], dtype=torch.float32)
+        tensor_scale = torch.tensor(scalars["tensor_scale"], dtype=torch.float32)
     outer = 1.0
-    if fmt.family == "nvfp4":
+    if kernel_desc(fmt).outer_scale:
         if "outer" in scalars:
             outer = float(scalars["outer"])
         elif fmt.outer_scale == "auto":
             raise LayoutError(f"{name}: {fmt.label} needs its outer scale g_dec (add outer=VALUE to --geometry)")
         else:
             outer = float(torch.tensor(float(fmt.outer_scale), dtype=torch.float32))
-    return QTensor(fmt, payload, scales, outer, (geo.tokens, geo.heads, geo.dim))
+    shape = (geo.tokens, geo.heads, geo.dim)
+    return qtensor_of_bytes(fmt, rows[PAYLOAD], rows.get(SCALE), shape, lead=shape[:2], tensor_scale=tensor_scale,
+                            outer_scale=outer)
 
 
 # ------------------------------------------------------------------------------------------ planes <-> region bytes
