@@ -87,9 +87,9 @@ from kvtool.kernels.store import cache_scales, native_fp8, require_tensor_scale
 from kvtool.kernels.topk import MAX_SELECT_BLOCKS, merge_candidates, pick_next, select_from_block_scores
 
 __all__ = [
-    "FORMATS", "FP4_PAIR_LAUNCH", "IndexGeometry", "LAUNCH_OPTIONS", "LEAN_DEFAULT", "MIN_WORDS_DIM",
+    "FORMATS", "FP4_PAIR_LAUNCH", "IndexGeometry", "LAUNCH_OPTIONS", "LEAN_DEFAULT", "MIN_WORDS_DIM", "PREFILL_LAUNCH",
     "PORTABLE_OPTIONS", "POST_SCALE_DEFAULT_ROWS", "POST_SCALE_ROWS", "decode_block_scores", "decode_scores",
-    "decode_topk", "max_warps", "prefill_block_scores", "prefill_scores", "prefill_topk"
+    "decode_topk", "max_warps", "prefill_block_scores", "prefill_options", "prefill_scores", "prefill_topk"
 ]
 
 
@@ -288,6 +288,35 @@ def _fp4_pair_default(device: torch.device) -> bool:
 
 FP4_PAIR_LAUNCH = {"tile_pairs": True, "prefetch": False, "num_stages": 5, "num_warps": 4, "max_registers": 128}
 
+# Prefill (several queries per request) on CUDA: a fixed launch per key element width instead of the autotuned one.
+# bf16 / fp8 keys: 128 dot rows (32 queries x 4 heads), 3 stages; FP4 keys: the autotuned 64 rows but one program
+# per query tile over its whole context (no context split). H200, causal prefill 32K x 4 heads, score + top-k, us
+# (`bench/sweep_index_prefill.py`, 2026-12-02): bf16 2858 -> 2228 (vLLM 1780), fp8 2677 -> 2576 (vLLM 2653), nvfp4
+# 3033 -> 2525; every variant's top-k equal to the default's. 8 warps and 64-query tiles were slower for every format.
+PREFILL_LAUNCH = {
+    16: {"q_rows": 128, "num_warps": 4, "num_stages": 3, "prefetch": False},
+    8: {"q_rows": 128, "num_warps": 4, "num_stages": 3, "prefetch": False},
+    4: {"q_rows": 64, "chunk_blocks": 256, "num_warps": 4, "num_stages": 5, "prefetch": False},
+}
+PREFILL_DEFAULT_ROWS = 64  # dot rows of a prefill query tile elsewhere (the interpreter, other devices)
+
+
+def prefill_options(payload_bits: int, heads: int, nb: int, mode: int, options: dict) -> dict:
+    """`options` with the measured prefill launch (PREFILL_LAUNCH) for keys of `payload_bits`, `heads` index heads
+    and `nb` blocks filled in, unless an option it would override is given. Its whole-context programs only where
+    the top-k runs in two passes (a program's in-kernel candidates take registers per block of its chunk)."""
+    plan = PREFILL_LAUNCH.get(payload_bits)
+    if plan is None or any(options.get(k) is not None for k in ("q_tile", *plan)):
+        return options
+    plan = dict(plan)
+    if "chunk_blocks" in plan:
+        if mode == 0 or (mode == 2 and (options.get("in_kernel_topk") or nb > MAX_SELECT_BLOCKS)):
+            del plan["chunk_blocks"]
+        else:
+            plan["chunk_blocks"] = min(plan["chunk_blocks"], triton.next_power_of_2(nb))
+    rows = plan.pop("q_rows")
+    return {**plan, "q_tile": max(1, rows // triton.next_power_of_2(heads)), **options}
+
 
 def _use_gluon(iq4, cache, cfg, q_pos, mode: int, options: dict) -> bool:
     """The NVIDIA fast path (`kernels/index_gluon.py`) for FP4 decode block scores and top-k: option gluon=True
@@ -419,6 +448,8 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
             and iq4.shape[1] == 1 and not options.get("in_kernel_topk") and iq4.shape[-1] >= MIN_WORDS_DIM
             and not any(options.get(k) is not None for k in FP4_PAIR_LAUNCH)):
         options = {**FP4_PAIR_LAUNCH, **options}  # measured default (above); a register cap is CUDA-only
+    if _fp4_pair_default(iq4.device) and iq4.shape[1] > 1:  # measured on CUDA only
+        options = prefill_options(cache.fmt.spec.payload_bits, iq4.shape[2], nb, mode, options)
     iq4 = iq4 if iq4.stride(-1) == 1 else iq4.contiguous()
     pos = _positions(q_pos, iq4, context_lens)
     bsz, nq, hi, d = iq4.shape
@@ -429,7 +460,7 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
     if fp4_words and fmt.spec.payload_bits == 4 and d < MIN_WORDS_DIM:
         raise KernelArgumentError(f"index scorer: the FP4 word decode needs a head dim >= {MIN_WORDS_DIM}, got {d}")
     hip = triton.next_power_of_2(hi)
-    qt = options.get("q_tile") or (1 if nq == 1 else max(1, 64 // hip))
+    qt = options.get("q_tile") or (1 if nq == 1 else max(1, PREFILL_DEFAULT_ROWS // hip))
     qt = min(triton.next_power_of_2(qt), triton.next_power_of_2(nq))
     words = fp4_words and fmt.spec.payload_bits == 4
     nsb = d // fmt.block if words else 1

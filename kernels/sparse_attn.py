@@ -372,7 +372,9 @@ def launch_plan(rows: int, num_kv_heads: int, topk: int, block_size: int, page_s
       splits) nvfp4 74.1 -> 69.3, mxfp4 83.0 -> 75.5, fp8 50.9 -> 48.0 against 4 warps; batch 64 nvfp4 31.2 (4
       warps, 5 splits) -> 25.8 (2 warps, 8 splits), while 2 warps with 5 splits gave 34.1;
     - otherwise (bf16, or too few tiles: batch 16 and below at M3's shape, not re-measured) 4 warps and about two
-      programs per SM, never more splits than tiles.
+      programs per SM, never more splits than tiles; bf16 with fewer (rows x KV heads) than SMs about `RESIDENT`
+      per SM instead (H200, M3 shape, batch 64: 5 splits 87.2 -> 8 splits 81.8 us per 3 layers; at batch 256 8
+      splits were slower, 70.7 -> 86.6).
     Warps are capped at tile / 8 (the score dot [16, T] spreads its T columns over the warps 8 at a time; beyond
     that warps only hold copies)."""
     interp = INTERPRET
@@ -387,7 +389,8 @@ def launch_plan(rows: int, num_kv_heads: int, topk: int, block_size: int, page_s
     if num_splits is None:
         splits = 1
         if sms is not None:
-            splits = RESIDENT * sms // programs if fill else math.ceil(2 * sms / programs)
+            per_sm = RESIDENT if not quantized and programs < sms else 2
+            splits = RESIDENT * sms // programs if fill else math.ceil(per_sm * sms / programs)
             splits = max(1, min(n_tiles, splits))
     else:
         splits = int(num_splits)

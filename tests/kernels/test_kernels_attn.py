@@ -158,7 +158,7 @@ def test_launch_plan_caps_warps_at_tile_over_8():
 def test_launch_plan_gpu_defaults():
     """The H200-tuned defaults at M3's shape (132 SMs, top-16 x 128 tokens = 32 tiles of 64): quantized formats
     with enough tiles for 4 resident programs per SM get 2 warps and one wave of splits; bf16 and small batches keep
-    4 warps and about two programs per SM. Explicit options win."""
+    4 warps and about two programs per SM, bf16 with fewer rows than SMs about four. Explicit options win."""
     cpu = torch.device("cpu")
     plan = lambda rows, q=True, **kw: launch_plan(rows, 1, 16, 128, 128, cpu, quantized=q, sms=132,  # noqa: E731
                                                   tile_tokens=kw.pop("tile_tokens", 64), **kw)
@@ -167,7 +167,8 @@ def test_launch_plan_gpu_defaults():
     assert plan(16) == (64, 16, 2, 4)  # 16 x 32 tiles < 4 x 132: the 4-warp plan (17 splits of 2 tiles -> 16)
     assert plan(1) == (64, 32, 1, 4)
     assert plan(256, q=False) == (64, 2, 16, 4)
-    assert plan(64, q=False) == (64, 5, 7, 4)
+    assert plan(64, q=False) == (64, 8, 4, 4)  # 4 x 132 / 64 -> 9 splits of 4 tiles -> 8
+    assert plan(132, q=False) == (64, 2, 16, 4)  # as many rows as SMs: two per SM
     assert plan(256, num_warps=4, num_splits=3) == (64, 3, 11, 4)
     assert launch_plan(256, 1, 16, 128, 128, cpu, tile_tokens=64, quantized=True)[1:] == (1, 32, 4)  # off GPU
 

@@ -819,3 +819,21 @@ def test_gluon_chunk_rule():
                 assert 1 <= ch <= G.CHUNK_BLOCKS and ch & (ch - 1) == 0
                 programs = bsz * -(-nb // ch)
                 assert programs >= min(G.FILL_PROGRAMS * sms, bsz * nb) or ch == 1
+
+
+def test_prefill_options_fill_the_measured_launch_and_yield_to_given_options():
+    """The CUDA prefill launch (PREFILL_LAUNCH): 128 dot rows for bf16 / fp8 keys, whole-context FP4 programs only
+    where the top-k runs in two passes (capped at the row's blocks); any option it would set leaves the caller's
+    options as given."""
+    two_byte = K.prefill_options(16, 4, 256, 2, {})
+    assert two_byte == {"num_warps": 4, "num_stages": 3, "prefetch": False, "q_tile": 32}
+    assert K.prefill_options(8, 1, 256, 1, {})["q_tile"] == 128
+    assert K.prefill_options(4, 4, 32, 2, {})["chunk_blocks"] == 32  # 4K context: 32 blocks, not 256
+    assert K.prefill_options(4, 4, 256, 1, {})["q_tile"] == 16
+    assert "chunk_blocks" not in K.prefill_options(4, 4, 256, 2, {"in_kernel_topk": True})
+    assert "chunk_blocks" not in K.prefill_options(4, 4, 256, 0, {})  # token scores
+    for given in ({"q_tile": 8}, {"num_stages": 2}):
+        assert K.prefill_options(16, 4, 256, 2, given) == given
+    assert K.prefill_options(4, 4, 256, 2, {"chunk_blocks": 4}) == {"chunk_blocks": 4}
+    assert K.prefill_options(16, 4, 256, 2, {"chunk_blocks": 4})["chunk_blocks"] == 4  # not in the bf16 plan
+    assert K.prefill_options(32, 4, 256, 2, {}) == {}  # no measured plan for that width
