@@ -43,6 +43,21 @@ class ElementCodec:
         return 2.0**top_exp * (1 + top_mant / (1 << self.mbits))
 
     @property
+    def magnitude_mask(self) -> int:
+        """The code bits below the sign (0x7F for E4M3, 0x7 for E2M1): `code & mask` is the magnitude's code."""
+        return (1 << (self.bits - 1)) - 1
+
+    @property
+    def top_code(self) -> int:
+        """The sign-less code of the largest finite magnitude (0x7E for E4M3FN, 0x7 for E2M1)."""
+        return self.magnitude_mask - (1 if self.nan_top_code else 0)
+
+    @property
+    def nan_code(self) -> int | None:
+        """The sign-less code that is NaN (the all-ones magnitude when `nan_top_code`), or None: no code is NaN."""
+        return self.magnitude_mask if self.nan_top_code else None
+
+    @property
     def min_normal(self) -> float:
         return 2.0 ** (1 - self.bias)
 

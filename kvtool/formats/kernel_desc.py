@@ -75,7 +75,7 @@ def kernel_desc(fmt) -> KernelDesc:
     return KernelDesc(
         label=fmt.label, elem=ELEMENTS.index(elem), payload_bits=fmt.spec.payload_bits, scale=scale,
         token_scale=SCALE_NONE if scale == SCALE_TENSOR else scale, block=fmt.block,
-        outer_scale="outer_scale" in fmt.spec.options, rule=int(fmt.scale_rule or 0), recipe=int(fmt.recipe or 0),
+        outer_scale=fmt.spec.has_outer_scale, rule=int(fmt.scale_rule or 0), recipe=int(fmt.recipe or 0),
         ds_floor=bool(fmt.ds_floor), pow2=bool(fmt.pow2), scale_unit_bytes=SCALE_ELEMENT_BYTES[fmt.scale_element])
 
 

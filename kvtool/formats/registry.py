@@ -24,8 +24,8 @@ from kvtool.formats.elements import E2M1, E4M3, ElementCodec
 from kvtool.formats.rules import Fp8Scale, NvRecipe, ScaleRule, parse_enum
 
 __all__ = [
-    "ALIASES", "DEFAULTS", "FAMILIES", "Family", "Format", "QTensor", "SCALE_ELEMENT_BYTES", "all_formats",
-    "engine_formats", "get_format", "require_finite"
+    "ALIASES", "DEFAULTS", "FAMILIES", "Family", "Format", "QTensor", "SCALE_ELEMENT_BYTES", "SCALE_UNIT_BYTE",
+    "all_formats", "engine_formats", "get_format", "require_finite", "rule_variants"
 ]
 
 
@@ -43,8 +43,16 @@ class Family:
     options: tuple[str, ...]  # which Format option fields apply
     description: str
 
+    @property
+    def has_outer_scale(self) -> bool:
+        """The family's QTensors carry a decode-direction fp32 outer scale (NVFP4's g_dec) beside the block scales."""
+        return "outer_scale" in self.options
+
 
 SCALE_ELEMENT_BYTES = {"none": 0, "fp32-tensor": 0, "fp32-row": 4, "e4m3": 1, "e8m0": 1}
+# The byte of scale 1.0 for each one-byte block-scale element: E4M3 0b0_0111_000 (2**(7 - 7)), E8M0 127 (2**(127 -
+# 127)); what a writer that never computed its scales leaves in the plane.
+SCALE_UNIT_BYTE = {"e4m3": 0b0_0111_000, "e8m0": 127}
 
 FAMILIES: dict[str, Family] = {
     "bf16": Family("bf16", None, 16, 0, "none", codecs.bf16_quantize, codecs.bf16_dequantize, (),
@@ -93,7 +101,7 @@ class Format:
 
     @property
     def scale_element(self) -> str:
-        if self.family == "fp8":
+        if self.fp8_scale is not None:  # the fp8 scale kind is an option; other families fix theirs
             return {Fp8Scale.UNIT: "none", Fp8Scale.TENSOR: "fp32-tensor", Fp8Scale.TOKEN: "fp32-row"}[self.fp8_scale]
         return self.spec.scale_element
 
@@ -104,7 +112,19 @@ class Format:
 
     @property
     def is_quantized(self) -> bool:
-        return self.family != "bf16"
+        """False when the payload is the values themselves (bf16): no element codec, no scales."""
+        return self.spec.element is not None
+
+    @property
+    def has_local_scales(self) -> bool:
+        """True when scales vary within a tensor (one per row or per block); False for a unit or whole-tensor scale,
+        where every element of the tensor shares one scale (and for bf16)."""
+        return SCALE_ELEMENT_BYTES[self.scale_element] > 0
+
+    def same_codecs(self, other: "Format") -> bool:
+        """Both formats' bytes are read with the same element and scale codecs at the same block (rule options may
+        differ): with equal planes, their stored bytes compare directly."""
+        return (self.element, self.scale_element, self.block) == (other.element, other.scale_element, other.block)
 
     @property
     def needs_tensor_amax(self) -> bool:
@@ -185,7 +205,7 @@ class Format:
     def outer_scale_value(self, tensor_amax: torch.Tensor | None) -> float:
         """The nvfp4 outer scale a QTensor of this format stores for a tensor of amax `tensor_amax` (1 for other
         families): the SPEC's decode-direction g_dec, or an engine recipe's value in its own direction."""
-        if self.family != "nvfp4":
+        if not self.spec.has_outer_scale:
             return 1.0
         if self.engine:
             return recipes.outer_scales(recipes.get_recipe(self.engine), self, torch.zeros(1), tensor_amax)[0]
@@ -401,13 +421,14 @@ def _label_token(family: str, token: str) -> dict:
     for key, enum_cls in (("scale_rule", ScaleRule), ("recipe", NvRecipe), ("fp8_scale", Fp8Scale)):
         if key in FAMILIES[family].options and token.upper() in enum_cls.__members__:
             return {key: enum_cls[token.upper()]}
-    if family == "nvfp4" and token == "auto":
+    options = FAMILIES[family].options
+    if "outer_scale" in options and token == "auto":
         return {"outer_scale": "auto"}
-    if family == "nvfp4" and token.startswith("g"):
+    if "outer_scale" in options and token.startswith("g"):
         return {"outer_scale": token[1:]}
-    if family == "fp8" and token == "ds":
+    if "ds_floor" in options and token == "ds":
         return {"ds_floor": True}
-    if family == "fp8" and token == "pow2":
+    if "pow2" in options and token == "pow2":
         return {"pow2": True}
     raise FormatError(f"unknown option {token!r} in a {family} format label")
 
@@ -420,6 +441,13 @@ def all_formats() -> list[Format]:
     out += [get_format("nvfp4", recipe=r, outer_scale=g) for r in NvRecipe for g in ("1", "auto")]
     out += [get_format("mxfp4", scale_rule=r) for r in ScaleRule]
     return out
+
+
+def rule_variants(fmt: Format) -> list[Format]:
+    """The SPEC formats (`all_formats`) that store `fmt`'s planes under other rule options: same family and scale
+    element, `fmt` itself left out (every other MXFP4 scale rule; every NVFP4 recipe and outer scale; the fp8 token
+    floor / pow2 variants). What a writer with another rule or recipe would have made of the same values."""
+    return [v for v in all_formats() if v.family == fmt.family and v.scale_element == fmt.scale_element and v != fmt]
 
 
 def engine_formats() -> list[Format]:
