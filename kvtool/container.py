@@ -71,6 +71,23 @@ import torch
 from kvtool import __version__
 from kvtool.errors import FileFormatError, FormatError, KvtoolError, OutputError
 from kvtool.formats import Format, QTensor
+from kvtool.st_header import (  # noqa: F401 - re-exported: the limits and JSON rules are the container's too
+    MAX_DIM,
+    MAX_DIMS,
+    MAX_HEADER_BYTES,
+    MAX_JSON_DEPTH,
+    META_SCHEMA,
+    META_VERSION,
+    SHORT_DTYPE_NAMES,
+    ST_DTYPE_NAMES,
+    _is_int,
+    _short,
+    check_shape,
+    json_depth,
+    load_json,
+    read_raw_header,
+    short_dtype_name,
+)
 
 __all__ = [
     "AtomicFile", "CHECKSUM_ALGORITHM", "CacheEntry", "ChecksumError", "DTYPES_BY_NAME", "DTYPE_NAMES",
@@ -90,37 +107,26 @@ class ChecksumError(FileFormatError):
 
 SCHEMA_VERSION = 2
 READABLE_SCHEMAS = (1, 2)  # 1: no metadata digests and no passthrough records (read with a warning)
-META_SCHEMA = "kvtool.schema"
-META_VERSION = "kvtool.version"
 META_TENSORS = "kvtool.tensors"
 META_PASSTHROUGH = "kvtool.passthrough"
 CHECKSUM_ALGORITHM = "blake2b-256"
 LAYOUT_PLANES = "planes"
-MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
-MAX_JSON_DEPTH = 64  # kvtool's headers nest 4 deep; the json module recurses per level (RecursionError near 1000)
-MAX_DIMS = 16
-MAX_DIM = 1 << 48  # a bound on every dimension, so that products and torch allocations never overflow
 # Outer / tensor scales a file may carry: normal fp32 numbers (kvtool's own `auto` outer scale is >= 2^-118).
 SCALE_RANGE = (2.0 ** -126, 2.0 ** 126)
 ENTRY_FIELDS = ("format", "shape", "dtype", "layout", "outer_scale", "tensor_scale", "payload", "scales", "checksum")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
-# safetensors dtype strings <-> torch dtypes (little-endian on disk).
-ST_DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
-    "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64, "U64": torch.uint64, "F16": torch.float16,
-    "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
+# safetensors dtype strings <-> torch dtypes (little-endian on disk), from kvtool.st_header's one table.
+ST_DTYPES: dict[str, torch.dtype] = {k: getattr(torch, name) for k, name in ST_DTYPE_NAMES.items()}
 ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
 
 # Short names of floating dtypes, as reports and the `dtype` metadata field spell them.
-DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
+DTYPE_NAMES = {getattr(torch, name): short for name, short in SHORT_DTYPE_NAMES.items()}
 DTYPES_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    return DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+    return short_dtype_name(str(dtype).replace("torch.", ""))
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -132,78 +138,12 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 # ------------------------------------------------------------------------------------------------------ JSON
-def _no_duplicates(pairs: list) -> dict:
-    seen: dict = {}
-    for key, value in pairs:
-        if key in seen:
-            raise _JsonSchemaError(f"duplicate key {key!r}")
-        seen[key] = value
-    return seen
-
-
-def _no_constant(name: str):
-    raise _JsonSchemaError(f"non-standard JSON constant {name}")
-
-
-class _JsonSchemaError(ValueError):
-    pass
-
-
-def json_depth(text: bytes) -> int:
-    """The deepest nesting of [] / {} in JSON `text`, brackets inside strings not counted (vectorized: a 100 MiB
-    header takes well under a second)."""
-    import numpy as np
-
-    # Escapes first (a backslash and the byte after it become two neutral bytes), so every quote left delimits.
-    flat = re.sub(rb"\\.", b"__", text, flags=re.S)
-    arr = np.frombuffer(flat, dtype=np.uint8)
-    if arr.size == 0:
-        return 0
-    inside = (np.cumsum(arr == ord('"')) & 1).astype(bool)
-    step = (np.isin(arr, (ord("["), ord("{"))).astype(np.int64) - np.isin(arr, (ord("]"), ord("}"))))
-    step[inside] = 0
-    return int(np.cumsum(step).max(initial=0))
-
-
-def load_json(text: bytes | str, what: str):
-    """Parse JSON strictly: at most MAX_JSON_DEPTH deep (checked before parsing), no duplicate keys, no NaN /
-    Infinity literals. Raises FileFormatError("<what>: ...")."""
-    raw = text.encode() if isinstance(text, str) else bytes(text)
-    depth = json_depth(raw)
-    if depth > MAX_JSON_DEPTH:
-        raise FileFormatError(f"{what}: JSON nested {depth} deep (at most {MAX_JSON_DEPTH})")
-    try:
-        return json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
-    except _JsonSchemaError as err:
-        raise FileFormatError(f"{what}: {err}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
-        raise FileFormatError(f"{what}: not JSON ({err})") from None
-
-
 def canonical_json(obj) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def check_shape(shape, where: str, *, allow_scalar: bool = True) -> tuple[int, ...]:
-    """A shape from a file: a list of at most MAX_DIMS ints (not bools) in [0, MAX_DIM]."""
-    if not (isinstance(shape, list) and len(shape) <= MAX_DIMS and (shape or allow_scalar)
-            and all(_is_int(d) and 0 <= d <= MAX_DIM for d in shape)):
-        raise FileFormatError(f"{where}: bad shape {_short(shape)} (a list of at most {MAX_DIMS} ints in "
-                              f"[0, 2^48]{'' if allow_scalar else ', not empty'})")
-    return tuple(shape)
-
-
-def _short(value, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 # ------------------------------------------------------------------------------------------------------ reading
@@ -242,56 +182,11 @@ class Header:
 
 
 def read_header(path: Path) -> Header:
-    """Parse and validate a safetensors header without reading tensor data. Raises FileFormatError naming what lies."""
-    path = Path(path)
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise FileFormatError(f"{path}: truncated: {size} bytes, a safetensors file starts with an 8-byte "
-                                      "header length")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER_BYTES or 8 + n > size:
-                raise FileFormatError(f"{path}: truncated or not a safetensors file: header length {n} but the file "
-                                      f"has {size} bytes")
-            raw = f.read(n)
-    except OSError as err:
-        raise FileFormatError(f"{path}: cannot read: {err.strerror or err}") from None
-    obj = load_json(raw, f"{path}: corrupt safetensors header")
-    if not isinstance(obj, dict):
-        raise FileFormatError(f"{path}: corrupt safetensors header (not a JSON object)")
-    metadata = obj.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise FileFormatError(f"{path}: corrupt safetensors header (__metadata__ must map strings to strings)")
-    base = 8 + n
-    tensors = {name: _stored_tensor(path, name, info, base, size) for name, info in obj.items()}
-    spans = sorted((t.start, t.end, t.name) for t in tensors.values() if t.nbytes)
-    for (s0, e0, a), (s1, e1, b) in zip(spans, spans[1:]):
-        if s1 < e0:
-            raise FileFormatError(f"{path}: header lies: tensors {a!r} and {b!r} overlap in the file")
-    return Header(path, tensors, metadata, size)
-
-
-def _stored_tensor(path: Path, name: str, info, base: int, size: int) -> StoredTensor:
-    where = f"{path}: header lies: tensor {name!r}"
-    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
-        raise FileFormatError(f"{path}: corrupt safetensors header: tensor {name!r} lacks dtype/shape/data_offsets")
-    dtype = ST_DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
-    if dtype is None:
-        raise FileFormatError(f"{path}: tensor {name!r} has unsupported dtype {_short(info['dtype'])}")
-    shape, offsets = check_shape(info["shape"], f"{where}: field shape"), info["data_offsets"]
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)
-            and 0 <= offsets[0] <= offsets[1]):
-        raise FileFormatError(f"{where}: bad data_offsets {_short(offsets)}")
-    need = math.prod(shape) * dtype.itemsize
-    if offsets[1] - offsets[0] != need:
-        raise FileFormatError(f"{where}: {info['dtype']} {shape} needs {need} bytes but its offsets span "
-                              f"{offsets[1] - offsets[0]}")
-    if base + offsets[1] > size:
-        raise FileFormatError(f"{where}: data ends at byte {base + offsets[1]}, beyond the end of the file ({size} "
-                              "bytes; truncated?)")
-    return StoredTensor(name, dtype, shape, base + offsets[0], base + offsets[1])
+    """Parse and validate a safetensors header without reading tensor data (kvtool.st_header.read_raw_header, the
+    dtypes mapped onto torch's). Raises FileFormatError naming what lies."""
+    raw = read_raw_header(path)
+    tensors = {n: StoredTensor(n, ST_DTYPES[t.st_dtype], t.shape, t.start, t.end) for n, t in raw.tensors.items()}
+    return Header(raw.path, tensors, raw.metadata, raw.file_size)
 
 
 def read_rows(f: BinaryIO, t: StoredTensor, start: int, stop: int) -> torch.Tensor:

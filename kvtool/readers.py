@@ -52,6 +52,14 @@ from kvtool.container import (
 )
 from kvtool.errors import FileFormatError, InputError, LayoutError
 from kvtool.formats import Format, QTensor
+from kvtool.st_header import (  # noqa: F401 - re-exported; torch-free (kvtool.workflows.inspect_plain)
+    NPY_MAGIC,
+    SAFETENSORS_SUFFIXES,
+    TORCH_SUFFIXES,
+    ZIP_MAGIC,
+    input_kind,
+    select,
+)
 
 __all__ = [
     "Entry", "InputFile", "NPY_MAGIC", "RowReader", "SAFETENSORS_SUFFIXES", "TORCH_SUFFIXES", "ZIP_MAGIC",
@@ -59,11 +67,6 @@ __all__ = [
 ]
 
 RowReader = Callable[[int, int], torch.Tensor]
-
-SAFETENSORS_SUFFIXES = (".safetensors", ".st")
-TORCH_SUFFIXES = (".pt", ".pth")
-NPY_MAGIC = b"\x93NUMPY"
-ZIP_MAGIC = b"PK\x03\x04"
 
 
 @dataclass
@@ -193,17 +196,12 @@ def open_input(path: Path, layout: str | None = None, geometry: str | None = Non
         raise InputError(f"{path}: is a directory, not a file")
     if layout is not None:
         return _open_layout(path, layout, geometry, verify, report_checksums)
-    try:
-        with open(path, "rb") as f:
-            magic = f.read(8)
-    except OSError as err:
-        raise InputError(f"{path}: cannot read: {err.strerror or err}") from None
-    suffix = path.suffix.lower()
-    if magic.startswith(NPY_MAGIC) or suffix == ".npy":
+    kind = input_kind(path)
+    if kind == "npy":
         return _open_npy(path)
-    if magic.startswith(ZIP_MAGIC) or suffix in TORCH_SUFFIXES:
+    if kind == "torch":
         return _open_torch(path)
-    if suffix == ".bin":
+    if kind == "bin":
         raise InputError(f"{path}: a raw .bin engine dump needs --layout NAME (and --geometry) to be decoded")
     return _open_safetensors(path, verify, report_checksums)
 
@@ -357,8 +355,9 @@ def _bad_codes(fmt: Format, payload: torch.Tensor, scales: torch.Tensor | None) 
             out.append(("scales", (scales & 0x7F) == 0x7F))
         elif scales.is_floating_point():
             out.append(("scales", ~torch.isfinite(scales) | (scales < 0)))
-    if fmt.family == "fp8" and payload.dtype == torch.uint8:
-        out.append(("payload", (payload & 0x7F) == 0x7F))
+    nan_code = fmt.element.nan_code if fmt.element is not None else None  # E4M3FN: 0x7F / 0xFF
+    if nan_code is not None and payload.dtype == torch.uint8:
+        out.append(("payload", (payload & fmt.element.magnitude_mask) == nan_code))
     elif payload.is_floating_point():
         out.append(("payload", ~torch.isfinite(payload)))
     return out
@@ -548,13 +547,3 @@ def check_finite_rows(x: torch.Tensor, name: str, shape: tuple[int, ...], row_st
         flat = row_start * x.shape[-1] + flat_local
         index = [int(i) for i in np.unravel_index(flat, shape)] if shape else []
         raise InputError(f"{name}: non-finite value {value} at index {index} (kvtool never guesses a NaN code)")
-
-
-def select(names: list[str], include: list[str] | None, exclude: list[str] | None) -> list[str]:
-    """Names matching any --include glob (all when none) and no --exclude glob (fnmatch, case-sensitive)."""
-    from fnmatch import fnmatchcase
-
-    inc = list(include or [])
-    exc = list(exclude or [])
-    return [n for n in names if (not inc or any(fnmatchcase(n, g) for g in inc))
-            and not any(fnmatchcase(n, g) for g in exc)]

@@ -22,7 +22,7 @@ LAYERS = [
     ("kernels", ["kvtool.kernels"]),
     ("dispatch", ["kvtool.backend"]),
     ("cache semantics", ["kvtool.paged", "kvtool.indexer", "kvtool.attention", "kvtool.metrics", "kvtool.options"]),
-    ("files and layouts", ["kvtool.container", "kvtool.readers", "kvtool.layouts"]),
+    ("files and layouts", ["kvtool.container", "kvtool.readers", "kvtool.layouts", "kvtool.st_header"]),
     ("workflows", ["kvtool.workflows", "kvtool.capacity", "kvtool.models", "kvtool.engines", "kvtool.doctor",
                    "kvtool.bench", "kvtool.api"]),
     ("cli", ["kvtool.cli", "kvtool.__main__"]),

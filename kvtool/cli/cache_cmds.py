@@ -180,16 +180,29 @@ def inspect(path: Annotated[Path, typer.Argument(metavar="FILE", help="A kvtool 
     Per tensor: format, recipe, shape, bytes per token per head, compression vs bf16, scale statistics (range,
     exponent histogram, saturated and all-zero blocks) and checksum status. Engine dumps (--layout) are checked for
     a plausible geometry: warnings on stderr and in the JSON `warnings` (the exit code stays 0)."""
-    from kvtool.workflows.inspect import inspect_file
-
     with progress("inspect") as tick:
-        report = inspect_file(path, verify=verify, include=include, exclude=exclude, chunk_mb=chunk_mb,
+        report = _inspect(path, verify=verify, include=include, exclude=exclude, chunk_mb=chunk_mb,
                               layout=layout, geometry=geometry_with_recipe(geometry, recipe_of, layout),
                               progress=tick)
     emit(report, as_json, _render_inspect)
     warn(report.warnings)
     if not report.ok:
         raise typer.Exit(1)
+
+
+def _inspect(path: Path, **kw):
+    """inspect_file's report; a plain safetensors file is read from its header alone, without importing torch
+    (kvtool.workflows.inspect_plain; a bad --chunk-mb or a --layout is inspect_file's to handle)."""
+    from kvtool.workflows.inspect_plain import plain_report
+
+    if kw["layout"] is None and kw["chunk_mb"] > 0:
+        report = plain_report(path, verify=kw["verify"], include=kw["include"], exclude=kw["exclude"],
+                              progress=kw["progress"])
+        if report is not None:
+            return report
+    from kvtool.workflows.inspect import inspect_file
+
+    return inspect_file(path, **kw)
 
 
 INSPECT_LEGEND = "B/token: bytes per token per head (payload + scales); x bf16: compression against bf16"

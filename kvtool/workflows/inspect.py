@@ -27,11 +27,13 @@ Checksums: `verify=True` (the default) recomputes every plane's blake2b-256 and 
 `ok`, `mismatch: payload|scales|data|meta` or `missing` (a kvtool entry without a checksum record); `unverified`
 with `verify=False`; tensors of plain files have `none`. The CLI exits 1 when a verified checksum mismatches (the file
 parses but its bytes changed) and 2 when the file cannot be read at all.
+
+The report dataclasses and the plain rows live in kvtool.workflows.inspect_plain, which also reports plain safetensors
+files without importing torch (`plain_report`, which the CLI tries first).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -40,6 +42,7 @@ from kvtool.container import dtype_name
 from kvtool.formats import E4M3_MAX, Format, e4m3_decode, e8m0_decode, unpack_nibbles
 from kvtool.readers import Entry, open_input, row_chunks, select
 from kvtool.workflows.cache_ops import Progress, chunk_bytes
+from kvtool.workflows.inspect_plain import InspectReport, ScaleStats, TensorInfo, plain_info
 
 __all__ = ["InspectReport", "SATURATION", "SCALE_DECODERS", "ScaleStats", "TensorInfo", "inspect_file",
            "scale_stats"]
@@ -50,52 +53,6 @@ SCALE_DECODERS = {"e8m0": e8m0_decode, "e4m3": e4m3_decode, "fp32-row": torch.Te
 # What "saturated" counts, by scale element (see the module docstring): the element's top code, the scale's own max
 # (a scale fitted to each block's amax: the top code is reached by design), or nothing (an fp32 scale per row).
 SATURATION = {"e8m0": "element", "none": "element", "fp32-tensor": "element", "e4m3": "scale", "fp32-row": "none"}
-
-
-@dataclass
-class ScaleStats:
-    element: str  # e8m0 | e4m3 | fp32-row | fp32-tensor | none
-    scales: int  # scales counted (all-zero blocks' scales left out)
-    min_nonzero: float | None
-    max: float | None
-    zero_scales: int  # scale value 0 outside all-zero blocks (e.g. nvfp4 scales that rounded to 0)
-    nan_scales: int  # E8M0 byte 255
-    exponent_histogram: dict[int, int]  # floor(log2 scale) -> count
-    blocks: int
-    saturated_blocks: int
-    zero_blocks: int
-    saturated_pct: float | None  # None where nothing clips (saturation "none")
-    zero_pct: float
-    saturation: str = "element"  # element (top code) | scale (scale at its max) | none: what saturated_blocks counts
-
-
-@dataclass
-class TensorInfo:
-    name: str
-    format: str  # label (quantized) or "<dtype> plain"
-    options: dict  # recipe options of the format (scale_rule, recipe, outer_scale, fp8_scale, ...)
-    shape: list[int]
-    dtype: str  # original dtype (quantized) or stored dtype (plain)
-    bytes_per_token: int
-    compression_vs_bf16: float
-    stored_bytes: int
-    outer_scale: float | None
-    tensor_scale: float | None
-    checksum: str  # ok | mismatch: ... | unverified | none
-    scales: ScaleStats | None
-
-
-@dataclass
-class InspectReport:
-    path: str
-    kind: str  # kvtool | safetensors | pt | npy | layout:NAME
-    schema: int | None
-    kvtool_version: str | None
-    file_bytes: int
-    tensors: list[TensorInfo] = field(default_factory=list)
-    verified: bool = False
-    ok: bool = True  # False when a verified checksum mismatched
-    warnings: list[str] = field(default_factory=list)  # engine dumps: the layout or geometry looks wrong
 
 
 def inspect_file(path: Path, *, verify: bool = True, include: list[str] | None = None,
@@ -124,9 +81,7 @@ def inspect_file(path: Path, *, verify: bool = True, include: list[str] | None =
 
 
 def _plain_info(e: Entry) -> TensorInfo:
-    bpt = e.dim * e.dtype.itemsize
-    return TensorInfo(e.name, f"{dtype_name(e.dtype)} plain", {}, list(e.shape), dtype_name(e.dtype), bpt,
-                      round(2 * e.dim / max(bpt, 1), 4), e.nbytes, None, None, "none", None)
+    return plain_info(e.name, e.shape, dtype_name(e.dtype), e.dtype.itemsize, e.nbytes)
 
 
 def _quant_info(e: Entry, chunk: int) -> TensorInfo:
