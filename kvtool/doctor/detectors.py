@@ -17,7 +17,7 @@ import torch
 from kvtool.doctor import stats
 from kvtool.doctor.report import Finding
 from kvtool.doctor.subjects import Subject, page_of
-from kvtool.formats import ScaleRule, e4m3_decode
+from kvtool.formats import E4M3, SCALE_UNIT_BYTE, ScaleRule, e4m3_decode
 
 __all__ = [
     "Context", "DETECTORS", "Detector", "ELEMENT_FOUND", "HALF_CODE", "HALF_NAME", "HALF_OTHER", "MIN_COUNT",
@@ -63,8 +63,26 @@ def _finding(s: Subject, code: str, severity: str, message: str, fix: str, head=
     return Finding(code, severity, s.name, message, fix, s.layer, head, evidence)
 
 
-def _is_q(*families):
-    return lambda s: s.q is not None and (not families or s.q.fmt.family in families)
+def _is_q(fact: Callable | None = None):
+    """Applies to a quantized subject whose Format has `fact` (a predicate on the Format; None: any)."""
+    return lambda s: s.q is not None and (fact is None or fact(s.q.fmt))
+
+
+def _quantized(fmt) -> bool:
+    return fmt.is_quantized
+
+
+def _e4m3_elements(fmt) -> bool:
+    return fmt.element is E4M3
+
+
+def _block_scaled(fmt) -> bool:
+    return fmt.block > 0
+
+
+def _mx_rule_option(fmt) -> bool:
+    """E8M0 block scales under a rule the format names (MX: `--scale-rule`)."""
+    return fmt.scale_element == "e8m0" and fmt.scale_rule is not None
 
 
 # ---------------------------------------------------------------------------------------------- fp8 element
@@ -152,7 +170,7 @@ def _nonfinite_scales(s: Subject):
 
 def detect_nonfinite(s: Subject, ctx: Context) -> list:
     out = []
-    if s.q is not None and s.q.fmt.family == "fp8":
+    if s.q is not None and s.q.fmt.element is E4M3:
         sig = fp8_signature(s)
         explained = _fnuz_as_fn(sig) if s.fp8_element == "fn" else _fn_as_fnuz(sig)
         nan = sig["x7f"] if s.fp8_element == "fn" else sig["x80"]
@@ -163,7 +181,7 @@ def detect_nonfinite(s: Subject, ctx: Context) -> list:
                                 "check the source tensor and the buffer's layout",
                                 count=nan, total=sig["codes"],
                                 first_offset=sig["first_7f"] if s.fp8_element == "fn" else sig["first_80"]))
-    if s.q is not None and s.q.fmt.family == "bf16" or s.values is not None and s.values.is_floating_point():
+    if s.q is not None and not s.q.fmt.is_quantized or s.values is not None and s.values.is_floating_point():
         v = s.q.payload if s.q is not None else s.values
         bad = ~torch.isfinite(v.float())
         n = int(bad.sum())
@@ -217,14 +235,14 @@ def detect_half_swap(s: Subject, ctx: Context) -> list:
 
 
 # ----------------------------------------------------------------------------------------- unit-scale fallback
-UNIT_BYTES = {"e4m3": 0x38, "e8m0": 127}  # the byte of scale 1.0
+UNIT_BYTES = SCALE_UNIT_BYTE  # the byte of scale 1.0 per block-scale element (kvtool.formats.registry)
 
 
 def detect_unit_scale(s: Subject, ctx: Context) -> list:
     elem = s.q.fmt.scale_element
     codes = stats.element_codes(s)
     block = stats.group_size(s)
-    live = stats.grouped(codes & (0x7F if s.q.fmt.family == "fp8" else 0x7), block).amax(-1) > 0  # non-zero groups
+    live = stats.grouped(codes & s.q.fmt.element.magnitude_mask, block).amax(-1) > 0  # non-zero groups
     if elem in UNIT_BYTES:
         sc = s.scale_rows()
         unit = sc.view(torch.uint8) == UNIT_BYTES[elem]
@@ -260,7 +278,7 @@ def mx_block_maxima(s: Subject) -> torch.Tensor:
     """Largest |E2M1 value| of every non-zero block whose exponent is not clamped (bytes 1..254)."""
     codes = stats.sample_rows(stats.element_codes(s), s.heads)
     scales = stats.sample_rows(s.scale_rows(), s.heads).view(torch.uint8)
-    gmax = stats.grouped(stats.magnitude_of_codes(s, codes), 32).amax(-1)
+    gmax = stats.grouped(stats.magnitude_of_codes(s, codes), s.q.fmt.block).amax(-1)
     keep = (gmax > 0) & (scales > 0) & (scales < 254)
     return gmax[keep]
 
@@ -306,7 +324,7 @@ def detect_range(s: Subject, ctx: Context) -> list:
     mags = stats.magnitude_of_codes(s, codes)
     top = float(stats.magnitude_of_codes(s, torch.tensor([stats.top_code(s)], dtype=torch.uint8))[0])
     rows, d = mags.shape
-    unit = fmt.family == "fp8" and fmt.scale_element in ("none", "fp32-tensor")
+    unit = not fmt.has_local_scales
     block = fmt.block or d
     g = stats.grouped(mags, block)
     gmax = g.amax(-1)
@@ -358,7 +376,7 @@ def detect_range(s: Subject, ctx: Context) -> list:
 def _requant_rates(s: Subject, top: float) -> dict:
     """The same two rates after re-quantizing the dequantized values under the format's own rule."""
     fmt = s.q.fmt
-    if fmt.family == "fp8" and s.fp8_element != "fn":
+    if fmt.element is E4M3 and s.fp8_element != "fn":
         return {}
     x = stats.sample_rows(s.q.dequantize().reshape(s.rows, s.dim), s.heads)[:4096]
     x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
@@ -386,7 +404,7 @@ def detect_scale_pairing(s: Subject, ctx: Context) -> list:
     if sc is None:
         return []
     codes = stats.element_codes(s)
-    low = codes & (0x7F if fmt.family == "fp8" else 0x7)
+    low = codes & fmt.element.magnitude_mask
     zero_group = stats.grouped(low, fmt.block or s.dim).amax(-1) == 0
     if fmt.scale_element == "fp32-row":
         f = sc.float()
@@ -654,13 +672,13 @@ def detect_topk(s: Subject, ctx: Context) -> list:
 # ------------------------------------------------------------------------------------------------ the table
 DETECTORS: tuple[Detector, ...] = (
     Detector("non-finite", ("non-finite-codes",), lambda s: not s.is_ids, detect_nonfinite),
-    Detector("fp8-element", ("fp8-fnuz-as-fn", "fp8-fn-as-fnuz"), _is_q("fp8"), detect_fp8_element),
+    Detector("fp8-element", ("fp8-fnuz-as-fn", "fp8-fn-as-fnuz"), _is_q(_e4m3_elements), detect_fp8_element),
     Detector("half-swap", ("fp16-as-bf16", "bf16-as-fp16"), lambda s: s.is_half, detect_half_swap),
-    Detector("unit-scale", ("unit-scale-fallback",), _is_q("fp8", "nvfp4", "mxfp4"), detect_unit_scale),
-    Detector("mx-rule", ("scale-rule-mismatch",), _is_q("mxfp4"), detect_mx_rule),
-    Detector("range", ("clipping", "flush-to-zero"), _is_q("fp8", "nvfp4", "mxfp4"), detect_range, decodes_fp8=True),
-    Detector("scale-pairing", ("scales-misaligned",), _is_q("fp8", "nvfp4", "mxfp4"), detect_scale_pairing),
-    Detector("scale-profile", ("scales-misaligned",), _is_q("nvfp4", "mxfp4"), detect_scale_profile),
+    Detector("unit-scale", ("unit-scale-fallback",), _is_q(_quantized), detect_unit_scale),
+    Detector("mx-rule", ("scale-rule-mismatch",), _is_q(_mx_rule_option), detect_mx_rule),
+    Detector("range", ("clipping", "flush-to-zero"), _is_q(_quantized), detect_range, decodes_fp8=True),
+    Detector("scale-pairing", ("scales-misaligned",), _is_q(_quantized), detect_scale_pairing),
+    Detector("scale-profile", ("scales-misaligned",), _is_q(_block_scaled), detect_scale_profile),
     Detector("kv-swap", ("kv-swapped",), lambda s: not s.is_ids and s.name.endswith("k"), detect_kv_swap),
     Detector("head-major", ("wrong-geometry",), lambda s: not s.is_ids and s.geometry is None
              and (s.q is not None or s.values.is_floating_point()), detect_head_major),

@@ -20,7 +20,7 @@ from kvtool.doctor.detectors import MX_MAX_CODES, coherence
 from kvtool.doctor.report import CandidateFit
 from kvtool.doctor.subjects import Subject
 from kvtool.errors import KvtoolError, LayoutError
-from kvtool.formats import get_format
+from kvtool.formats import E4M3, get_format
 from kvtool.layouts import check_plausible, get_preset, load_dump, make_geometry, parse_geometry, read_layout_all
 from kvtool.layouts.engine import resolve_format
 
@@ -35,8 +35,9 @@ DIMS = (64, 128, 256, 512)
 MAX_CANDIDATES = 48
 KEYS = ("format", "page", "heads", "dim", "tokens")
 CHANGED_KEY_COST = 0.02
-# Largest E2M1 code of a block scaled from its own amax, per family (any rule / recipe).
-FP4_MAX_CODES = {"nvfp4": (4.0, 6.0), "mxfp4": tuple(sorted({c for cs in MX_MAX_CODES.values() for c in cs}))}
+# Largest E2M1 code of a block scaled from its own amax, per block-scale element (any rule / recipe): an E4M3 scale
+# is amax / 6 rounded (4 or 6), an E8M0 one a power of two under one of the MX rules.
+FP4_MAX_CODES = {"e4m3": (4.0, 6.0), "e8m0": tuple(sorted({c for cs in MX_MAX_CODES.values() for c in cs}))}
 # fp8 token: a row scaled from its amax tops out at 448 (0x7E; 0x7F for an E4M3FNUZ writer); ds-floor rows a bit less
 FP8_ROW_TOPS = (0x7D, 0x7E, 0x7F)
 
@@ -92,7 +93,6 @@ def plausibility(tensors: dict, geometries: dict | None = None) -> tuple[float, 
     score = 0.0
     for name, q in tensors.items():
         s = Subject(name, "layout", q=q, geometry=(geometries or {}).get(name))
-        fam = q.fmt.family
         terms = {}
         if q.scales is not None and q.scales.dim() > 0 and q.scales.numel() > 1:
             sc = stats.sample_rows(s.scale_rows(), s.heads)
@@ -110,9 +110,9 @@ def plausibility(tensors: dict, geometries: dict | None = None) -> tuple[float, 
                 lg = torch.log2(torch.where(good, f, 1.0))
                 med = float(lg[good].median()) if bool(good.any()) else 0.0
                 terms["scales"] = float((~good | ((lg - med).abs() > 30)).float().mean())
-        if fam in ("nvfp4", "mxfp4", "fp8"):
+        if q.fmt.is_quantized:
             codes = stats.sample_rows(stats.element_codes(s), s.heads)
-            if fam == "fp8":
+            if q.fmt.element is E4M3:
                 low = codes & 0x7F
                 # NaN under one fp8 element or the other: E4M3FN or E4M3FNUZ bytes (which one is the fp8-element
                 # detector's question) both read plausibly; bytes that are NaN under both are not fp8 codes
@@ -125,11 +125,11 @@ def plausibility(tensors: dict, geometries: dict | None = None) -> tuple[float, 
             else:
                 gmax = stats.grouped(stats.magnitude_of_codes(s, codes), q.fmt.block).amax(-1)
                 live = gmax > 0
-                terms["block_tops"] = float((~torch.isin(gmax[live], torch.tensor(FP4_MAX_CODES[fam])))
+                terms["block_tops"] = float((~torch.isin(gmax[live], torch.tensor(FP4_MAX_CODES[q.fmt.scale_element])))
                                             .float().mean()) if bool(live.any()) else 0.0
                 b = stats.sample_rows(s.scale_rows(), s.heads).view(torch.uint8)
                 terms["pairing"] = float(((~live & (b != 0)) | (live & (b == 0))).float().mean())
-        elif fam == "bf16":
+        else:  # bf16: the payload is the values
             x = q.payload.float()
             lo, hi, n = stats.log2_spread(x)
             terms["nonfinite"] = float((~torch.isfinite(x)).float().mean()) * 10

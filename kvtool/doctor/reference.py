@@ -17,17 +17,18 @@ from kvtool.doctor.fnuz import E4M3FNUZ_MAX, e4m3fnuz_encode
 from kvtool.doctor.report import CandidateFit, Finding
 from kvtool.doctor.subjects import Subject, page_of
 from kvtool.formats import (
+    E2M1,
     E2M1_MAX,
+    E4M3,
     E8M0_BIAS,
+    SCALE_UNIT_BYTE,
     Fp8Scale,
-    NvRecipe,
     QTensor,
-    ScaleRule,
     e2m1_encode,
     e4m3_decode,
     e4m3_encode,
-    get_format,
     pack_nibbles,
+    rule_variants,
 )
 from kvtool.formats.codecs import fp8_row_scale, mx_exponent
 from kvtool.formats.elements import exp2_int
@@ -70,7 +71,7 @@ def _fp8_like(fmt, payload: torch.Tensor, scales, shape) -> QTensor:
 
 # ---------------------------------------------------------------------------------------------- the writers
 def _identity(s, ref, partner):
-    if s.q is not None and s.q.fmt.family == "fp8" and s.fp8_element == "fnuz":
+    if s.q is not None and s.q.fmt.element is E4M3 and s.fp8_element == "fnuz":
         yield "declared (E4M3FNUZ writer)", _bytes(_fnuz_writer(s.q.fmt, ref))
     elif s.q is not None:
         yield "declared", _bytes(_quant(s.q.fmt, ref))
@@ -80,36 +81,31 @@ def _identity(s, ref, partner):
 
 
 def _other_rules(s, ref, partner):
-    fmt = s.q.fmt
-    if fmt.family == "mxfp4":
-        for rule in ScaleRule:
-            if rule != fmt.scale_rule:
-                yield f"mxfp4 scale rule {rule.name.lower()}", _bytes(_quant(get_format("mxfp4", scale_rule=rule), ref))
-    elif fmt.family == "nvfp4":
-        for recipe in NvRecipe:
-            for outer in ("1", "auto"):
-                other = get_format("nvfp4", recipe=recipe, outer_scale=outer)
-                if other != fmt:
-                    yield f"nvfp4 recipe {recipe.name.lower()}, outer {outer}", _bytes(_quant(other, ref))
-    elif fmt.family == "fp8" and fmt.fp8_scale == Fp8Scale.TOKEN:
-        for ds, pow2 in ((False, False), (True, False), (True, True)):
-            other = get_format("fp8", fp8_scale="token", ds_floor=ds, pow2=pow2)
-            if other != fmt:
-                yield f"fp8 {other.label}", _bytes(_quant(other, ref))
+    for other in rule_variants(s.q.fmt):
+        yield _rule_name(other), _bytes(_quant(other, ref))
+
+
+def _rule_name(fmt) -> str:
+    """How a candidate writer is named: by the rule option that tells it apart."""
+    if fmt.scale_rule is not None:
+        return f"{fmt.family} scale rule {fmt.scale_rule.name.lower()}"
+    if fmt.recipe is not None:
+        return f"{fmt.family} recipe {fmt.recipe.name.lower()}, outer {fmt.outer_scale}"
+    return f"{fmt.family} {fmt.label}"
 
 
 def _unit_fallback(s, ref, partner):
     fmt = s.q.fmt
-    codes = e4m3_encode(ref.float()) if fmt.family == "fp8" else None
-    if fmt.family == "fp8" and fmt.scale_element == "fp32-row":
+    if fmt.scale_element == "fp32-row":  # fp8 rows (E4M3 codes)
         ones = torch.ones(*ref.shape[:-1], 1)
-        yield "unit codes, scales 1.0", _bytes(_fp8_like(fmt, codes, ones, ref.shape))
-    elif fmt.family == "fp8" and fmt.scale_element == "fp32-tensor":
-        yield "unit codes, tensor scale 1.0", _bytes(_fp8_like(fmt, codes, torch.tensor(1.0), ref.shape))
-    elif fmt.family in ("nvfp4", "mxfp4"):
+        yield "unit codes, scales 1.0", _bytes(_fp8_like(fmt, e4m3_encode(ref.float()), ones, ref.shape))
+    elif fmt.scale_element == "fp32-tensor":
+        yield "unit codes, tensor scale 1.0", _bytes(_fp8_like(fmt, e4m3_encode(ref.float()), torch.tensor(1.0),
+                                                                ref.shape))
+    elif fmt.scale_element in SCALE_UNIT_BYTE:  # one-byte block scales over E2M1 codes
         xb = ref.float().reshape(*ref.shape[:-1], -1, fmt.block)
         payload = pack_nibbles(e2m1_encode(xb).reshape(ref.shape))
-        unit = 0x38 if fmt.family == "nvfp4" else E8M0_BIAS
+        unit = SCALE_UNIT_BYTE[fmt.scale_element]
         sc = torch.full((*ref.shape[:-1], ref.shape[-1] // fmt.block), unit, dtype=torch.uint8)
         yield "unit block scales", (payload.reshape(-1), sc.reshape(-1))
 
@@ -182,16 +178,16 @@ def _realigned(s, ref, partner):
 def _scaled_by(fmt, ref: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The dump a writer makes whose scales are 2^k times the rule's (k < 0 clips, k > 0 flushes)."""
     x = ref.float()
-    if fmt.family == "mxfp4":
-        xb = x.reshape(*x.shape[:-1], -1, 32)
+    if fmt.scale_element == "e8m0":  # MX: a power-of-two scale from the block amax under the format's rule
+        xb = x.reshape(*x.shape[:-1], -1, fmt.block)
         amax = xb.abs().amax(-1, keepdim=True)
         e = (mx_exponent(amax, fmt.scale_rule) + k).clamp(-127, 127)
         zero = amax == 0
         codes = e2m1_encode((xb * exp2_int(-e)).masked_fill(zero, 0.0))
         sc = (e + E8M0_BIAS).masked_fill(zero, 0).to(torch.uint8)
         return pack_nibbles(codes.reshape(x.shape)).reshape(-1), sc.reshape(-1)
-    if fmt.family == "nvfp4":
-        xb = x.reshape(*x.shape[:-1], -1, 16)
+    if fmt.scale_element == "e4m3":  # NVFP4: an E4M3 scale amax / 6 per block
+        xb = x.reshape(*x.shape[:-1], -1, fmt.block)
         amax = xb.abs().amax(-1, keepdim=True)
         sb = e4m3_encode(amax / E2M1_MAX * 2.0**k)
         sv = e4m3_decode(sb)
@@ -214,29 +210,43 @@ def _half_other(s, ref, partner):
         ref.to(other).contiguous().view(torch.uint8).reshape(-1), torch.zeros(0, dtype=torch.uint8))
 
 
-def _q(*families):
-    return lambda s: s.q is not None and (not families or s.q.fmt.family in families)
+def _q(fact: Callable | None = None):
+    """Applies to a quantized subject whose Format has `fact` (a predicate on the Format; None: any)."""
+    return lambda s: s.q is not None and (fact is None or fact(s.q.fmt))
+
+
+def _quantized(fmt) -> bool:
+    return fmt.is_quantized
+
+
+def _e4m3_elements(fmt) -> bool:
+    return fmt.element is E4M3
+
+
+def _e2m1_elements(fmt) -> bool:
+    return fmt.element is E2M1
 
 
 def _scaled_fp8_or_fp4(s):
-    return s.q is not None and (s.q.fmt.family in ("nvfp4", "mxfp4") or
-                                s.q.fmt.family == "fp8" and s.q.fmt.scale_element != "none" and s.fp8_element == "fn")
+    # a rule-computed scale to get wrong; fp8 only under the E4M3FN element the rule targets
+    return s.q is not None and s.q.fmt.is_quantized and s.q.fmt.scale_element != "none" and (
+        s.q.fmt.element is not E4M3 or s.fp8_element == "fn")
 
 
 TRANSFORMS: tuple[Transform, ...] = (
     Transform("identity", None, "", lambda s: s.q is not None or s.values.is_floating_point(), _identity),
     Transform("rule", "scale-rule-mismatch", "read (or write) with the writer's scale rule / recipe",
-              _q("mxfp4", "nvfp4", "fp8"), _other_rules),
+              _q(_quantized), _other_rules),
     Transform("unit-scale", "unit-scale-fallback", "apply the computed / checkpoint scales instead of 1.0",
-              _q("fp8", "nvfp4", "mxfp4"), _unit_fallback),
-    Transform("fp8-element", None, "decode with the writer's fp8 element (E4M3FN vs E4M3FNUZ)", _q("fp8"),
+              _q(_quantized), _unit_fallback),
+    Transform("fp8-element", None, "decode with the writer's fp8 element (E4M3FN vs E4M3FNUZ)", _q(_e4m3_elements),
               _fp8_element),
     Transform("nibbles", "nibble-order-swapped", "swap the E2M1 nibbles (element 2i is the LOW nibble)",
-              _q("nvfp4", "mxfp4"), _nibble_swap),
+              _q(_e2m1_elements), _nibble_swap),
     Transform("kv", "kv-swapped", "exchange the K and V planes", lambda s: not s.is_ids, _kv_swap),
     Transform("head-major", "wrong-geometry", "the writer is head-major: transpose heads and tokens",
               lambda s: not s.is_ids, _head_major),
-    Transform("realign", "scales-misaligned", "re-align the scale plane with its payload", _q("nvfp4", "mxfp4", "fp8"),
+    Transform("realign", "scales-misaligned", "re-align the scale plane with its payload", _q(_quantized),
               _realigned),
     Transform("mis-scaled", None, "compute the scales with the format's rule", _scaled_fp8_or_fp4, _mis_scaled),
     Transform("half", None, "read the buffer as the other half type", lambda s: s.values is not None and s.is_half,

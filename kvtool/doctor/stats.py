@@ -14,13 +14,10 @@ import torch
 from kvtool.formats import E2M1, E4M3, e2m1_decode, e4m3_decode, unpack_nibbles
 
 __all__ = [
-    "E2M1_TOP_CODE", "E4M3_NAN_LOW", "E4M3_TOP_CODE", "NEG_ZERO", "SAMPLE_ROWS", "element_codes", "first_index",
-    "gaussian_rates", "group_size", "grouped", "log2_spread", "magnitude_of_codes", "pct", "pile_min", "sample_rows",
-    "top_code"
+    "E4M3_NAN_LOW", "NEG_ZERO", "PILE_MIN", "SAMPLE_ROWS", "element_codes", "first_index", "gaussian_rates",
+    "group_size", "grouped", "log2_spread", "magnitude_of_codes", "pct", "pile_min", "sample_rows", "top_code"
 ]
 
-E2M1_TOP_CODE = 0b0_11_1  # 6.0
-E4M3_TOP_CODE = 0b0_1111_110  # 448.0 (0x7E)
 E4M3_NAN_LOW = 0b0_1111_111  # 0x7F: NaN in E4M3FN, 240 in E4M3FNUZ
 NEG_ZERO = 0b1_0000_000  # 0x80: -0 in E4M3FN, NaN in E4M3FNUZ
 SAMPLE_ROWS = 1 << 16  # the statistics read at most this many rows (evenly strided) of a large tensor
@@ -47,7 +44,7 @@ def element_codes(subject) -> torch.Tensor:
 
 def magnitude_of_codes(subject, codes: torch.Tensor) -> torch.Tensor:
     """|value| of each element code at unit scale (fp32; NaN codes stay NaN): E2M1 or E4M3FN (E4M3FNUZ when declared)."""
-    if subject.q.fmt.family in ("nvfp4", "mxfp4"):
+    if subject.q.fmt.element is E2M1:
         return e2m1_decode(codes).abs()
     if subject.fp8_element == "fnuz":
         from kvtool.doctor.fnuz import e4m3fnuz_decode
@@ -57,10 +54,9 @@ def magnitude_of_codes(subject, codes: torch.Tensor) -> torch.Tensor:
 
 
 def top_code(subject) -> int:
-    """The low bits (sign dropped) of the element's largest finite code."""
-    if subject.q.fmt.family in ("nvfp4", "mxfp4"):
-        return E2M1_TOP_CODE
-    return E4M3_NAN_LOW if subject.fp8_element == "fnuz" else E4M3_TOP_CODE
+    """The low bits (sign dropped) of the element's largest finite code (E4M3FNUZ's is 0x7F, NaN in E4M3FN)."""
+    element = subject.q.fmt.element
+    return E4M3_NAN_LOW if element is E4M3 and subject.fp8_element == "fnuz" else element.top_code
 
 
 def group_size(subject) -> int:
@@ -98,11 +94,15 @@ def pct(n: int, total: int) -> float:
     return round(100.0 * n / max(total, 1), 4)
 
 
+# Elements at the top code that make a scale group piled up, per element (see `pile_min`).
+PILE_MIN = {E4M3.name: 2, E2M1.name: 3}
+
+
 def pile_min(fmt) -> int:
     """Elements at the top code that make a scale group 'piled up' (clipped). An fp8 row scaled from its amax holds
     one element at 448 (the top code covers the last 1 % of the range); an E2M1 block's top code covers (5/6, 1] of
     its amax, so a few elements there are normal."""
-    return 2 if fmt.family == "fp8" else 3
+    return PILE_MIN[fmt.element.name]
 
 
 @lru_cache(maxsize=None)
@@ -116,9 +116,9 @@ def gaussian_rates(label: str, dim: int) -> dict:
     x = torch.randn(2048, dim, generator=torch.Generator().manual_seed(1234))
     q = fmt.quantize(x)
     codes = unpack_nibbles(q.payload) if fmt.spec.payload_bits == 4 else q.payload
-    table = (E2M1 if fmt.spec.payload_bits == 4 else E4M3).values().abs()
+    table = fmt.element.values().abs()
     mags = table[codes.long()]
-    top = float(table[E2M1_TOP_CODE if fmt.spec.payload_bits == 4 else E4M3_TOP_CODE])
+    top = float(table[fmt.element.top_code])
     g = grouped(mags, fmt.block or dim)
     gmax = g.amax(-1)
     piled = (g == top).sum(-1) >= pile_min(fmt)

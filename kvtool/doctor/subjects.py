@@ -75,7 +75,7 @@ class Subject:
     @property
     def is_half(self) -> bool:
         if self.q is not None:
-            return self.q.fmt.family == "bf16"
+            return not self.q.fmt.is_quantized  # a bf16 cache: the payload is the half values
         return self.values is not None and self.values.dtype in HALF_DTYPES
 
     def half_bits(self) -> tuple[torch.Tensor, torch.dtype]:
