@@ -8,7 +8,7 @@ MAX_HEADER_BYTES of header, JSON at most MAX_JSON_DEPTH deep, no duplicate keys 
 (`load_json`), at most MAX_DIMS dimensions of at most MAX_DIM each, `dtype x shape == byte span`, spans inside the
 file and not overlapping. Every failure is a one-line `FileFormatError` naming the file and the tensor.
 
-This module imports json, re, struct and numpy (for `json_depth`) only; `import torch` takes about a second, so a
+This module imports json, re and struct (and numpy for `json_depth` of a header with many brackets) only; `import torch` takes about a second, so a
 command that only reads headers stays fast.
 """
 
@@ -99,7 +99,8 @@ def load_json(text: bytes | str, what: str):
     """Parse JSON strictly: at most MAX_JSON_DEPTH deep (checked before parsing), no duplicate keys, no NaN /
     Infinity literals. Raises FileFormatError("<what>: ...")."""
     raw = text.encode() if isinstance(text, str) else bytes(text)
-    depth = json_depth(raw)
+    # At most MAX_JSON_DEPTH opening brackets cannot nest deeper: a small header is parsed without numpy (~0.1 s).
+    depth = json_depth(raw) if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH else 0
     if depth > MAX_JSON_DEPTH:
         raise FileFormatError(f"{what}: JSON nested {depth} deep (at most {MAX_JSON_DEPTH})")
     try:
