@@ -34,7 +34,7 @@ import torch
 
 from kvtool.backend import interpreting
 from kvtool.bench.common import BenchCase, BenchReport, run_cases
-from kvtool.formats import get_format
+from kvtool.formats import E4M3, get_format
 from kvtool.indexer import IndexerConfig, apply_forced, select_topk
 from kvtool.paged import PagedCache
 
@@ -100,7 +100,7 @@ def _sweep_applies(options: dict, fmt, families=None) -> bool:
     if families is not None and fmt.family not in families:
         return False
     if "native_fp8" in options:
-        return fmt.scale_element == "e4m3" or fmt.family == "fp8"
+        return fmt.scale_element == "e4m3" or fmt.element is E4M3
     if any(k in options for k in FP4_ONLY) or options.get("num_warps") == 1:
         return fmt.spec.payload_bits == 4
     return True

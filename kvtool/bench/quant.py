@@ -112,10 +112,10 @@ def _torchao_peer(fmt: Format, x2: torch.Tensor) -> tuple[str, Callable[[], obje
             from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize
     except Exception:  # noqa: BLE001 - any import failure means "no peer"
         return None
-    if fmt.family == "mxfp4":
+    if fmt.scale_element == "e8m0" and fmt.block == 32 and fmt.scale_rule is not None:  # OCP MX, a named rule
         mode = getattr(ScaleCalculationMode, fmt.scale_rule.name)
-        return f"torchao to_mx {fmt.scale_rule.name}", lambda: to_mx(x2, torch.float4_e2m1fn_x2, 32, mode)
-    if fmt.family == "nvfp4" and fmt.outer_scale == "1":
+        return f"torchao to_mx {fmt.scale_rule.name}", lambda: to_mx(x2, torch.float4_e2m1fn_x2, fmt.block, mode)
+    if fmt.scale_element == "e4m3" and fmt.outer_scale == "1":  # NVFP4 blocks, no per-tensor scale
         return "torchao nvfp4_quantize", lambda: nvfp4_quantize(x2)
     return None
 

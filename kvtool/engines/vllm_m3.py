@@ -153,7 +153,7 @@ def _standin(device: torch.device) -> bool:
 
 
 def _payload_dtype(fmt) -> torch.dtype:
-    return torch.bfloat16 if fmt.family == "bf16" else _FP8
+    return _FP8 if fmt.is_quantized else torch.bfloat16
 
 
 def index_cache_tensor(cache, standin: bool = False) -> torch.Tensor:
@@ -224,7 +224,7 @@ class VllmM3:
                 return f"vLLM's M3 kernels need a power-of-two head dim (got {head_dim})"
         if dev.type == "cpu" and not interpreting():
             return "vLLM's kernels are Triton: run on cuda, or on the CPU with TRITON_INTERPRET=1"
-        if dev.type == "cpu" and kind != "select" and fmt.family != "bf16":
+        if dev.type == "cpu" and kind != "select" and fmt.is_quantized:
             return ("the Triton interpreter cannot take fp8 tensors as kernel arguments (numpy has no fp8): "
                     f"{fmt.label} runs on the GPU only")
         return None

@@ -39,12 +39,13 @@ def _check_one(name: str, q: QTensor) -> list[str]:
     out = []
     hint = "wrong layout or geometry?"
     fmt, elem = q.fmt, q.fmt.scale_element
-    if fmt.family == "fp8":
+    if fmt.element is not None and fmt.element.nan_code is not None:  # E4M3FN: 0x7F / 0xFF are NaN
         codes = q.payload.reshape(-1).view(torch.uint8)
-        nan = int(((codes & 0x7F) == 0x7F).sum())
+        nan = int(((codes & fmt.element.magnitude_mask) == fmt.element.nan_code).sum())
         if nan:
-            out.append(f"{name}: E4M3 payload has NaN codes ({_pct(nan, codes.numel())}); {hint}")
-    elif fmt.family == "bf16":
+            out.append(f"{name}: {fmt.element.name.upper()} payload has NaN codes ({_pct(nan, codes.numel())}); "
+                       f"{hint}")
+    elif not fmt.is_quantized:
         bad = int((~torch.isfinite(q.payload.float())).sum())
         if bad:
             out.append(f"{name}: bf16 payload has non-finite values ({_pct(bad, q.payload.numel())}); {hint}")

@@ -223,7 +223,7 @@ def _check_thresholds(td: TensorDiff, t: dict) -> None:
 
 # ------------------------------------------------------------------------------------------------ code compare
 def _same_planes(f1: Format, f2: Format, shape: tuple[int, ...]) -> bool:
-    return f1.family == f2.family and plane_specs(f1, shape) == plane_specs(f2, shape)
+    return f1.same_codecs(f2) and plane_specs(f1, shape) == plane_specs(f2, shape)
 
 
 class _CodeCounter:
