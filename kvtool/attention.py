@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from kvtool.backend import resolve_backend, triton_sparse_decode, triton_sparse_prefill
 from kvtool.errors import InputError
 from kvtool.paged import PagedCache
 
@@ -199,30 +200,23 @@ def paged_sparse_decode_ref(q: torch.Tensor, k_cache: PagedCache, v_cache: Paged
 def paged_sparse_decode(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, block_table: torch.Tensor,
                         context_lens: torch.Tensor, block_ids: torch.Tensor, block_size: int,
                         scale: float | None = None, backend: str = "auto", **kernel_options) -> torch.Tensor:
-    """Decode-step sparse attention with the backend resolved in one place: Triton (`sparse_decode`, bf16 out) or the
-    torch path (`paged_sparse_decode_ref`, fp32 out). Shapes as in `kvtool.kernels.sparse_attn.sparse_decode`."""
-    from kvtool.backend import resolve_backend
-
+    """Decode-step sparse attention with the backend resolved in one place: Triton (`backend.triton_sparse_decode`,
+    bf16 out) or the torch path (`paged_sparse_decode_ref`, fp32 out). Shapes as in
+    `kvtool.kernels.sparse_attn.sparse_decode`."""
     if resolve_backend(backend, q.device) == "torch":
         return paged_sparse_decode_ref(q, k_cache, v_cache, block_table, context_lens, block_ids, block_size, scale)
-    from kvtool.kernels.sparse_attn import sparse_decode
-
-    return sparse_decode(q, k_cache, v_cache, block_table, context_lens, block_ids, block_size, scale,
-                         **kernel_options)
+    return triton_sparse_decode(q, k_cache, v_cache, block_table, context_lens, block_ids, block_size, scale,
+                                **kernel_options)
 
 
 def paged_sparse_prefill(q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, block_table: torch.Tensor,
                          q_req: torch.Tensor, q_pos: torch.Tensor, block_ids: torch.Tensor, block_size: int,
                          scale: float | None = None, backend: str = "auto", **kernel_options) -> torch.Tensor:
     """Prefill sparse attention, backend resolved as in `paged_sparse_decode`."""
-    from kvtool.backend import resolve_backend
-
     if resolve_backend(backend, q.device) == "torch":
         return paged_sparse_prefill_ref(q, k_cache, v_cache, block_table, q_req, q_pos, block_ids, block_size, scale)
-    from kvtool.kernels.sparse_attn import sparse_prefill
-
-    return sparse_prefill(q, k_cache, v_cache, block_table, q_req, q_pos, block_ids, block_size, scale,
-                          **kernel_options)
+    return triton_sparse_prefill(q, k_cache, v_cache, block_table, q_req, q_pos, block_ids, block_size, scale,
+                                 **kernel_options)
 
 
 def random_block_selection(q_pos: torch.Tensor, block_size: int, topk: int, num_kv_heads: int,

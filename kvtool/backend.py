@@ -15,7 +15,8 @@ from kvtool.kernels import platform as _platform  # plain torch: no Triton impor
 
 __all__ = [
     "BACKENDS", "dequantize", "gather_dequantize", "interpreting", "quantize", "resolve_backend",
-    "resolve_check_backend", "resolve_device", "store"
+    "resolve_check_backend", "resolve_device", "store", "triton_available", "triton_index_block_scores",
+    "triton_index_topk", "triton_select_topk", "triton_sparse_decode", "triton_sparse_prefill", "triton_uses_gluon"
 ]
 
 BACKENDS = ("auto", "torch", "triton")
@@ -127,3 +128,114 @@ def dequantize(q, dtype: torch.dtype = torch.float32, backend: str = "auto") -> 
     if q.fmt.rotation is not None:
         return _rotation.unrotate(triton_dequantize(q, torch.float32), q.fmt.rotation).to(dtype)
     return triton_dequantize(q, dtype)
+
+
+# --------------------------------------------------------------------- index scoring / top-k / sparse attention
+# The Triton paths of the indexer and of sparse attention. Their torch paths are the references of the cache-semantics
+# layer (`indexer.paged_reference`, `attention.paged_sparse_*_ref`), which sits above this module, so the caller picks
+# between the two by `resolve_backend` / `resolve_check_backend` and calls one of these for "triton". Like `store`,
+# each refuses an engine recipe's format (the kernels decode the SPEC codecs) and handles rotation here: the caches
+# hold the codes of x R, so the query is rotated ((q R) . (k R) = q . k) and attention's output comes back through R^T.
+# `dtype` is the query dtype the kernel gets, cast after the rotation (None: the query's own).
+def _kernel_query(q: torch.Tensor, rotation: int | None, dtype: torch.dtype | None) -> torch.Tensor:
+    dtype = dtype or q.dtype
+    return (q if rotation is None else _rotation.rotate(q, rotation)).to(dtype)  # rotate: fp32 x R
+
+
+def _index_launch(iq: torch.Tensor, cache, q_pos, dtype):
+    """(kernel query, decode?) for the index scorer: the decode kernel for one query per request at the default
+    position (q_pos None), the prefill kernel otherwise."""
+    cache.fmt.require_kvtool_codec("the Triton index scorer")
+    return _kernel_query(iq, cache.fmt.rotation, dtype), iq.shape[1] == 1 and q_pos is None
+
+
+def triton_index_topk(iq: torch.Tensor, cache, block_table: torch.Tensor, context_lens: torch.Tensor, cfg,
+                      q_pos: torch.Tensor | None = None, *, dtype: torch.dtype | None = None, **launch) -> torch.Tensor:
+    """The Triton index scorer's block selection: iq [B, Q, Hi, Di] against the paged index-key cache (`block_table`
+    [B, max_pages], `context_lens` [B] int32; q_pos [B, Q] int32, None = the last Q positions) -> block ids int32
+    [B, Q, Hi, topk]. `launch`: `kvtool.kernels.index_score.LAUNCH_OPTIONS` (and `max_context`)."""
+    from kvtool.kernels import index_score
+
+    kq, decode = _index_launch(iq, cache, q_pos, dtype)
+    if decode:
+        return index_score.decode_topk(kq[:, 0], cache, block_table, context_lens, cfg, **launch)[:, None]
+    return index_score.prefill_topk(kq, cache, block_table, context_lens, cfg, q_pos=q_pos, **launch)
+
+
+def triton_index_block_scores(iq: torch.Tensor, cache, block_table: torch.Tensor, context_lens: torch.Tensor, cfg,
+                              q_pos: torch.Tensor | None = None, *, dtype: torch.dtype | None = None, **launch
+                              ) -> torch.Tensor:
+    """The Triton index scorer's block scores, arguments as `triton_index_topk` -> fp32 [B, Q, Hi, NB]."""
+    from kvtool.kernels import index_score
+
+    kq, decode = _index_launch(iq, cache, q_pos, dtype)
+    if decode:
+        return index_score.decode_block_scores(kq[:, 0], cache, block_table, context_lens, cfg, **launch)[:, None]
+    return index_score.prefill_block_scores(kq, cache, block_table, context_lens, cfg, q_pos=q_pos, **launch)
+
+
+def triton_select_topk(scores: torch.Tensor, pos: torch.Tensor, block_size: int, topk: int,
+                       higher_id: bool = True) -> torch.Tensor:
+    """The Triton top-k over given block scores (`kvtool.kernels.topk.select_from_block_scores`): scores fp32
+    [B, R, H, NB] (forced blocks already applied), pos int32 [B, R] -> ids int32 [B, R, H, topk]."""
+    from kvtool.kernels.topk import select_from_block_scores
+
+    return select_from_block_scores(scores, pos, block_size, topk, higher_id=higher_id)
+
+
+def _attention(launch, q, k_cache, v_cache, dtype, args, kernel_options) -> torch.Tensor:
+    k_cache.fmt.require_kvtool_codec("the Triton sparse-attention kernel")
+    v_cache.fmt.require_kvtool_codec("the Triton sparse-attention kernel")
+    rot = k_cache.fmt.rotation
+    if v_cache.fmt.rotation != rot:  # one rotation of q serves both: the output comes back through the same R
+        raise KvtoolError(f"sparse attention: K and V caches must share one rotation, got {rot} and "
+                          f"{v_cache.fmt.rotation}")
+    out = launch(_kernel_query(q, rot, dtype), k_cache, v_cache, *args, **kernel_options)
+    return out if rot is None else _rotation.unrotate(out, rot).to(out.dtype)
+
+
+def triton_sparse_decode(q: torch.Tensor, k_cache, v_cache, block_table: torch.Tensor, context_lens: torch.Tensor,
+                         block_ids: torch.Tensor, block_size: int, scale: float | None = None, *,
+                         dtype: torch.dtype | None = None, **kernel_options) -> torch.Tensor:
+    """The Triton sparse attention of a decode step (`kvtool.kernels.sparse_attn.sparse_decode`, same arguments and
+    options: `out_dtype`, `gluon`, ...): q [B, Hq, D], one query per request at context_lens[b] - 1; block_ids int32
+    [B, Hkv, topk] -> [B, Hq, D] in out_dtype (bf16 unless asked)."""
+    from kvtool.kernels.sparse_attn import sparse_decode
+
+    return _attention(sparse_decode, q, k_cache, v_cache, dtype,
+                      (block_table, context_lens, block_ids, block_size, scale), kernel_options)
+
+
+def triton_sparse_prefill(q: torch.Tensor, k_cache, v_cache, block_table: torch.Tensor, q_req: torch.Tensor,
+                          q_pos: torch.Tensor, block_ids: torch.Tensor, block_size: int, scale: float | None = None, *,
+                          dtype: torch.dtype | None = None, **kernel_options) -> torch.Tensor:
+    """The Triton sparse attention of prefill rows (`kvtool.kernels.sparse_attn.sparse_prefill`, same arguments):
+    q [N, Hq, D] of request q_req [N] at position q_pos [N] (int32); block_ids int32 [N, Hkv, topk] -> [N, Hq, D]."""
+    from kvtool.kernels.sparse_attn import sparse_prefill
+
+    return _attention(sparse_prefill, q, k_cache, v_cache, dtype,
+                      (block_table, q_req, q_pos, block_ids, block_size, scale), kernel_options)
+
+
+def triton_uses_gluon(q: torch.Tensor, k_cache, v_cache, block_size: int) -> bool:
+    """Whether `triton_sparse_decode`'s default launch takes the Gluon fast path for these arguments."""
+    from kvtool.kernels.sparse_attn import uses_gluon
+
+    return uses_gluon(q, k_cache, v_cache, block_size)
+
+
+def triton_available(warn) -> dict:
+    """Which Triton paths import ({"store", "index", "attention"} -> bool); `warn(message)` names each missing one
+    (its step then runs the torch path)."""
+    import importlib
+
+    found = {}
+    for key, module in (("store", "kvtool.kernels.store"), ("index", "kvtool.kernels.index_score"),
+                        ("attention", "kvtool.kernels.sparse_attn")):
+        try:
+            importlib.import_module(module)
+            found[key] = True
+        except ImportError as err:
+            warn(f"the {key} kernel ({module}) is missing ({err}); that step falls back to the torch path")
+            found[key] = False
+    return found

@@ -25,14 +25,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtool.backend import resolve_backend, resolve_device
+from kvtool.backend import resolve_backend, resolve_device, triton_available
 from kvtool.bench.common import BenchCase, BenchReport, run_cases
 from kvtool.errors import InputError
 from kvtool.formats import get_format
 from kvtool.indexer import IndexerConfig
 from kvtool.models.base import CausalLM, load_model
 from kvtool.workflows.decode import Decoder
-from kvtool.workflows.decode_cache import CacheSpec, ConfigCache, PlainCache, triton_available
+from kvtool.workflows.decode_cache import CacheSpec, ConfigCache, PlainCache
 
 __all__ = [
     "DEMO_GOAL_S", "DecodeBenchSetup", "PRESETS", "render_demo", "render_goals", "run_decode_bench", "run_demo_bench"

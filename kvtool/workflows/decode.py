@@ -43,13 +43,12 @@ from typing import Callable
 import torch
 
 from kvtool.attention import all_blocks_selection
-from kvtool.backend import resolve_backend, resolve_device
+from kvtool.backend import resolve_backend, resolve_device, triton_available
 from kvtool.errors import FormatError, InputError, KvtoolError
 from kvtool.formats import get_format
 from kvtool.indexer import IndexerConfig, reference_block_scores, select_topk
 from kvtool.models.base import CausalLM, load_model
-from kvtool.workflows.decode_cache import (CacheSpec, ConfigCache, PlainCache, attend_triton, select_triton,
-                                           triton_available)
+from kvtool.workflows.decode_cache import CacheSpec, ConfigCache, PlainCache, attend_triton, select_triton
 from kvtool.workflows.decode_metrics import (BaseChunk, BucketMetrics, LayerAccumulator, LayerMetrics, StreamMetrics,
                                              agreement_pct, bucket_edges, first_divergence)
 from kvtool.workflows import decode_stats

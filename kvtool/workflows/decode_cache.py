@@ -34,7 +34,7 @@ from kvtool.formats import Format, get_format, rotation
 from kvtool.paged import PagedCache, contiguous_slots
 
 __all__ = [
-    "CacheSpec", "ConfigCache", "PlainCache", "attend_triton", "select_triton", "short_label", "triton_available"
+    "CacheSpec", "ConfigCache", "PlainCache", "attend_triton", "select_triton", "short_label"
 ]
 
 
@@ -212,23 +212,16 @@ def select_triton(cache: ConfigCache, layer: int, iq: torch.Tensor, pos: torch.T
     """Block selection from the paged index cache by the Triton scorer (C's kernels): iq [B, T, Hi, Di] (cast to
     bf16, as the kernels take it) at positions pos [T] (`length` = pos[-1] + 1, known on the host) -> ids int32
     [B, Hi, T, K] and, when asked, block scores fp32 [B, Hi, T, NB] (for the per-layer comparison)."""
-    from kvtool.kernels.index_score import decode_topk, prefill_block_scores, prefill_topk  # noqa: PLC0415
-
     B, T = iq.shape[:2]
     ctx = torch.full((B,), length, dtype=torch.int32, device=iq.device)
-    rot = cache.spec.index.rotation
-    if rot is not None:  # the kernel scores the rotated keys: rotate the query too ((q R) . (k R) = q . k)
-        iq = rotation.rotate(iq, rot)
-    iqb = iq.to(torch.bfloat16)
     q_pos = pos[None].expand(B, T).to(torch.int32)
-    if T == 1:
-        ids = decode_topk(iqb[:, 0], cache.ik[layer], cache.block_table, ctx, cfg)[:, :, None]  # [B, Hi, 1, K]
-    else:
-        ids = prefill_topk(iqb, cache.ik[layer], cache.block_table, ctx, cfg, q_pos=q_pos).transpose(1, 2)
+    index = (iq, cache.ik[layer], cache.block_table, ctx, cfg)  # the kernel takes bf16, rotated as the keys are
+    ids = kv_backend.triton_index_topk(*index, q_pos=None if T == 1 else q_pos, dtype=torch.bfloat16)
+    ids = ids.transpose(1, 2)                                                                # [B, Hi, T, K]
     scores = None
     if with_scores:
-        scores = prefill_block_scores(iqb, cache.ik[layer], cache.block_table, ctx, cfg, q_pos=q_pos,
-                                      max_context=length).transpose(1, 2)                    # [B, Hi, T, NB]
+        scores = kv_backend.triton_index_block_scores(*index, q_pos=q_pos, dtype=torch.bfloat16,
+                                                      max_context=length).transpose(1, 2)  # [B, Hi, T, NB]
     return ids, scores
 
 
@@ -236,48 +229,17 @@ def attend_triton(cache: ConfigCache, layer: int, q: torch.Tensor, pos: torch.Te
                   ids: torch.Tensor, block_size: int) -> torch.Tensor:
     """Sparse attention over the paged K/V by D's kernels: q [B, T, Hq, D] (cast to bf16), positions pos [T], block
     ids int32 [B, Hkv, T, K] -> fp32 [B, T, Hq, D]."""
-    from kvtool.kernels.sparse_attn import sparse_decode, sparse_prefill  # noqa: PLC0415
-
-    rot = cache.spec.kv.rotation
-    if rot is not None:  # K and V hold x R: rotated q gives the same scores, the output comes back through R^T
-        out = attend_triton(_Unrotated(cache), layer, rotation.rotate(q, rot), pos, length, ids, block_size)
-        return rotation.unrotate(out, rot)
     B, T, Hq, D = q.shape
-    k, v, table = cache.k[layer], cache.v[layer], cache.block_table
+    k, v, table = cache.k[layer], cache.v[layer], cache.block_table  # the kernel takes bf16 q, rotated as K / V
     if T == 1:
         ctx = torch.full((B,), length, dtype=torch.int32, device=q.device)
-        out = sparse_decode(q[:, 0].to(torch.bfloat16).contiguous(), k, v, table, ctx, ids[:, :, 0].contiguous(),
-                            block_size, out_dtype=torch.float32)
+        out = kv_backend.triton_sparse_decode(q[:, 0].contiguous(), k, v, table, ctx, ids[:, :, 0].contiguous(),
+                                              block_size, dtype=torch.bfloat16, out_dtype=torch.float32)
         return out[:, None]
     q_req = torch.arange(B, dtype=torch.int32, device=q.device).repeat_interleave(T)        # [B*T]
     q_pos = pos.to(torch.int32).repeat(B)                                                   # [B*T]
     sel = ids.permute(0, 2, 1, 3).reshape(B * T, ids.shape[1], ids.shape[3]).contiguous()  # [B*T, Hkv, K]
-    out = sparse_prefill(q.reshape(B * T, Hq, D).to(torch.bfloat16), k, v, table, q_req, q_pos, sel, block_size,
-                         out_dtype=torch.float32)
+    out = kv_backend.triton_sparse_prefill(q.reshape(B * T, Hq, D), k, v, table, q_req, q_pos, sel, block_size,
+                                           dtype=torch.bfloat16, out_dtype=torch.float32)
     return out.view(B, T, Hq, D)
 
-
-class _Unrotated:
-    """A view of a ConfigCache whose K/V spec reads as unrotated (for the one recursive call in attend_triton)."""
-
-    def __init__(self, cache: ConfigCache):
-        self._cache = cache
-        self.spec = CacheSpec(cache.spec.kv.unrotated, cache.spec.index)
-
-    def __getattr__(self, name):
-        return getattr(self._cache, name)
-
-
-def triton_available(warn) -> dict:
-    """Which Triton paths import (C's index scorer, D's sparse attention, B's store); a warning names each missing
-    one (its step then runs the torch path over the dequantized paged bytes)."""
-    found = {}
-    for key, module in (("store", "kvtool.kernels.store"), ("index", "kvtool.kernels.index_score"),
-                        ("attention", "kvtool.kernels.sparse_attn")):
-        try:
-            __import__(module)
-            found[key] = True
-        except ImportError as err:
-            warn(f"the {key} kernel ({module}) is missing ({err}); that step falls back to the torch path")
-            found[key] = False
-    return found

@@ -45,7 +45,8 @@ from kvtool.attention import (
     random_block_selection,
     sparse_attention_ref,
 )
-from kvtool.backend import resolve_check_backend
+from kvtool.backend import (resolve_check_backend, triton_sparse_decode, triton_sparse_prefill,
+                            triton_uses_gluon)
 from kvtool.errors import InputError
 from kvtool.formats import Format, get_format
 from kvtool.formats.rotation import rotate, unrotate
@@ -256,24 +257,18 @@ def _add_row(layer, label, out, ref_deq, ref_orig, report, scores, used, impl, t
 
 def _kvtool_row(layer, fmt, q, k_cache, v_cache, table, q_req, q_pos, ids, ref_deq, ref_orig, block_size, report,
                 scores, decode, kernel) -> None:
-    from kvtool.kernels.sparse_attn import sparse_decode, sparse_prefill, uses_gluon
-
-    fmt.require_kvtool_codec("the Triton sparse-attention kernel")  # it decodes the SPEC codecs, not a recipe's
-    rot = fmt.rotation
-    if rot is not None:  # the kernel reads the codes of K R and V R: softmax((q R)(K R)^T) (V R) = out R
-        q = rotate(q, rot).to(q.dtype)
+    # the backend refuses a recipe's format (the kernel decodes the SPEC codecs) and, for a rotated format, runs the
+    # kernel on the codes of K R and V R with q R: softmax((q R)(K R)^T) (V R) = out R, brought back by R^T
     if decode:
         gluon = _GLUON_OPTION[kernel]
-        ran = gluon if gluon is not None else uses_gluon(q, k_cache, v_cache, block_size)
-        out = sparse_decode(q, k_cache, v_cache, table, (q_pos + 1).to(torch.int32), ids.to(torch.int32),
-                            block_size, out_dtype=torch.float32, gluon=gluon).float()
+        out = triton_sparse_decode(q, k_cache, v_cache, table, (q_pos + 1).to(torch.int32), ids.to(torch.int32),
+                                   block_size, out_dtype=torch.float32, gluon=gluon).float()
+        ran = gluon if gluon is not None else triton_uses_gluon(q, k_cache, v_cache, block_size)
         used = "decode gluon" if ran else "decode portable"
     else:
-        out = sparse_prefill(q, k_cache, v_cache, table, q_req.to(torch.int32), q_pos.to(torch.int32),
-                             ids.to(torch.int32), block_size, out_dtype=torch.float32).float()
+        out = triton_sparse_prefill(q, k_cache, v_cache, table, q_req.to(torch.int32), q_pos.to(torch.int32),
+                                    ids.to(torch.int32), block_size, out_dtype=torch.float32).float()
         used = "prefill"
-    if rot is not None:
-        out = unrotate(out, rot)
     _add_row(layer, fmt.label, out, ref_deq, ref_orig, report, scores, used, "kvtool", report.tolerance)
 
 

@@ -38,7 +38,8 @@ from typing import Callable
 
 import torch
 
-from kvtool.backend import resolve_check_backend
+from kvtool.backend import (resolve_check_backend, triton_index_block_scores, triton_index_topk,
+                            triton_select_topk)
 from kvtool.errors import InputError
 from kvtool.formats import Format, QTensor, get_format
 from kvtool.formats.rotation import rotate, unrotate
@@ -401,18 +402,9 @@ def _candidates(iq4, cache, table, ctx, q_pos, cfg, backend, launch, impls):
 
     out = []
     if backend == "triton":
-        from kvtool.kernels import index_score as K
-
-        cache.fmt.require_kvtool_codec("the Triton index scorer")  # it decodes the SPEC codecs, not a recipe's
-        kernel_q = iq4
-        if cache.fmt.rotation is not None:  # the kernel scores the stored codes (k R): (q R) . (k R) = q . k
-            kernel_q = rotate(iq4, cache.fmt.rotation).to(iq4.dtype)
-        if iq4.shape[1] == 1 and q_pos is None:
-            ids = K.decode_topk(kernel_q[:, 0], cache, table, ctx, cfg, **launch)[:, None]
-            scores = K.decode_block_scores(kernel_q[:, 0], cache, table, ctx, cfg, **launch)[:, None]
-        else:
-            ids = K.prefill_topk(kernel_q, cache, table, ctx, cfg, q_pos=q_pos, **launch)
-            scores = K.prefill_block_scores(kernel_q, cache, table, ctx, cfg, q_pos=q_pos, **launch)
+        # the kernel refuses a recipe's format and scores the stored codes (k R) with bf16(q R): (q R) . (k R) = q . k
+        ids = triton_index_topk(iq4, cache, table, ctx, cfg, q_pos, **launch)
+        scores = triton_index_block_scores(iq4, cache, table, ctx, cfg, q_pos, **launch)
         out.append(("kvtool", ids, scores, None))
     else:  # the reference itself: (a) cannot fail, (b) still says what the format costs
         out.append(("kvtool", None, None, "reference"))
@@ -596,11 +588,9 @@ def verify_topk_scores(scores: torch.Tensor | None = None, q_pos: torch.Tensor |
     labels = names or [f"row {r}" for r in range(scores.shape[0])]
     cands = []
     if backend == "triton":
-        from kvtool.kernels.topk import select_from_block_scores
-
-        ids = select_from_block_scores(forced.to(dev)[None, :, None].contiguous(),
-                                       q_pos.to(torch.int32).to(dev)[None].contiguous(), cfg.block_size, cfg.topk,
-                                       higher_id=cfg.tie_rule != "lower-id")[0, :, 0]
+        ids = triton_select_topk(forced.to(dev)[None, :, None].contiguous(),
+                                 q_pos.to(torch.int32).to(dev)[None].contiguous(), cfg.block_size, cfg.topk,
+                                 higher_id=cfg.tie_rule != "lower-id")[0, :, 0]
         cands.append(("kvtool", ids, None))
     else:
         cands.append(("kvtool", None, SKIP_TORCH))
