@@ -29,7 +29,7 @@ def recipes(
     Each recipe reproduces one engine function's bytes: its engine and version, the function, the kvtool format it
     writes (label `FAMILY@RECIPE`) and every byte-level choice (tie and sign rules, scale formula, clamps, outer
     scale direction, zero blocks). SPEC behaviour stays the default when no recipe is named."""
-    from kvtool.formats.recipes import list_recipes
+    from kvtool.formats.registry import list_recipes
 
     emit(list_recipes(engine), as_json, _render)
 

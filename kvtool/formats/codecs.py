@@ -7,10 +7,9 @@ order is part of the contract because the Triton kernels repeat it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from kvtool.formats.base import FormatParams
 from kvtool.formats.elements import (
     E2M1_MAX,
     E4M3_MAX,
@@ -34,9 +33,6 @@ __all__ = [
     "fp8_dequantize", "fp8_quantize", "fp8_row_scale", "mx_exponent", "mxfp4_dequantize", "mxfp4_quantize",
     "nvfp4_dequantize", "nvfp4_outer_scale", "nvfp4_quantize"
 ]
-
-if TYPE_CHECKING:
-    from kvtool.formats.registry import Format
 
 # DeepSeek V3.2 indexer floor on the per-token amax (fp32 of 1e-4).
 DS_AMAX_FLOOR = 1e-4
@@ -93,11 +89,11 @@ def _quantize_blocks(x: torch.Tensor, block: int, quantize_chunk) -> tuple[torch
 
 
 # ----------------------------------------------------------------------------------------------------------- bf16
-def bf16_quantize(fmt: "Format", x: torch.Tensor, tensor_amax: torch.Tensor | None):
+def bf16_quantize(fmt: FormatParams, x: torch.Tensor, tensor_amax: torch.Tensor | None):
     return x.to(torch.bfloat16), None, 1.0
 
 
-def bf16_dequantize(fmt: "Format", payload, scales, outer_scale) -> torch.Tensor:
+def bf16_dequantize(fmt: FormatParams, payload, scales, outer_scale) -> torch.Tensor:
     return payload.float()
 
 
@@ -119,7 +115,7 @@ def fp8_row_scale(amax: torch.Tensor, ds_floor: bool, pow2: bool) -> torch.Tenso
     return s
 
 
-def fp8_quantize(fmt: "Format", x: torch.Tensor, tensor_amax: torch.Tensor | None):
+def fp8_quantize(fmt: FormatParams, x: torch.Tensor, tensor_amax: torch.Tensor | None):
     if fmt.fp8_scale == Fp8Scale.UNIT:
         return e4m3_encode(x), None, 1.0
     if fmt.fp8_scale == Fp8Scale.TENSOR:
@@ -130,7 +126,7 @@ def fp8_quantize(fmt: "Format", x: torch.Tensor, tensor_amax: torch.Tensor | Non
     return e4m3_encode(x / s), s, 1.0
 
 
-def fp8_dequantize(fmt: "Format", payload, scales, outer_scale) -> torch.Tensor:
+def fp8_dequantize(fmt: FormatParams, payload, scales, outer_scale) -> torch.Tensor:
     values = e4m3_decode(payload)
     return values if scales is None else values * scales.to(values.device)
 
@@ -142,7 +138,7 @@ def fp8_dequantize(fmt: "Format", payload, scales, outer_scale) -> torch.Tensor:
 NV_AUTO_MIN_OUTER = 2.0**-118
 
 
-def nvfp4_outer_scale(fmt: "Format", x: torch.Tensor, tensor_amax: torch.Tensor | None) -> float:
+def nvfp4_outer_scale(fmt: FormatParams, x: torch.Tensor, tensor_amax: torch.Tensor | None) -> float:
     """The decode-direction outer scale `g_dec` as an fp32-representable float: 1, `amax_tensor / (6 * 448)` for
     `auto` (1 when that is below NV_AUTO_MIN_OUTER, the all-zero tensor included), or the value the format names."""
     if fmt.outer_scale != "auto":
@@ -152,7 +148,7 @@ def nvfp4_outer_scale(fmt: "Format", x: torch.Tensor, tensor_amax: torch.Tensor 
     return float(g) if float(g) >= NV_AUTO_MIN_OUTER else 1.0
 
 
-def nvfp4_quantize(fmt: "Format", x: torch.Tensor, tensor_amax: torch.Tensor | None):
+def nvfp4_quantize(fmt: FormatParams, x: torch.Tensor, tensor_amax: torch.Tensor | None):
     g_dec = nvfp4_outer_scale(fmt, x, tensor_amax)
     g_dec_t = torch.tensor(g_dec, dtype=torch.float32, device=x.device)
     g_enc_t = 1.0 / g_dec_t  # fp32 reciprocal; exactly 1 for the default unit outer scale
@@ -178,7 +174,7 @@ def nvfp4_quantize(fmt: "Format", x: torch.Tensor, tensor_amax: torch.Tensor | N
     return payload, scales, g_dec
 
 
-def nvfp4_dequantize(fmt: "Format", payload, scales, outer_scale) -> torch.Tensor:
+def nvfp4_dequantize(fmt: FormatParams, payload, scales, outer_scale) -> torch.Tensor:
     values = _blocks(e2m1_decode(unpack_nibbles(payload)), fmt.block)
     # (code * S) is exact in fp32; the outer scale then rounds once.
     out = values * e4m3_decode(scales).unsqueeze(-1) * float(outer_scale)
@@ -206,7 +202,7 @@ def mx_exponent(amax: torch.Tensor, rule: ScaleRule) -> torch.Tensor:
     return e.clamp(-E8M0_BIAS, E8M0_BIAS).to(torch.int32)
 
 
-def mxfp4_quantize(fmt: "Format", x: torch.Tensor, tensor_amax: torch.Tensor | None):
+def mxfp4_quantize(fmt: FormatParams, x: torch.Tensor, tensor_amax: torch.Tensor | None):
     def chunk(xb):  # [r, D/32, 32]
         amax = _block_amax(xb)  # [r, D/32, 1]
         e = mx_exponent(amax, fmt.scale_rule)
@@ -220,7 +216,7 @@ def mxfp4_quantize(fmt: "Format", x: torch.Tensor, tensor_amax: torch.Tensor | N
     return payload, scales, 1.0
 
 
-def mxfp4_dequantize(fmt: "Format", payload, scales, outer_scale) -> torch.Tensor:
+def mxfp4_dequantize(fmt: FormatParams, payload, scales, outer_scale) -> torch.Tensor:
     values = _blocks(e2m1_decode(unpack_nibbles(payload)), fmt.block)
     out = values * e8m0_decode(scales).unsqueeze(-1)
     return out.reshape(*payload.shape[:-1], payload.shape[-1] * 2)

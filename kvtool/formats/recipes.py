@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
 
 import torch
 
 from kvtool.errors import FormatError
+from kvtool.formats.base import FormatParams
 from kvtool.formats.codecs import _block_amax, _blocks, _quantize_blocks, div_by_const, mx_exponent
 from kvtool.formats.elements import (
     E2M1_MAX,
@@ -43,13 +43,10 @@ from kvtool.formats.rules import ScaleRule
 
 __all__ = [
     "BYTE0_DECODE", "BYTE0_ENCODE", "Byte0", "DECODE", "DEQUANTIZE", "Decode", "ELEM", "EXP_RULE", "Elem",
-    "EngineRecipe", "ExpRule", "NV_ENC", "OuterDir", "POW2", "Pow2", "QUANTIZE", "RECIPES", "RecipesReport",
+    "EngineRecipe", "ExpRule", "NV_ENC", "OuterDir", "POW2", "Pow2", "QUANTIZE", "RECIPES",
     "SCALE_VALUE", "SIGN_BIT", "ScaleValue", "Sign", "TIE_MAGNITUDE", "Tie", "ZeroScale", "dequantize", "e2m1_codes",
-    "get_recipe", "list_recipes", "outer_scales", "quantize"
+    "get_recipe", "outer_scales", "quantize"
 ]
-
-if TYPE_CHECKING:
-    from kvtool.formats.registry import Format
 
 NV_ENC = E2M1_MAX * E4M3_MAX  # 2688 = 6 * 448: the outer scale that maps a tensor amax to the top block scale
 
@@ -499,7 +496,7 @@ POW2 = {
 
 
 # ------------------------------------------------------------------------------------------------- outer scale
-def outer_scales(recipe: EngineRecipe, fmt: "Format", x: torch.Tensor, tensor_amax: torch.Tensor | None
+def outer_scales(recipe: EngineRecipe, fmt: FormatParams, x: torch.Tensor, tensor_amax: torch.Tensor | None
                  ) -> tuple[float, float, float]:
     """(stored, g_enc, g_dec): the outer scale in the recipe's direction (what QTensor.outer_scale keeps) and both
     directions as fp32-representable floats. `auto` follows the recipe's direction (OuterDir)."""
@@ -523,16 +520,16 @@ def _both(recipe: EngineRecipe, stored: float) -> tuple[float, float]:
 
 
 # ------------------------------------------------------------------------------------------------- quantize
-def quantize(recipe: EngineRecipe, fmt: "Format", x: torch.Tensor, tensor_amax: torch.Tensor | None):
+def quantize(recipe: EngineRecipe, fmt: FormatParams, x: torch.Tensor, tensor_amax: torch.Tensor | None):
     """x fp32 [..., D] -> (payload, scales, outer_scale) under `recipe` (the family codecs' return convention)."""
     return QUANTIZE[recipe.family](recipe, fmt, x, tensor_amax)
 
 
-def dequantize(recipe: EngineRecipe, fmt: "Format", payload, scales, outer_scale) -> torch.Tensor:
+def dequantize(recipe: EngineRecipe, fmt: FormatParams, payload, scales, outer_scale) -> torch.Tensor:
     return DEQUANTIZE[recipe.family](recipe, fmt, payload, scales, outer_scale)
 
 
-def _nv_quantize(r: EngineRecipe, fmt: "Format", x: torch.Tensor, tensor_amax):
+def _nv_quantize(r: EngineRecipe, fmt: FormatParams, x: torch.Tensor, tensor_amax):
     stored, g_enc, g_dec = outer_scales(r, fmt, x, tensor_amax)
     ge = torch.tensor(g_enc, dtype=torch.float32, device=x.device)
     gd = torch.tensor(g_dec, dtype=torch.float32, device=x.device)
@@ -554,7 +551,7 @@ def _nv_quantize(r: EngineRecipe, fmt: "Format", x: torch.Tensor, tensor_amax):
     return payload, scales, stored
 
 
-def _nv_dequantize(r: EngineRecipe, fmt: "Format", payload, scales, outer_scale) -> torch.Tensor:
+def _nv_dequantize(r: EngineRecipe, fmt: FormatParams, payload, scales, outer_scale) -> torch.Tensor:
     g_enc, g_dec = _both(r, float(outer_scale)) if r.outer != OuterDir.NONE else (1.0, 1.0)
     values = _blocks(_code_values(unpack_nibbles(payload)), fmt.block)
     s = e4m3_decode(scales).unsqueeze(-1)
@@ -566,7 +563,7 @@ def _code_values(codes: torch.Tensor) -> torch.Tensor:
     return E2M1_VALUES.to(codes.device)[(codes & 0xF).long()]
 
 
-def _mx_quantize(r: EngineRecipe, fmt: "Format", x: torch.Tensor, tensor_amax):
+def _mx_quantize(r: EngineRecipe, fmt: FormatParams, x: torch.Tensor, tensor_amax):
     def chunk(xb):  # [r, D/block, block]
         amax = _block_amax(xb).clamp(min=r.amax_min)
         e = EXP_RULE[r.exp_rule](amax)
@@ -580,7 +577,7 @@ def _mx_quantize(r: EngineRecipe, fmt: "Format", x: torch.Tensor, tensor_amax):
     return payload, scales, 1.0
 
 
-def _mx_dequantize(r: EngineRecipe, fmt: "Format", payload, scales, outer_scale) -> torch.Tensor:
+def _mx_dequantize(r: EngineRecipe, fmt: FormatParams, payload, scales, outer_scale) -> torch.Tensor:
     values = _blocks(_code_values(unpack_nibbles(payload)), fmt.block)
     s = exp2_int(scales.to(torch.int32) - E8M0_BIAS)
     s = torch.where(scales == 0, BYTE0_DECODE[r.byte0], s)
@@ -589,7 +586,7 @@ def _mx_dequantize(r: EngineRecipe, fmt: "Format", payload, scales, outer_scale)
     return out.reshape(*payload.shape[:-1], payload.shape[-1] * 2)
 
 
-def _fp8_quantize(r: EngineRecipe, fmt: "Format", x: torch.Tensor, tensor_amax):
+def _fp8_quantize(r: EngineRecipe, fmt: FormatParams, x: torch.Tensor, tensor_amax):
     if not r.row_scale:
         return e4m3_encode(x), None, 1.0
     amax = x.abs().amax(-1, keepdim=True).clamp(min=r.amax_min)
@@ -597,32 +594,10 @@ def _fp8_quantize(r: EngineRecipe, fmt: "Format", x: torch.Tensor, tensor_amax):
     return e4m3_encode(x / s), s, 1.0
 
 
-def _fp8_dequantize(r: EngineRecipe, fmt: "Format", payload, scales, outer_scale) -> torch.Tensor:
+def _fp8_dequantize(r: EngineRecipe, fmt: FormatParams, payload, scales, outer_scale) -> torch.Tensor:
     values = e4m3_decode(payload)
     return values if scales is None else values * scales.to(payload.device)
 
 
 QUANTIZE = {"nvfp4": _nv_quantize, "mxfp4": _mx_quantize, "kvfp4": _mx_quantize, "fp8": _fp8_quantize}
 DEQUANTIZE = {"nvfp4": _nv_dequantize, "mxfp4": _mx_dequantize, "kvfp4": _mx_dequantize, "fp8": _fp8_dequantize}
-
-
-# ------------------------------------------------------------------------------------------------- the listing
-@dataclass(frozen=True)
-class RecipesReport:
-    """`kvtool recipes`: every engine recipe as engine, version, function, format label and its choices."""
-
-    recipes: list
-
-
-def list_recipes(engine: str | None = None) -> RecipesReport:
-    """The registry as a report, optionally only the recipes whose name or engine contains `engine`."""
-    from kvtool.formats.registry import get_format
-
-    rows = []
-    for rec in RECIPES.values():
-        if engine and engine.lower() not in f"{rec.name} {rec.engine}".lower():
-            continue
-        rows.append({**rec.to_dict(), "label": get_format(f"@{rec.name}").label})
-    if engine and not rows:
-        raise FormatError(f"no engine recipe matches {engine!r} (choose from {', '.join(RECIPES)})")
-    return RecipesReport(rows)

@@ -17,15 +17,16 @@ from typing import Callable
 
 import torch
 
+import kvtool.formats.codecs as codecs
+import kvtool.formats.recipes as recipes
+import kvtool.formats.rotation as _rot
 from kvtool.errors import FormatError, InputError
-from kvtool.formats import codecs, recipes
-from kvtool.formats import rotation as _rot
 from kvtool.formats.elements import E2M1, E4M3, ElementCodec
 from kvtool.formats.rules import Fp8Scale, NvRecipe, ScaleRule, parse_enum
 
 __all__ = [
-    "ALIASES", "DEFAULTS", "FAMILIES", "Family", "Format", "QTensor", "SCALE_ELEMENT_BYTES", "SCALE_UNIT_BYTE",
-    "all_formats", "engine_formats", "get_format", "require_finite", "rule_variants"
+    "ALIASES", "DEFAULTS", "FAMILIES", "Family", "Format", "QTensor", "RecipesReport", "SCALE_ELEMENT_BYTES",
+    "SCALE_UNIT_BYTE", "all_formats", "engine_formats", "get_format", "list_recipes", "require_finite", "rule_variants"
 ]
 
 
@@ -458,3 +459,23 @@ def engine_formats() -> list[Format]:
         outers = (None, "auto") if rec.outer != recipes.OuterDir.NONE else (None,)
         out += [get_format(f"@{name}", outer_scale=g) for g in outers]
     return out
+
+
+# ------------------------------------------------------------------------------------------------- the listing
+@dataclass(frozen=True)
+class RecipesReport:
+    """`kvtool recipes`: every engine recipe as engine, version, function, format label and its choices."""
+
+    recipes: list
+
+
+def list_recipes(engine: str | None = None) -> RecipesReport:
+    """The recipe registry as a report, optionally only the recipes whose name or engine contains `engine`."""
+    rows = []
+    for rec in recipes.RECIPES.values():
+        if engine and engine.lower() not in f"{rec.name} {rec.engine}".lower():
+            continue
+        rows.append({**rec.to_dict(), "label": get_format(f"@{rec.name}").label})
+    if engine and not rows:
+        raise FormatError(f"no engine recipe matches {engine!r} (choose from {', '.join(recipes.RECIPES)})")
+    return RecipesReport(rows)
