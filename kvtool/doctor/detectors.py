@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from kvtool.doctor import stats
+import kvtool.doctor.stats as stats
 from kvtool.doctor.report import Finding
 from kvtool.doctor.subjects import Subject, page_of
 from kvtool.formats import E4M3, SCALE_UNIT_BYTE, ScaleRule, e4m3_decode

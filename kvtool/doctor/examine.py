@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from kvtool.doctor import geometry as geo_rank
+import kvtool.doctor.geometry as geo_rank
 from kvtool.doctor.detectors import DETECTORS, ELEMENT_FOUND, Context
 from kvtool.doctor.reference import compare, pair_reference, reference_values
 from kvtool.doctor.report import DoctorReport, Finding

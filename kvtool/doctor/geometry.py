@@ -15,7 +15,7 @@ import itertools
 
 import torch
 
-from kvtool.doctor import stats
+import kvtool.doctor.stats as stats
 from kvtool.doctor.detectors import MX_MAX_CODES, coherence
 from kvtool.doctor.report import CandidateFit
 from kvtool.doctor.subjects import Subject
