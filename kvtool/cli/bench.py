@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvtool.cli import app
+from kvtool.cli.root import app
 from kvtool.cli.common import DeviceOpt, JsonOpt, KvtoolGroup, emit, examples, handle_errors, note, stderr, stdout
 
 __all__ = ["bench_app", "bench_attn", "bench_codecs", "bench_decode", "bench_index", "bench_quant"]

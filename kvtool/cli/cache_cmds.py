@@ -14,7 +14,7 @@ from typing import Annotated, Iterator, Optional
 
 import typer
 
-from kvtool.cli import app
+from kvtool.cli.root import app
 from kvtool.cli.common import (
     DeviceOpt,
     FormatOpt,

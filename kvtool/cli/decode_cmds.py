@@ -13,7 +13,7 @@ from rich import box
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvtool.cli import app
+from kvtool.cli.root import app
 from kvtool.cli.common import (DeviceOpt, Fp8ScaleOpt, JsonOpt, OuterScaleOpt, RecipeOpt, ScaleRuleOpt, emit,
                                examples, format_options, handle_errors, stderr, stdout)
 from kvtool.errors import InputError, OutputError

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvtool.cli import app
+from kvtool.cli.root import app
 from kvtool.cli.common import JsonOpt, Table, examples, handle_errors, line, print_table, to_json
 
 __all__ = ["FIX", "SEVERITY_STYLE", "doctor", "findings_json"]

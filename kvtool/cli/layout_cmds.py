@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvtool.cli import app
+from kvtool.cli.root import app
 from kvtool.cli.common import JsonOpt, OutOpt, Table, emit, examples, handle_errors, line, note, print_table, warn
 
 __all__ = ["GeometryOpt", "convert", "layouts"]

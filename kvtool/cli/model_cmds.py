@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvtool.cli import app
+from kvtool.cli.root import app
 from kvtool.cli.common import DeviceOpt, JsonOpt, OutOpt, Table, emit, examples, handle_errors, line, print_table
 
 __all__ = ["capacity_cmd", "capture_cmd"]

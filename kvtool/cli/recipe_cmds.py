@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvtool.cli import app
+from kvtool.cli.root import app
 from kvtool.cli.common import JsonOpt, Table, emit, examples, handle_errors, line, print_table
 
 __all__ = ["recipes"]

@@ -10,7 +10,7 @@ import typer
 from rich import box
 from rich.table import Table
 
-from kvtool.cli import app
+from kvtool.cli.root import app
 from kvtool.cli.common import DeviceOpt, JsonOpt, emit, examples, handle_errors, lazy_module, stderr, stdout
 from kvtool.errors import InputError
 
