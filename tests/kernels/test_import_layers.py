@@ -49,3 +49,23 @@ def test_the_checker_sees_an_upward_edge(tmp_path):
     known, _ = _graph()
     deps = layers.imports("kvtool.kernels.k", f, known)
     assert "kvtool.paged" in deps and layers.layer_of("kvtool.paged") > layers.layer_of("kvtool.kernels.k")
+
+
+def test_no_import_cycles():
+    """No cycle between modules, and none through a package facade (an __init__ that re-exports its submodules,
+    which then import their siblings directly)."""
+    _, graph = _graph()
+    assert layers.cycles(graph) == []
+
+
+# Where a kernel module may be imported besides the kernels themselves: the dispatch module, and the benchmarks,
+# which time one named kernel, launch variant or config (the Gluon path beside the portable one, a launch plan, a
+# block config) and so must call it and not the dispatch that would pick one.
+KERNEL_IMPORTERS = ("kvtool.kernels", "kvtool.backend", "kvtool.bench")
+
+
+def test_kernels_are_reached_through_dispatch():
+    _, graph = _graph()
+    bad = {m: sorted(d for d in deps if d.startswith("kvtool.kernels"))
+           for m, deps in graph.items() if not m.startswith(KERNEL_IMPORTERS)}
+    assert {m: d for m, d in bad.items() if d} == {}
