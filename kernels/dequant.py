@@ -6,11 +6,10 @@ in fp32 in the torch path's order (`code * S`, then `* g_dec`) and rounded once 
 Same tiling as the store (`kernels/store.py`): BLOCK_R whole rows per program, payload rows read as int32 words,
 block scales as a short vector per row, output rows written whole. E2M1 words expand in registers (kc.e2m1_words_*:
 three integer ops per value, no table) and, for bf16 output, the block scale applies with packed bf16 multiplies
-where every product is exact (BF16_MATH), so no value goes through fp32. Measured on the H200 (CUDA-graph replay,
-256M elements, to bf16, 32 x 4 tiles): mxfp4 93.9 %, nvfp4 93.8 % of copy (78-83 % / 70-74 % before the word decode);
-the fp32-path variant (BF16_MATH off) 92-93 %: memory bound either way (sm_90 SASS: 9 instructions per element).
-What moved it further is cache policy, not instructions (FP4_WORDS_CONFIG): streaming output stores gain 2-4 points at
-64M. A Gluon twin measured no faster (docs/kernels/dequant.md), so this kernel is the only dequantize.
+where every product is exact (BF16_MATH), so no value goes through fp32. On the H200 it is memory bound with or
+without BF16_MATH (the word decode is what made it so); what moved it further is cache policy, not instructions
+(FP4_WORDS_CONFIG). A Gluon twin measured no faster, so this kernel is the only dequantize (the numbers:
+docs/kernels/dequant.md).
 """
 
 from __future__ import annotations
@@ -47,9 +46,8 @@ __all__ = [
 
 OUTPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # FP4 word rows, compiled: 16-row tiles of 2 warps, and on CUDA the output stores marked streaming (`st.global.cs`)
-# and the payload / scale loads evict-first (STREAM): each byte is touched once. On the H200 (bf16 out) this takes
-# both FP4 formats to ~92-96 % of copy, 2-4 points above the 32 x 4 tiles without the hints at 64M (the runs:
-# docs/kernels/dequant.md). ROCm keeps no hints: not measured there.
+# and the payload / scale loads evict-first (STREAM): each byte is touched once. Measured faster than the 32 x 4 tiles
+# without the hints on the H200 (the runs: docs/kernels/dequant.md). ROCm keeps no hints: not measured there.
 FP4_WORDS_CONFIG = (16, 2)
 
 

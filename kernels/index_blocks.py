@@ -137,7 +137,7 @@ def tile_step(j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, po
     the block maximum bmax, and finish the block at its last tile. Returns (payload, scales, pg, pg_next, bmax,
     state) for the next step (passed through unchanged without PREFETCH). POST_SCALE block scales load in the step
     (not pipelined by the compiler, which runs only dot-operand loads ahead; carrying them one tile ahead in
-    registers measured slower on the H200: nvfp4 / mxfp4 368 / 345 us against 359 / 339 us score+topk).
+    registers measured slower on the H200, docs/kernels/index_score.md).
     LEAN (block modes): loads predicated per page (`tiles._tile_ok`), token masks only on tiles that need them
     (decode: the program's last tile or a -1 page; a runtime branch), column scale after the block max."""
     TPB: tl.constexpr = BS // TILE_T

@@ -3,8 +3,8 @@
 
 Why a second kernel: the portable scorer (`kernels/index_score.py`) decodes E2M1 words into a blocked layout and
 Triton converts that to the dot operand layout through shared memory (STS, barrier, LDSM) before a wgmma that it
-then waits on; ncu on the H200 (nvfp4, batch 64 x 150K) put 25 % of the warp stall samples on
-WARPGROUP.ARRIVE and a third of the cycles on shared-memory (MIO) waits, at 54 % issue efficiency. Here every thread
+then waits on; ncu on the H200 put the largest share of the warp stalls on WARPGROUP.ARRIVE and on shared-memory
+(MIO) waits (docs/kernels/index_gluon.md). Here every thread
 loads the 16 bytes of each of its token rows that its mma.sync A-operand registers need and decodes them in place:
 - the dot is `K [128 tokens, 128] x Q^T [128, 8]` (mma.sync m16n8k16, 4 warps, up to 8 index heads; mxfp4:
   `x Q'^T [128, 16]`, below);
@@ -38,8 +38,8 @@ Semantics are the portable kernel's (SPEC section 3, LEAN block scores): tokens 
 local blocks get 1e30 / 1e29. Exactness: the same exact fp16 products as index_score (E2M1 x E4M3 and E2M1 x 2**k
 in fp16, the query times 2**a), fp32 accumulation in another order.
 
-Now (H200, batch 64 x 150K, score + top-k): nvfp4 ~180 us (1.09x the byte floor), mxfp4 ~214 us. Probes of the
-loop put it mostly bound by its loads (loads alone 184-187 us, math alone 160), which is why the tile loads are one
+Probes of the loop on the H200 put it mostly bound by its loads (near the byte floor for nvfp4; the current times
+and the probes: docs/kernels/index_gluon.md), which is why the tile loads are one
 inline-asm block, the page lookups run a block ahead and only the partial last block masks its tokens. Every step,
 its numbers, and the variants tried and dropped (TMA ring, L2 prefetch, register triple buffer, two blocks an
 iteration, a PDL select pass): docs/kernels/index_gluon.md.
@@ -85,16 +85,16 @@ NUM_WARPS = 4  # 32 tokens per warp; also the number of partial maxima per block
 # small batches. Programs of at most CHUNK_BLOCKS blocks max their warps' partials in shared memory and store block
 # scores (4x fewer bytes for the select pass; longer ones, from the chunk_blocks option, store the partials).
 # The tail: each row's last `tail_blocks_for` blocks go to splits of ch // TAIL_DIV blocks, so that the grid's last
-# programs are short and the GPU stays full to the end (uniform splits left the last program starting at 181 us of
-# 216 at b64 x 150K); tail splits of 2 blocks (ch 8) lost. The sweeps: docs/kernels/index_gluon.md.
+# programs are short and the GPU stays full to the end (uniform splits left the last program starting late);
+# tail splits of 2 blocks (ch 8) lost. The sweeps: docs/kernels/index_gluon.md.
 TAIL_DIV = 4
 TAIL_MIN_CHUNK = 4  # no tail where its splits would be shorter
 TAIL_PROGRAMS_PER_SM = 12  # the tail's programs: about 2.4 waves of 5 programs per SM
 FILL_PROGRAMS = 3
 BALANCE_PROGRAMS = 16
 BALANCE_CHUNK = 16
-CHUNK_BLOCKS = 32  # the most blocks per program (H200, nvfp4 batch 64 x 150K top-k: 8 / 16 / 32 / 64 blocks 242 / 241 /
-# 240 / 249 us; one wave of programs, 118 blocks each, 257 us)
+CHUNK_BLOCKS = 32  # the most blocks per program (measured best with 8 / 16 on the H200, 64 and one wave slower;
+# docs/kernels/index_gluon.md)
 
 if gluon is not None:
     NW = gl.constexpr(NUM_WARPS)

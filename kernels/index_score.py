@@ -11,7 +11,7 @@ On CUDA devices (capability >= 8.9) FP4 decode block scores and top-k run the Gl
 `kernels/index_gluon.py` instead (`_use_gluon`), which decodes E2M1 straight into the tensor-core operand registers;
 this kernel is the portable path: every other device, prefill, other shapes, and CI (the interpreter).
 
-How it aims to stay bandwidth-bound (H200, batch 64 x 150K: ~706 MB of FP4 keys, a ~166 us floor):
+How it aims to stay bandwidth-bound (the goal shape and its byte floor: docs/kernels/index_score.md):
 - MQA: all index heads (and, in prefill, a tile of queries) share each key, so one key tile is loaded and decoded once
   and scored against every row with one tensor-core dot `K [T, D] x Q^T [D, rows]` (K from registers, wgmma).
 - the context is split across programs (grid = requests x query tiles x context splits); each program writes its
@@ -34,12 +34,10 @@ How it aims to stay bandwidth-bound (H200, batch 64 x 150K: ~706 MB of FP4 keys,
 - fp8 keys use the hardware e4m3 -> fp16 conversion where it exists (CUDA sm_89+), else an integer decode.
 - the next tile's loads overlap this tile's math: either the compiler's cp.async pipeline (5 stages: the page lookup,
   then the payload, one tile ahead) or a register double buffer (PREFETCH); the autotuner picks per format.
-Where the time goes (offline sm_90 SASS, loop body per thread and 128-token tile, 4 warps, 5 stages, with the
-launcher's 16-byte divisibility hints): nvfp4 ~617 instructions (~240 the E2M1 decode, 64 HMUL2), post-scaled mxfp4
-~594, fp8 ~489 before LEAN (below); LEAN cuts them to ~511 / ~526 / ~300. The FP4 scorer is issue-bound, not
-bandwidth-bound: at batch 64 x 150K on the H200 score + top-k took nvfp4 276.5 us (0.60 of copy), mxfp4 316.9 us,
-fp8 324.4 us with these defaults (docs/kernels/index_score.md). tl.dot_scaled
-(e2m1 x bf16) on sm_90 decodes through shared memory with byte loads (~875 SASS per tile for the bare loop): not used.
+Where the time goes: the FP4 scorer is bound by instruction issue, not bandwidth (about 40 % of its loop is the
+E2M1 decode; SASS counts and times in docs/kernels/index_score.md), hence the word decode above and LEAN below.
+tl.dot_scaled (e2m1 x bf16) on sm_90 decodes through shared memory with byte loads (more SASS per tile than this
+whole loop): not used.
 
 LEAN (launch option `lean`, block-score launches; LEAN_DEFAULT): where the ~200 non-math instructions of the loop
 went (offline sm_90, nvfp4): per-row predicates of every payload load (t < t_lim), the token mask and the column
@@ -48,7 +46,7 @@ scale on every score (32 of 16 + 16 per thread), shuffles of both 64-token group
 the context are readable; their scores are masked), masks scores only on a tile that needs it (decode: the last
 tile of a program or a -1 page, a runtime branch), multiplies the column scale into the block maxima (exact: rounding
 is monotone), reduces the 64-token groups inside each thread before the shuffles, and writes forced blocks after the
-loop. Same numbers bit for bit; loop body nvfp4 617 -> 511, mxfp4 post-scaled 594 -> 526, fp8 489 -> 300.
+loop. Same numbers bit for bit, a shorter loop body for every format (docs/kernels/index_score.md).
 
 Exactness (why the kernel equals the reference on the dequantized cache up to fp32 accumulation order):
 - bf16 caches: bf16 keys x bf16 queries, exact products, fp32 accumulation.
@@ -249,37 +247,31 @@ PORTABLE_OPTIONS = ("q_tile", "prefetch", "native_fp8", "num_warps", "num_stages
                     "post_scale", "warp_partials", "lean", "tile_pairs", "max_registers")
 
 # Two-pass top-k: the scorer writes per-warp partial block maxima (`index_blocks.part_nanmax`; no cross-warp reduction
-# in its loop: sm_90 loop body nvfp4 633 -> 617 SASS, barriers 6 -> 3) and the select pass maxes them. Default for E2M1
-# keys that scale in the decode (nvfp4); off for fp8 (slower with LEAN, below), for POST_SCALE (its scores come from a
-# sum over scale blocks whose layout does not split by warp: offline barriers 6 -> 5) and for bf16 (not measured).
-# Option warp_partials overrides. With LEAN, H200, batch 64 x 150K, score+topk: nvfp4 290.2 us with vs 304.4 without;
-# fp8 345.9 with vs 325.5 without; mxfp4 304.8 with vs 307.0 without (noise): on for nvfp4 only
-# (docs/kernels/index_score.md).
+# in its loop, fewer barriers) and the select pass maxes them. Default for E2M1 keys that scale in the decode (nvfp4,
+# measured faster on the H200); off for fp8 (slower with LEAN, below), for POST_SCALE (its scores come from a sum
+# over scale blocks whose layout does not split by warp) and for bf16 (not measured). Option warp_partials
+# overrides. Numbers: docs/kernels/index_score.md.
 
 
 # Dot rows (queries x heads x scale blocks) of POST_SCALE launches: by default only where the block-diagonal query
 # fits the 16 rows a dot is padded to anyway (mxfp4 at D = 128 with up to 4 heads, nvfp4 with up to 2); with more rows
-# the wider dot and accumulator cost more than the per-element scaling saves (H200, batch 64 x 150K, 4 heads,
-# score+topk: mxfp4 339 us post-scaled (16 rows) vs 516 us; nvfp4 359 us post-scaled (32 rows) vs 345 us).
+# the wider dot and accumulator cost more than the per-element scaling saves (measured on the H200,
+# docs/kernels/index_score.md).
 # post_scale=True forces it up to POST_SCALE_ROWS rows (tests, sweeps).
 POST_SCALE_DEFAULT_ROWS = 16
 POST_SCALE_ROWS = 64
 
 # LEAN (module docstring) for block-score launches only (the in-kernel top-k's SASS nearly doubled with it, offline).
-# H200, batch 64 x 150K, score+topk (copy 4160 GB/s): nvfp4 328.6 -> 290.2 us, mxfp4 336.5 ->
-# 307.0, fp8 349.0 -> 345.9 (325.5 without warp partials); predicted ~270 / ~290 / ~320. On by default.
+# On by default: faster for every format on the H200 (docs/kernels/index_score.md).
 LEAN_DEFAULT = True
 
 # Launch option tile_pairs (kernel PAIR, `index_blocks.pair_step`): two tiles per loop iteration, so the loop counter
 # (64-bit: LLVM widens it), cp.async ring indices and barriers are paid once per 256 tokens, and (tile = block, LEAN,
 # pipelined) both blocks' maxima leave in one store: one shared-memory round trip (Triton converts the reduction's
-# layout to a coalesced one for the store) per two blocks. Offline sm_90 loop SASS per 128-token tile (4 warps,
-# lean_offline.py geometry), default -> pairs s5 / s3: nvfp4 535 -> 511 / 510.5 (BAR.SYNC 4 -> 2, 64-bit ops 18 ->
-# 13), mxfp4 post-scaled 542 -> 533.5 / 505.5, fp8 355 -> 326.5 (s5); registers nvfp4 126 -> 155 / 162 (3 programs
-# per SM instead of 4), hence max_registers=128 sweep rows (nvfp4 s3 515.5, mxfp4 s3 511).
-# H200, batch 64 x 150K score+topk (`kvtool bench index --sweep`; predicted nvfp4 ~266 us): pairs s5
-# r128 nvfp4 272.9 -> 260.8 us, mxfp4 305.7 -> 300.2; uncapped pairs s5 271.4 / 364.2, s3 300.2 / 361.1; fp8 slower
-# in every pair row (324.8 -> 409-554). So FP4 decode top-k launches of this kernel on CUDA (those the Gluon kernel
+# layout to a coalesced one for the store) per two blocks. The shorter loop takes more registers (3 programs per SM
+# instead of 4), hence the 128-register cap; with it pairs measured faster for FP4 keys and slower for fp8 on the
+# H200 (`kvtool bench index --sweep`; SASS counts and times in docs/kernels/index_score.md).
+# So FP4 decode top-k launches of this kernel on CUDA (those the Gluon kernel
 # does not take, e.g. gluon=False) default to FP4_PAIR_LAUNCH; prefill keeps the autotuned launch (not timed).
 def _fp4_pair_default(device: torch.device) -> bool:
     """FP4_PAIR_LAUNCH applies on CUDA devices (measured there; its register cap is a CUDA launch option)."""
@@ -290,9 +282,8 @@ FP4_PAIR_LAUNCH = {"tile_pairs": True, "prefetch": False, "num_stages": 5, "num_
 
 # Prefill (several queries per request) on CUDA: a fixed launch per key element width instead of the autotuned one.
 # bf16 / fp8 keys: 128 dot rows (32 queries x 4 heads), 3 stages; FP4 keys: the autotuned 64 rows but one program
-# per query tile over its whole context (no context split). H200, causal prefill 32K x 4 heads, score + top-k, us
-# (`bench/sweep_index_prefill.py`, 2026-12-02): bf16 2858 -> 2228 (vLLM 1780), fp8 2677 -> 2576 (vLLM 2653), nvfp4
-# 3033 -> 2525; every variant's top-k equal to the default's. 8 warps and 64-query tiles were slower for every format.
+# per query tile over its whole context (no context split). Each measured faster than the autotuned launch on the
+# H200 with the same top-k (`bench/sweep_index_prefill.py`; numbers in docs/kernels/index_score.md).
 PREFILL_LAUNCH = {
     16: {"q_rows": 128, "num_warps": 4, "num_stages": 3, "prefetch": False},
     8: {"q_rows": 128, "num_warps": 4, "num_stages": 3, "prefetch": False},
@@ -421,8 +412,8 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
     (blocks per program), q_tile (queries per program), native_fp8 (hardware e4m3 decode), fp4_words (FP4 word
     decode; default for head dims >= 128), in_kernel_topk (top-k: each program keeps candidates in registers and a
     merge kernel picks, instead of the default two passes: block scores, then `select_from_block_scores`; the
-    block scores are 4 bytes per block and head, about 0.2 % of an FP4 cache's bytes; H200, nvfp4, batch 64 x 150K,
-    64-block programs: two passes 358 us, in-kernel 381 us), post_scale (FP4 words: block scales applied to the
+    block scores are 4 bytes per block and head, about 0.2 % of an FP4 cache's bytes, and two passes measured faster
+    on the H200, docs/kernels/index_score.md), post_scale (FP4 words: block scales applied to the
     partial scores of a block-diagonal query after the dot; default where its dot rows fit 16, see
     POST_SCALE_DEFAULT_ROWS), warp_partials (two-pass top-k: per-warp partial block maxima, see
     the comment above the launchers), select (the select pass's launch variant, `topk.SELECT_VARIANTS`), tile_pairs
@@ -483,10 +474,8 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
     ch = options.get("chunk_blocks")
     if ch is None:
         # about four programs per SM; powers of 4 so that few distinct kernels (and autotune keys) arise, at most 32
-        # blocks (H200, batch 64 x 150K score+topk: 32 blocks 344 / 370 / 521 us nvfp4 / fp8 / mxfp4, 64 blocks
-        # 358 / 391 / 520, 16 blocks 348 / 379 / 526); one block per program where there are fewer blocks than
-        # that (H200, fp8 / bf16 score + top-k, us per graph: batch 1 x 8K 966 -> 775 / 954 -> 782, 1 x
-        # 32K 664 -> 572 / 336 -> 304 against 4 blocks)
+        # blocks; one block per program where there are fewer blocks than that (both measured best on the H200,
+        # docs/kernels/index_score.md)
         want = triton.cdiv(nb * bsz * n_qtiles, 4 * _num_sms(iq4.device))
         ch = 1 if want <= 1 else 4
         while 1 < ch < min(want, 64):

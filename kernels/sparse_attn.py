@@ -29,20 +29,20 @@ quantized format (bf16 for bf16), in element order:
   (max_rel <= 2e-3 against the fp32 reference). `precise_p` overrides either way.
 Under the Triton interpreter the dots run in fp32 (bf16 dots give garbage there) on the same rounded operands.
 
-Loop (H200, Triton 3.6): with the lookups (block id -> page, two dependent loads) inside the iteration, Triton's
+Loop (Triton 3.6): with the lookups (block id -> page, two dependent loads) inside the iteration, Triton's
 pipeliner issued tile i + 1's copies at the end of iteration i and waited for them at the top of i + 1, so every
-format paid ~4.5 us per tile. PREFETCH=1 (quantized default) loads tile i + 1's lookups during tile i and, with 3
-stages, keeps one tile's copies in flight; with a 128-register cap (4 programs per SM) fp8 went 42 -> 58 % of copy at
-batch 256. E2M1 tiles of 16 tokens are decoded 32 wide (see `_launch`).
+tile paid a full memory latency. PREFETCH=1 (quantized default) loads tile i + 1's lookups during tile i and, with 3
+stages, keeps one tile's copies in flight, with a 128-register cap (4 programs per SM); measured on the H200,
+docs/kernels/sparse_attn.md. E2M1 tiles of 16 tokens are decoded 32 wide (see `_launch`).
 
-Launch shape (H200, M3 shape): the softmax denominators are per-column sums reduced after the loop (LAZY_L: 5
-instead of 8 barriers a tile; fp16-dot formats only, bf16 got slower), mxfp4 takes the E8M0 joint max (JOINT), and
-`launch_plan` runs 2 warps a program where the tiles fill the GPU. Where the time goes (ncu, nvfp4 batch 256): the
-stalls, mostly shared-memory round trips (q re-read per tile, K/V words and scales after the async copies, the
-decoded V tile and P for the P.V dot), come before the decode's instruction count; time per tile follows neither
-occupancy, copies in flight, warps nor instruction count, so launch tuning cannot reach 70 % of copy (the NVIDIA FP4
-path, `sparse_attn_gluon.py`, exists for that reason). Tuning rounds, ncu numbers and the variants measured slower
-(register caps, stages, tile sizes, PAIRED order, a fused split combine): docs/kernels/sparse_attn.md.
+Launch shape (measured on the H200 at M3's shape): the softmax denominators are per-column sums reduced after the
+loop (LAZY_L: fewer barriers a tile; fp16-dot formats only, bf16 got slower), mxfp4 takes the E8M0 joint max
+(JOINT), and `launch_plan` runs 2 warps a program where the tiles fill the GPU. Where the time goes (ncu, nvfp4
+batch 256): the stalls, mostly shared-memory round trips (q re-read per tile, K/V words and scales after the async
+copies, the decoded V tile and P for the P.V dot), come before the decode's instruction count; time per tile
+follows neither occupancy, copies in flight, warps nor instruction count, so launch tuning cannot reach 70 % of copy
+(the NVIDIA FP4 path, `sparse_attn_gluon.py`, exists for that reason). Tuning rounds, ncu numbers and the variants
+measured slower (register caps, stages, tile sizes, PAIRED order, a fused split combine): docs/kernels/sparse_attn.md.
 
 Masking: tokens after the query position, tiles of -1 selection slots and pages that are -1 are never loaded (masked
 loads give 0, then the score is -inf), so stale or non-finite bytes outside the selection never leak into the output.
@@ -82,13 +82,13 @@ PAGED_FIELDS = ("fmt", "data", "page_size", "num_heads", "head_dim", "tensor_ama
 E2M1_UNIT = 2.0**14  # e2m1_words_f16 returns value * 2**-14
 DEFAULT_TILE = 64  # tokens per tile on the GPU (launch_plan)
 RESIDENT = 4  # programs per SM of the default quantized launch (2 warps: ~240 registers, 41 KB shared memory)
-# H200, batch 256, M3 shape (us per layer): lazy sums nvfp4 77.2 -> 73.6, mxfp4 89.2 -> 84.2, fp8 52.7 -> 50.3, but
-# bf16 72.1 -> 88.5 (its hi + lo P dots need the registers), so fp16-dot formats only; joint max mxfp4 84.2 -> 82.0
+# Lazy sums measured faster for the fp16-dot formats and slower for bf16 (its hi + lo P dots need the registers),
+# the joint max faster for mxfp4 (H200, docs/kernels/sparse_attn.md)
 DEFAULT_LAZY_L = True  # softmax denominators reduced once after the loop, for fp16-dot formats (see _attend)
 DEFAULT_JOINT = True  # E8M0 V factors through the softmax max (see _attend)
 # Pipeline stages per loop (PREFETCH 2 / 1 / 0). PREFETCH=1: with the lookups one tile ahead, Triton's pipeliner
-# keeps num_stages - 2 tiles' K/V copies in flight while one is computed. H200, batch 256, us per layer, 3 / 4 / 5
-# stages: nvfp4 70.1 / 74.2 / 90.6 (5: 59 KB shared memory, 3 programs per SM), fp8 48.2 / 51.2 (see the docstring)
+# keeps num_stages - 2 tiles' K/V copies in flight while one is computed; 3 stages measured best on the H200 (more
+# cost shared memory and programs per SM; docs/kernels/sparse_attn.md)
 DEFAULT_STAGES = {2: 1, 1: 3, 0: 2}
 
 
@@ -368,13 +368,11 @@ def launch_plan(rows: int, num_kv_heads: int, topk: int, block_size: int, page_s
     (`DEFAULT_TILE`), in the interpreter whole pages (up to 128), since it pays per operation rather than per
     element. Default splits and warps on the GPU (`sms` SMs, queried when None; off the GPU 1 split):
     - quantized formats (fp16 dots) with enough tiles to fill every SM's `RESIDENT` programs: 2 warps per program
-      and splits = RESIDENT x SMs // (rows x KV heads), one wave. H200, M3 shape, us per layer: batch 256 (2
-      splits) nvfp4 74.1 -> 69.3, mxfp4 83.0 -> 75.5, fp8 50.9 -> 48.0 against 4 warps; batch 64 nvfp4 31.2 (4
-      warps, 5 splits) -> 25.8 (2 warps, 8 splits), while 2 warps with 5 splits gave 34.1;
+      and splits = RESIDENT x SMs // (rows x KV heads), one wave (faster than 4 warps on the H200 at M3's shape,
+      docs/kernels/sparse_attn.md);
     - otherwise (bf16, or too few tiles: batch 16 and below at M3's shape, not re-measured) 4 warps and about two
       programs per SM, never more splits than tiles; bf16 with fewer (rows x KV heads) than SMs about `RESIDENT`
-      per SM instead (H200, M3 shape, batch 64: 5 splits 87.2 -> 8 splits 81.8 us per 3 layers; at batch 256 8
-      splits were slower, 70.7 -> 86.6).
+      per SM instead (measured faster there on the H200, slower at batch 256; docs/kernels/sparse_attn.md).
     Warps are capped at tile / 8 (the score dot [16, T] spreads its T columns over the warps 8 at a time; beyond
     that warps only hold copies)."""
     interp = INTERPRET
@@ -442,12 +440,12 @@ def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_
     if tw != t:
         warps = max(1, min(int(num_warps or 4), tw // 8))
     # 4-warp programs: 4 per SM (65536 registers; ptxas may spill a few bytes); 2-warp programs run uncapped (~240
-    # registers, still 4 per SM; a 168 cap with 2 stages was slower on the H200)
+    # registers, still 4 per SM; a larger cap with 2 stages measured slower, docs/kernels/sparse_attn.md)
     if maxnreg is None:
         maxnreg = 128 if f16 and warps == 4 else 0
     launch_opts = {"maxnreg": int(maxnreg)} if maxnreg and q.device.type == "cuda" and torch.version.cuda else {}
     # programmatic dependent launch (platform.LAUNCH_PDL) only for grids of at most one program per SM: there it
-    # saves ~1 us a layer (batch 1: 5.9-6.2 -> 5.0-5.3 on the H200); beside a full machine of these programs the
+    # saves about a microsecond a layer (H200); beside a full machine of these programs the
     # early-resident dependents (the combine pass, the next layer) cost time (docs/kernels/sparse_attn.md)
     pdl = not interp and pdl_ok(q.device) and \
         rows * hkv * splits <= torch.cuda.get_device_properties(q.device).multi_processor_count

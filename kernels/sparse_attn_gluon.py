@@ -47,10 +47,9 @@ read as 0 factors), a row with no visible token gives zeros, whole-tensor factor
 unit) fold into the softmax scale and the final normalization. P is rounded once to fp16 (as the portable kernel's
 default for fp16 dots).
 
-Now (H200, M3 TP4 shape, us per layer, layers back to back past L2 in one CUDA graph, launched with PDL): nvfp4
-batch 16 / 64 / 256 9.6 / 14.6 / 30.7, mxfp4 10.2 / 15.7 / 34.6. Probes of the b256 layer put the skeleton (page
-lookups, copies, dots, softmax exchange) at ~29 of its ~31 us and the E2M1 decode at ~2, so the remaining gap to
-70 % of copy is not the decode. Every step with its numbers, the probes, and the variants tried and not kept (TMA
+Where the time goes: probes on the H200 put nearly all of a layer in the skeleton (page lookups, copies, dots,
+softmax exchange) and little in the E2M1 decode, so the remaining gap to 70 % of copy is not the decode. The current
+times, every step with its numbers, the probes, and the variants tried and not kept (TMA
 tiles, deeper copies, more programs per SM, warp specialization, unrolling, wgmma P V, deferred P V):
 docs/kernels/sparse_attn_gluon.md.
 
@@ -429,10 +428,10 @@ if gluon is not None:
         # that needs a barrier (Q's layout change, the last-slot reduction)
         pos = gl.load(ctx_ptr + row) - 1
         # pipeline: tile j + 1's copies in flight while tile j computes (a 2-stage ring: with 3 stages and two tiles
-        # in flight, the first tile waited longer for its data, 3.5 against 3.0 us at b256, and the loop was no
-        # faster); ids 4 and pages 2 tiles ahead of their copies. The first ids are read up to the split's end, not
-        # j_end, so that they need not wait for the context length (one dependent load less before the first copy):
-        # a slot past the last live one is dead anyway (_issue)
+        # in flight, the first tile waited longer for its data and the loop was no faster: sparse_attn_gluon.md);
+        # ids 4 and pages 2 tiles ahead of their copies. The first ids are read up to the split's end, not j_end, so
+        # that they need not wait for the context length (one dependent load less before the first copy): a slot
+        # past the last live one is dead anyway (_issue)
         b0 = _tile_block(t0, ids_row, n_end, TPB)
         b1 = _tile_block(t0 + 1, ids_row, n_end, TPB)
         b2 = _tile_block(t0 + 2, ids_row, n_end, TPB)
@@ -629,14 +628,13 @@ def applies(q: torch.Tensor, k_cache, v_cache, block_size: int) -> bool:
 
 
 # rows x KV heads from which the default launch takes this kernel, per format: below 16 the portable kernel's splits
-# are faster on the H200 (batch 8 nvfp4 9.2 against 9.9 us a layer), from 16 this kernel (batch 16 10.7 against 11.3;
-# the measurements: docs/kernels/sparse_attn_gluon.md).
+# are faster on the H200, from 16 this kernel (the measurements: docs/kernels/sparse_attn_gluon.md).
 MIN_PROGRAMS = {NVFP4: 16, MXFP4: 16}
 
 MAXNREG = None  # a register cap for sweeps (None: the compiler's choice)
 TOKENS_PER_TILE = 128  # a page a tile (64: half a page, also compiled and tested; see default_splits for both)
-MIN_SPLIT_TOKENS = 256  # splits of fewer selected tokens lose to the merge and the pipeline fill (batch 16, 64-token
-# tiles: 8 splits 11.6 us, 16 splits 13.8)
+MIN_SPLIT_TOKENS = 256  # splits of fewer selected tokens lose to the merge and the pipeline fill (measured,
+# docs/kernels/sparse_attn_gluon.md)
 
 
 def default_splits(rows: int, num_kv_heads: int, n_tiles: int, device: torch.device, tile: int) -> int:

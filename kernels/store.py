@@ -2,8 +2,8 @@
 payload and scales either into a paged cache through a slot mapping (engines' store) or into plain planes (the whole
 tensor quantize of `kernels/quant.py`). Every codec step comes from `kernels/codecs.py`; the kernel only moves bytes.
 On Hopper, bf16 rows of 128 into nvfp4 / mxfp4 go to the TMA-fed Gluon store instead (`kernels/store_gluon.py`, same
-bytes; `launch_store(gluon=...)`), 1.1-1.2x this kernel's speed on the H200 (87-93 % of copy against 74-79 % for
-nvfp4); the notes below are this portable kernel's.
+bytes; `launch_store(gluon=...)`), which measured faster on the H200 (docs/kernels/store_gluon.md); the notes below
+are this portable kernel's.
 
 Design for bandwidth (the work is memory bound only if the integer pipe keeps up: a bf16 row of D = 128 is 256 B in,
 68-132 B out, and Hopper's ALU pipe runs at half the FP32 rate):
@@ -17,12 +17,11 @@ Design for bandwidth (the work is memory bound only if the integer pipe keeps up
 - slot math per row in int32 (page = slot // PAGE, PAGE a constexpr: a shift for powers of two), byte offsets in
   int64 so caches and inputs past 2 GiB work.
 
-Why it is built so (H200): the store is bound by instruction issue and the L1, not by DRAM: about 15 (mxfp4) / 19
-(nvfp4) sm_90 SASS instructions per element, of which about 11 the per-element encoder, and ncu puts the L1/TEX
-throughput at ~93 % of peak. nvfp4 encodes through the multiply-pipe pack (MUL_PACK), mxfp4 keeps the integer
-encode; the kernel reaches about 74-79 % (nvfp4) and 79-87 % (mxfp4) of copy. Measurements, ncu profiles and the
-variants measured slower (one row per thread, lane-split blocks, persistent programs, 2x / 0.5x rows per program):
-docs/kernels/store.md.
+Why it is built so: on the H200 the store is bound by instruction issue and the L1, not by DRAM (most of its
+instructions are the per-element encoder; ncu puts the L1/TEX throughput near its peak), so the encode is kept short:
+nvfp4 encodes through the multiply-pipe pack (MUL_PACK), mxfp4 keeps the integer encode. Measurements, ncu profiles
+and the variants measured slower (one row per thread, lane-split blocks, persistent programs, 2x / 0.5x rows per
+program): docs/kernels/store.md.
 """
 
 from __future__ import annotations
@@ -165,8 +164,8 @@ def _store_kernel(
     # dead rows (slot -1, tail) are not read: skipped tokens cost no bandwidth
     if BITS == 4:
         # whole blocks per thread (see load_blocks; a coalesced row tile with the block amax as a shuffle reduction
-        # measured 72 % / 65 % of copy for mxfp4 / nvfp4 on the H200 against 82 % / 74 %: it repeats the per-block
-        # scale work on every lane of a block)
+        # measured slower on the H200, docs/kernels/store.md: it repeats the per-block scale work on every lane of a
+        # block)
         xb = load_blocks(x_ptr, x_off, live, D, BLOCK, DP // BLOCK, VEC)  # [BLOCK_R, DP / BLOCK, BLOCK] fp32
         if MUL_PACK:  # (the launcher sets it only with WORDS)
             # sign, nibble mask and pack on the multiply pipe (kc.e2m1_words): fewer ALU-pipe ops per element
@@ -241,8 +240,8 @@ class KernelFormat:
 # Tokens (rows of one head) per program and warps, by padded row length: 2-D tiles of about 4K elements for the 8 / 16
 # bit formats (32 fp32 values a thread over 4 warps), and 8K for the block formats, whose tiles put one row per lane
 # and the blocks across warps (`load_blocks`): 64 rows x 128 are 2 rows of one mx block (4 nvfp4 blocks) a thread,
-# which halves the per-row work per element against 32 rows (sm_90 SASS: 12.2 vs 12.8 ALU ops per element for mxfp4,
-# 72 registers; nvfp4 12.3 vs 13.3, 96 registers). The interpreter gets one small config (many rows per program are
+# which halves the per-row work per element against 32 rows (fewer sm_90 ALU ops per element; docs/kernels/store.md).
+# The interpreter gets one small config (many rows per program are
 # only slower there). Override per call with `config=` (bench `--configs`) to tune on a new device.
 LAUNCH_CONFIGS = {32: (128, 4), 64: (64, 4), 128: (32, 4), 256: (16, 4), 512: (8, 4), 1024: (4, 8)}
 BLOCK_FORMAT_CONFIGS = {32: (256, 4), 64: (128, 4), 128: (64, 4), 256: (32, 4), 512: (16, 4), 1024: (8, 8)}
@@ -259,25 +258,20 @@ def launch_config(dp: int, bits: int, config: tuple[int, int] | None = None, blo
     table, elements = (BLOCK_FORMAT_CONFIGS, 8192) if bits == 4 else (LAUNCH_CONFIGS, 4096)
     rows, warps = table.get(dp, (max(1, elements // dp), 4 if dp < 1024 else 8))
     if bits == 4 and block < 32:
-        # nvfp4: the same 2 blocks per thread as mxfp4 (H200, 256M elements: 32 x 4 tiles 74 % of copy, 64 x 4 72 %)
+        # nvfp4: the same 2 blocks per thread as mxfp4 (measured faster than 4 on the H200, docs/kernels/store.md)
         rows = max(1, rows * block // 32)
     return rows, warps
 
 
-# Block codec per scale element: the *_quantize_block_fast helpers (same bytes) or the originals. H200, bf16 [T, 1, 128]
-# into shuffled 128-token pages, CUDA-graph replay, % of copy at 64M / 256M / 1G elements (two runs each,
-# bench/sweep_quant_variants.py): nvfp4-rcp fast 72.9-73.9 / 76.8-77.9 / 77.3-78.6, original 71.7-71.9 / 74.9-75.4 /
-# 73.6-73.8; mxfp4-rceil fast 77.2-78.5 / 83.6-83.8 / 84.4-85.1, original 79.6-80.9 / 86.3 / 78.5-79.0 (the fast
-# rceil codec has no division and uses 56 registers instead of 80; why that costs 2.5 points at 64M-256M and gains 6 at
-# 1G is not known). `variant={"FAST": ...}` overrides.
+# Block codec per scale element: the *_quantize_block_fast helpers (same bytes) or the originals; each default is
+# the one measured faster for its element on the H200 (bench/sweep_quant_variants.py; docs/kernels/store.md).
+# `variant={"FAST": ...}` overrides.
 FAST_CODECS = {"e4m3": True, "e8m0": False}
 # Encode per scale element for word-aligned 4-bit rows: True = the block codec up to the scaled values
 # (kc.mxfp4_scale_block / kc.nvfp4_scale_block, nvfp4 zero-scale rule folded into the fma) and kc.e2m1_words (sign,
-# nibble mask and pack on the multiply pipe: sm_90 ALU-pipe ops per element nvfp4 9.75 -> 7.91, mxfp4 7.19 -> 6.67).
-# H200, same bench as FAST_CODECS, % of copy at 64M / 256M / 1G: nvfp4-rcp 72.1-73.2
-# / 75.5-77.2 / 76.2-76.4 -> 74.0-74.9 / 77.9-79.2 / 79.3-80.3 (on); mxfp4-rceil 78.9-79.1 / 84.1-85.9 / 85.8-87.3 ->
-# 76.0-76.6 / 81.6-82.8 / 82.7-84.0 (off: with 56 instead of 80
-# registers more warps queue on the L1, see the module docstring). `variant={"MUL_PACK": ...}` overrides.
+# nibble mask and pack on the multiply pipe: fewer ALU-pipe ops per element). On for nvfp4, off for mxfp4, whose
+# fewer registers let more warps queue on the L1 (see the module docstring); both measured on the H200 with the
+# FAST_CODECS bench (docs/kernels/store.md). `variant={"MUL_PACK": ...}` overrides.
 MUL_PACK = {"e4m3": True, "e8m0": False}
 # Kernel constexpr overrides for every launch (tests set {"FAST": ...} to run both codecs through the public store).
 DEFAULT_VARIANT: dict = {}

@@ -3,8 +3,7 @@ programs fed by TMA, the same codec helpers as the portable store (`kernels/stor
 
 Why a second kernel: the portable store loads each thread's whole blocks as 16-byte chunks straight into registers.
 Each program stalls on its loads with nothing else in flight (ncu on the H200: the top stall is the first use of
-the loaded input, the L1 at 93 % of its throughput), and it reached 73-81 % (nvfp4) / 80-87 % (mxfp4) of the copy
-bandwidth at 64M-1G elements. Here:
+the loaded input, the L1 near its peak throughput; docs/kernels/store.md). Here:
 - a program owns every `n_programs`-th tile of R rows x 128 of one head (grid: 8-16 programs per SM, CONFIGS); its
   tiles arrive as TMA copies into shared memory (one instruction per tile, no registers, no L1 requests): as soon as
   a tile is in registers the next one is requested into its buffer (STAGES buffers; one measured best), so the next
@@ -23,12 +22,9 @@ by `kernels/gluon_port.py`, with the portable store's codec choice (store.FAST_C
 the torch codec and with the portable kernel (tests/kernels/test_kernels_store.py, marked gpu); CI compiles the kernel for
 sm_90 (tests/kernels/test_kernel_compile.py).
 
-Measured (H200, bench/sweep_quant_variants.py, % of the copy bandwidth at 64M / 256M / 1G
-elements, portable kernel in the same run in brackets): nvfp4-rcp 87.4 / 92.3 / 93.0 (73.8 / 78.6 / 78.6), mxfp4-rceil
-89.1 / 94.3 / 95.4 (79.1 / 84.9 / 86.1); `kvtool bench quant` right after: nvfp4 86.6 / 90.9 / 86.5, mxfp4 89.0 /
-90.6 / 88.5. Offline sm_90 SASS per thread and 16-row nvfp4 tile (32 elements): 488, of which ~12 per element the
-E2M1 encode, sign and pack. Every launch also pays a fixed ~5-9 us (the first tiles' latency, the last tiles'
-encode, the launch): the reason 64M sits below 256M.
+It measured faster than the portable kernel for both formats at every size on the H200 (bench/sweep_quant_variants.py;
+numbers in docs/kernels/store_gluon.md). Every launch also pays a fixed cost (the first tiles' latency, the last
+tiles' encode, the launch): the reason 64M sits below 256M.
 
 Where it runs: CUDA capability >= 9.0 (TMA), bf16 input [T, H, 128] with heads contiguous and 16-byte aligned rows,
 4-bit block formats with 4-byte aligned payload rows, no `config=` override. Elsewhere (and on ROCm: gfx950 runs the
@@ -58,17 +54,13 @@ except ImportError:  # pragma: no cover - the pinned Triton has it
     gluon = None
 
 DIM = 128  # elements per row (one head)
-# (rows per tile, tile buffers, programs per SM, warps) per block-scale element. H200, bf16 [T, 1, 128] into shuffled
-# 128-token pages, CUDA-graph replay, % of copy at 64M / 256M / 1G (before the packed amax and the reciprocal
-# table): nvfp4 16 x 1 x 16 x 2 83.7 / 90.0 / 90.4 (32 x 1 x 8 x 4 82.3 / 90.1 /
-# 91.4, 64 x 1 x 4 x 8 82.1 / 89.7 / 91.2, 16 rows with 2 buffers 78.8 / 88.6 / 85.0, 12 programs 81.1 / 87.9 / 88.9);
-# mxfp4 32 x 1 x 8 x 4 90.1 / 94.7 / 95.7 (16 x 1 x 16 x 2 89.8 / 94.2 / 95.4, 64 x 1 x 4 x 4 86.8 / 92.4 / 93.8, 64
-# rows with 2 buffers 85.9 / 93.2 / 94.7). One buffer is enough: the next tile is requested as soon as this one is in
-# registers, and a shallower queue halves the load burst at the start. More programs than fit (registers, shared
-# memory) lose 10-20 points.
+# (rows per tile, tile buffers, programs per SM, warps) per block-scale element: each the best measured on the H200
+# (the sweep: docs/kernels/store_gluon.md). One buffer is enough: the next tile is requested as soon as this one is
+# in registers, and a shallower queue halves the load burst at the start. More programs than fit (registers, shared
+# memory) lose much more.
 CONFIGS = {"e8m0": (32, 1, 8, 4), "e4m3": (16, 1, 16, 2)}
-# the scaled-words encode (kc.fp4_scaled_words) measured slower here for both families (H200, 256M:
-# mxfp4 90.9 against 96.2 %, nvfp4 77.0 against 81.8 %), so the Gluon store keeps the codes-then-pack encode
+# the scaled-words encode (kc.fp4_scaled_words) measured slower here for both families (H200,
+# docs/kernels/store_gluon.md), so the Gluon store keeps the codes-then-pack encode
 MUL_PACK = False
 # nvfp4 (fast codec, codes-then-pack): the block amax by packed bf16x2 maxima (inline PTX `max.xorsign.abs.bf16x2`),
 # and for the rcp recipe the per-block reciprocal gathered from a 256-entry table (kc.rcp_table) instead of the E4M3

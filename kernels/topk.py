@@ -9,7 +9,8 @@ top-k of the union of each list's top-k, so splitting the context across program
 
 The select pass (`select_from_block_scores`, default variant "packed") runs one row per program with 8 elements per
 thread and ranks each element by one int64 (`packed_rank`: the key's order-preserving integer, then the tie id), so
-each of the 16 steps is one max reduction; SELECT_VARIANTS lists the launch shapes measured (numbers beside it).
+each of the 16 steps is one max reduction; SELECT_VARIANTS lists the launch shapes measured (numbers:
+docs/kernels/topk.md).
 """
 
 from __future__ import annotations
@@ -170,17 +171,11 @@ def _merge_packed_kernel(
 
 MAX_SELECT_BLOCKS = 16384  # widest block-score row select_from_block_scores takes (2M tokens at 128-token blocks)
 # Launch variants of the select pass (name -> packed, segment columns or 0 for whole rows, elements per thread).
-# "legacy": the first launch (rows of <= 2048 blocks two per program, 4 warps, 32 elements per thread: ~7,700
-# sm_90 SASS per thread, every step re-scanning 32 elements). "flat": one row per program, 8 elements per thread (8
-# warps at 2048 columns: ~1,900 SASS, 95 barriers). "packed": the same with one int64 max per step (~2,100 SASS, 47
-# barriers). "splitN": N-column segments, one warp each (shuffles only, no barrier), then `_merge_packed_kernel`.
-# H200, select alone, us per call (CUDA graph), rows = batch x 4 heads:
-#   blocks per row      64    256   1172  (batch 64)   | 1172 (batch 1)
-#   legacy            6.08  24.50  15.97               | 15.60
-#   flat              3.36   4.31  10.84               |  8.29
-#   packed            3.31   4.28   9.87               |  6.87
-#   split128/256/512  3.3    6.6 / 4.3 / 4.3  10.6 / 10.3 / 11.9 | 7.1 / 7.7 / 9.6
-# and in score + top-k at batch 64 x 150K: nvfp4 341.5 (legacy) / 318.9 (flat) / 316.1 (packed) / 316.2 (split256).
+# "legacy": the first launch (rows of <= 2048 blocks two per program, 4 warps, 32 elements per thread, every step
+# re-scanning 32 elements). "flat": one row per program, 8 elements per thread. "packed": the same with one int64 max
+# per step (half the barriers). "splitN": N-column segments, one warp each (shuffles only, no barrier), then
+# `_merge_packed_kernel`. "packed" (the default) measured fastest or tied at every shape on the H200; the table of
+# SASS counts and times is in docs/kernels/topk.md.
 SELECT_VARIANTS = {"legacy": (False, 0, 0), "flat": (False, 0, 8), "packed": (True, 0, 8),
                    "split128": (True, 128, 4), "split256": (True, 256, 8), "split512": (True, 512, 16)}
 SELECT_DEFAULT = "packed"
