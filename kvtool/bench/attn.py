@@ -48,10 +48,10 @@ DEFAULT_FORMATS = ("bf16", "fp8", "fp8-token", "nvfp4", "mxfp4")
 DEFAULT_BATCHES = (1, 16, 64, 256)
 L2_TARGET_BYTES = 150e6  # three times the H200's 50 MB L2
 MAX_LAYERS = 57  # M3's sparse layers
-# Launch variants tried with --sweep (name, sparse_decode keyword options): the candidates of the 2026-11-29 H200
-# tuning rounds (warps per program, 32-token tiles, stages / register cap, PAIRED K tiles, the lazy sums and the
-# joint max off, more splits; round 3: two tiles' copies in flight, 8 programs per SM of 32-token tiles). The fused
-# split combine was slower everywhere (2026-11-29 11:25 UTC) and is gone (see kernels/sparse_attn.py).
+# Launch variants tried with --sweep (name, sparse_decode keyword options): the tuning rounds' candidates worth
+# re-measuring (warps per program, 32-token tiles, stages / register cap, PAIRED K tiles, the lazy sums and the joint
+# max off, more splits, two tiles' copies in flight, 8 programs per SM of 32-token tiles). The rounds and the variants
+# dropped (a fused split combine): docs/kernels/sparse_attn.md.
 SWEEP = (
     ("warps=2", {"num_warps": 2}), ("warps=4", {"num_warps": 4}),
     ("warps=2 stages=2 maxnreg=168", {"num_warps": 2, "num_stages": 2, "maxnreg": 168}),

@@ -51,34 +51,24 @@ DEFAULT_CONTEXTS = (8192, 32768, 150_000)
 DEFAULT_PREFILL = (4096, 32768)
 L2_TARGET_BYTES = 150e6  # three times the H200's 50 MB L2
 MAX_LAYERS = 57  # M3's sparse layers
-# --sweep: launch variants at the goal shape (name, kernels.index_score launch options). Dropped after the first H200
-# run (2026-11-29, nvfp4 score+topk, 377 us autotuned): chunk=128 444 us, prefetch w8 626 us, pipelined s5 w8 461 us;
-# the FP4 byte decode (fp4_words=False) is ~2.5x the SASS of the word decode at D = 128, so it is not swept.
+# --sweep: launch variants at the goal shape (name, kernels.index_score launch options, the families a row is for or
+# None). The variants dropped after earlier rounds and every round's numbers: docs/kernels/index_score.md. The FP4
+# byte decode (fp4_words=False) has far more SASS than the word decode at D = 128, so it is not swept.
 # FP4 decode variants (post_scale: block scales after the dot, forced also where it is not the default; num_warps=1:
 # one warp per 128-token tile, mma.sync instead of wgmma, no cross-warp block max) run for FP4 formats only.
-# H200, 2026-11-29 09:57 UTC, score+topk us (nvfp4 / mxfp4): post-scaled 359 / 339 (with the scales loaded one tile
-# ahead in registers, a variant since removed: 368 / 345), scale-in-decode 345 / 516; nvfp4 scale-in-decode w1 s3
-# 337 (not checked for correctness on the GPU; not a default).
-# Select-pass round (2026-11-29 10:58 UTC, copy 4123 GB/s), score+topk us fp8 / nvfp4 / mxfp4: flat select 370.6 /
-# 318.9 / 317.9, legacy select 369.8 / 341.5 / 342.7, packed 345.3 / 316.1 / 314.4, split256 342.4 / 316.2 / 315.5,
-# warp partials (flat) 342.5 / 314.6 / 329.2, warp partials + packed 348.9 / 309.1 / 326.0 (score alone 359.4 / 307.5
-# / 306.9; fp8 rows vary with the autotuner's pick). Defaults now: packed select, warp partials for fp8 / nvfp4.
-# Lean round (offline sm_90 SASS, loop body per thread and 128-token tile, fast path: nvfp4 617 -> 511, mxfp4
-# post-scaled 594 -> 526, fp8 489 -> 300): the `lean` option (kernels/index_score.py, LEAN_DEFAULT) autotuned and in
-# both fixed loop kinds; warp partials toggled against each format's default (families: where a row applies).
+# The `lean` option (kernels/index_score.py, LEAN_DEFAULT) autotuned and in both fixed loop kinds; warp partials
+# toggled against each format's default.
 SWEEP = (
     ("lean", {"lean": True}, None),
     ("lean pipelined s5", {"lean": True, "prefetch": False, "num_stages": 5, "num_warps": 4}, None),
     ("lean prefetch", {"lean": True, "prefetch": True, "num_stages": 1, "num_warps": 4}, None),
     ("lean warp partials", {"lean": True, "warp_partials": True}, ("mxfp4",)),
     ("lean no warp partials", {"lean": True, "warp_partials": False}, ("fp8", "nvfp4")),
-    # round 3 (offline sm_90 loop SASS per 128-token tile, LEAN defaults -> tile pairs s5 / s3: nvfp4 535 -> 511 /
-    # 510.5, mxfp4 post-scaled 542 -> 533.5 / 505.5, fp8 355 -> 326.5; registers nvfp4 126 -> 155 / 162)
+    # two tiles per loop iteration (kernels/index_score.py, tile_pairs)
     ("pairs", {"tile_pairs": True}, None),
     ("pairs s3", {"tile_pairs": True, "prefetch": False, "num_stages": 3, "num_warps": 4}, None),
     ("pairs s5", {"tile_pairs": True, "prefetch": False, "num_stages": 5, "num_warps": 4}, None),
-    # capped at 128 registers (4 programs per SM as the defaults; nvfp4 s3 loop 515.5 per tile, 3 spill ops in the
-    # kernel; mxfp4 s3 511, none)
+    # capped at 128 registers (4 programs per SM as the defaults)
     ("pairs s3 r128", {"tile_pairs": True, "prefetch": False, "num_stages": 3, "num_warps": 4,
                        "max_registers": 128}, None),
     ("pairs s5 r128", {"tile_pairs": True, "prefetch": False, "num_stages": 5, "num_warps": 4,

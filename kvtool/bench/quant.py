@@ -18,13 +18,8 @@ scales + slot ids read once, bf16 output written once; peers are charged the byt
 payload and scales written). Fractions are of the device-to-device copy bandwidth measured first in the same run.
 
 Goals (H200): store and dequant >= 85 % of copy for nvfp4 and mxfp4 at >= 64M elements, and >= 20x the eager codec.
-Measured on the H200 (2026-11-29 17:59 UTC, this command with `--sizes 64M,256M,1G --formats nvfp4,mxfp4`),
-`[graph]` rows, % of copy at 64M / 256M / 1G: store nvfp4-rcp 86.0 / 92.4 / 87.0, mxfp4-rceil 88.8 / 94.5 / 89.1
-(the Gluon TMA store, kernels/store_gluon.py; the portable kernel 79.8 / 86.4 at 1G); dequant 93.8 / 95.5 / 95.9 for
-both (16 x 2 tiles, streaming stores). Speed-up over the eager torch codec: store 42-54x, dequant nvfp4 21.9-23.0x,
-mxfp4 20.1-20.8x (the dequant runs at 94-96 % of copy, so the ratio is set by the eager reference's speed: 0.92 ms at
-64M, against the issue's measured 1.3 ms). At 64M the eager `store` / `dequant` rows add ~40 us of Python launch
-path to the kernel.
+The current numbers are in bench/RESULTS.md; the run behind these goals (store and dequant): docs/kernels/store.md.
+The eager `store` / `dequant` rows include the Python launch path, which matters at 64M.
 """
 
 from __future__ import annotations
