@@ -58,6 +58,7 @@ from kvtool.st_header import (  # noqa: F401 - re-exported; torch-free (kvtool.w
     TORCH_SUFFIXES,
     ZIP_MAGIC,
     input_kind,
+    read_npy_header,
     select,
 )
 
@@ -388,39 +389,19 @@ def check_codes(q: QTensor, e: Entry, row_start: int) -> None:
 
 # --------------------------------------------------------------------------------------------------------- .npy
 def _open_npy(path: Path) -> InputFile:
-    f = open(path, "rb")
-    try:
-        version = np.lib.format.read_magic(f)
-        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        shape, fortran, dtype = read(f)  # version 3.0 differs from 2.0 only in the header's text encoding
-        offset = f.tell()
-    except Exception as err:  # noqa: BLE001 - numpy's header parser raises ValueError, SyntaxError, TokenError...
-        f.close()
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise FileFormatError(f"{path}: corrupt .npy file ({first})") from None
-    if dtype.hasobject:
-        f.close()
-        raise FileFormatError(f"{path}: the .npy array holds Python objects; kvtool never unpickles")
-    try:
-        tdtype = torch.from_numpy(np.zeros(0, dtype=dtype.newbyteorder("="))).dtype
-    except TypeError:
-        f.close()
-        raise InputError(f"{path}: unsupported .npy dtype {dtype}") from None
-    need = math.prod(shape) * dtype.itemsize
-    if offset + need > path.stat().st_size:
-        f.close()
-        raise FileFormatError(f"{path}: truncated .npy: {list(shape)} {dtype} needs {need} data bytes")
-    notes = []
-    if fortran or len(shape) == 0 or not dtype.isnative:
+    h = read_npy_header(path)  # the one parse and its errors (kvtool.st_header; `kvtool inspect` reports from it)
+    tdtype = getattr(torch, h.torch_name)
+    if h.whole:
         # Not row-major little-endian: load it whole (no streaming) and convert once.
-        f.close()
         arr = np.load(path, allow_pickle=False)
-        tensor = torch.from_numpy(np.ascontiguousarray(arr).astype(dtype.newbyteorder("="), copy=False))
-        notes.append(f"{path.name}: Fortran-order, big-endian or 0-d .npy is loaded whole (not streamed)")
+        native = np.ascontiguousarray(arr).astype(h.dtype.newbyteorder("="), copy=False)
+        tensor = torch.from_numpy(native).reshape(h.shape)  # ascontiguousarray makes a 0-d array [1]: keep []
+        notes = [f"{path.name}: Fortran-order, big-endian or 0-d .npy is loaded whole (not streamed)"]
         entry = _memory_entry("tensor", tensor)
         return InputFile(path, "npy", {"tensor": entry}, notes=notes)
-    t = StoredTensor("tensor", tdtype, tuple(shape), offset, offset + need)
-    entry = Entry("tensor", t.shape, tdtype, nbytes=need, rows_fn=_stored_reader(f, t))
+    f = open(path, "rb")
+    t = StoredTensor("tensor", tdtype, h.shape, h.offset, h.offset + h.nbytes)
+    entry = Entry("tensor", t.shape, tdtype, nbytes=h.nbytes, rows_fn=_stored_reader(f, t))
     return InputFile(path, "npy", {"tensor": entry}, handle=f)
 
 

@@ -8,8 +8,12 @@ MAX_HEADER_BYTES of header, JSON at most MAX_JSON_DEPTH deep, no duplicate keys 
 (`load_json`), at most MAX_DIMS dimensions of at most MAX_DIM each, `dtype x shape == byte span`, spans inside the
 file and not overlapping. Every failure is a one-line `FileFormatError` naming the file and the tensor.
 
-This module imports json, re and struct (and numpy for `json_depth` of a header with many brackets) only; `import torch` takes about a second, so a
-command that only reads headers stays fast.
+The `.npy` header (`read_npy_header`) is read here too, with numpy's own header parser and the table of the numpy
+dtypes torch takes (`NPY_TORCH_DTYPES`): kvtool.readers opens an .npy file through it, and `kvtool inspect` reports one
+from it alone.
+
+This module imports json, re and struct (and numpy for `json_depth` of a header with many brackets, and for an .npy
+header) only; `import torch` takes about a second, so a command that only reads headers stays fast.
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ from kvtool.errors import FileFormatError, InputError
 
 __all__ = [
     "MAX_DIM", "MAX_DIMS", "MAX_HEADER_BYTES", "MAX_JSON_DEPTH", "META_SCHEMA", "META_VERSION", "NPY_MAGIC",
-    "RawHeader", "SAFETENSORS_SUFFIXES", "TORCH_SUFFIXES", "ZIP_MAGIC", "input_kind", "RawTensor", "SHORT_DTYPE_NAMES",
-    "ST_DTYPE_NAMES", "ST_ITEMSIZES", "check_shape", "json_depth", "load_json", "read_raw_header", "select",
+    "NPY_TORCH_DTYPES", "NpyHeader", "RawHeader", "SAFETENSORS_SUFFIXES", "TORCH_SUFFIXES", "ZIP_MAGIC", "input_kind", "RawTensor", "SHORT_DTYPE_NAMES",
+    "ST_DTYPE_NAMES", "ST_ITEMSIZES", "check_shape", "json_depth", "load_json", "read_npy_header", "read_raw_header", "select",
     "short_dtype_name",
 ]
 
@@ -206,6 +210,59 @@ def _raw_tensor(path: Path, name: str, info, base: int, size: int) -> RawTensor:
         raise FileFormatError(f"{where}: data ends at byte {base + offsets[1]}, beyond the end of the file ({size} "
                               "bytes; truncated?)")
     return RawTensor(name, st, shape, base + offsets[0], base + offsets[1])
+
+
+# ------------------------------------------------------------------------------------------------------ .npy
+# numpy dtype (kind, bytes per element) -> the torch attribute name of the dtype torch.from_numpy gives it: the numpy
+# dtypes kvtool reads (tests/io/test_npy_header.py checks the table against torch.from_numpy for every numpy type).
+NPY_TORCH_DTYPES = {
+    ("b", 1): "bool", ("u", 1): "uint8", ("u", 2): "uint16", ("u", 4): "uint32", ("u", 8): "uint64",
+    ("i", 1): "int8", ("i", 2): "int16", ("i", 4): "int32", ("i", 8): "int64", ("f", 2): "float16",
+    ("f", 4): "float32", ("f", 8): "float64", ("c", 8): "complex64", ("c", 16): "complex128",
+}
+
+
+@dataclass(frozen=True)
+class NpyHeader:
+    """An .npy file's array: `dtype` the numpy dtype as stored, `torch_name` its torch dtype's attribute name (from
+    NPY_TORCH_DTYPES), data at byte `offset`, `nbytes` of it; `whole`: Fortran order, big-endian or 0-d (a reader
+    cannot stream it row by row)."""
+
+    shape: tuple[int, ...]
+    dtype: object  # numpy.dtype
+    torch_name: str
+    itemsize: int
+    offset: int
+    nbytes: int
+    whole: bool
+
+
+def read_npy_header(path: Path) -> NpyHeader:
+    """Parse and validate an .npy header (numpy's parser, `allow_pickle` never used) without reading the array.
+    Raises FileFormatError for a corrupt or truncated file or an array of Python objects, InputError for a dtype
+    torch has no type for."""
+    import numpy as np
+
+    path = Path(path)
+    with open(path, "rb") as f:
+        try:
+            version = np.lib.format.read_magic(f)
+            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, fortran, dtype = read(f)  # version 3.0 differs from 2.0 only in the header's text encoding
+            offset = f.tell()
+        except Exception as err:  # noqa: BLE001 - numpy's header parser raises ValueError, SyntaxError, TokenError...
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise FileFormatError(f"{path}: corrupt .npy file ({first})") from None
+    if dtype.hasobject:
+        raise FileFormatError(f"{path}: the .npy array holds Python objects; kvtool never unpickles")
+    torch_name = NPY_TORCH_DTYPES.get((dtype.kind, dtype.itemsize))  # structured dtypes are kind "V": refused
+    if torch_name is None:
+        raise InputError(f"{path}: unsupported .npy dtype {dtype}")
+    need = math.prod(shape) * dtype.itemsize
+    if offset + need > path.stat().st_size:
+        raise FileFormatError(f"{path}: truncated .npy: {list(shape)} {dtype} needs {need} data bytes")
+    return NpyHeader(tuple(shape), dtype, torch_name, dtype.itemsize, offset, need,
+                     bool(fortran or len(shape) == 0 or not dtype.isnative))
 
 
 def input_kind(path: Path) -> str:

@@ -1,13 +1,14 @@
 """The `inspect` report, and the torch-free way to it for files that need no decoding.
 
-`kvtool inspect` of a plain safetensors file (no `kvtool.schema`) reports per tensor what its header says: dtype,
-shape, bytes per token, compression against bf16; nothing is decoded and there are no checksums. Such a report is
-built here from the header alone (kvtool.st_header: json and struct, no torch), so the command starts in a fraction
-of the second `import torch` takes. Every other input (kvtool cache files, whose validation and scale statistics need
-the format registry and codecs; .pt, .npy and engine dumps) goes to `kvtool.workflows.inspect.inspect_file`, which
-imports torch (the CLI's `inspect` tries `plain_report` first). Both build the plain rows with the one `plain_info`, and the torch path reads headers through the same
-`read_raw_header`, so the report (text and --json) and every error message are the same either way
-(tests/cli/test_inspect_torch_free.py compares them).
+`kvtool inspect` of a plain safetensors file (no `kvtool.schema`) or of an .npy file reports per tensor what its
+header says: dtype, shape, bytes per token, compression against bf16; nothing is decoded and there are no checksums.
+Such a report is built here from the header alone (kvtool.st_header: json and struct for safetensors, numpy's header
+parser for .npy; no torch), so the command starts in a fraction of the second `import torch` takes. Every other input
+(kvtool cache files, whose scale statistics decode scale bytes with the format registry's torch codecs; .pt files and
+engine dumps) goes to `kvtool.workflows.inspect.inspect_file`, which imports torch (the CLI's `inspect` tries
+`plain_report` first). Both build the plain rows with the one `plain_info`, and the torch path reads headers through
+the same `read_raw_header` / `read_npy_header`, so the report (text and --json) and every error message are the same
+either way (tests/cli/test_inspect_torch_free.py compares them).
 
 The report dataclasses live here, torch-free; kvtool.workflows.inspect re-exports them.
 """
@@ -25,6 +26,7 @@ from kvtool.st_header import (
     ST_DTYPE_NAMES,
     ST_ITEMSIZES,
     input_kind,
+    read_npy_header,
     read_raw_header,
     select,
     short_dtype_name,
@@ -92,26 +94,35 @@ def plain_info(name: str, shape: tuple[int, ...], dtype: str, itemsize: int, nby
 
 def plain_report(path: Path, *, verify: bool = True, include: list[str] | None = None,
                  exclude: list[str] | None = None, progress: Progress | None = None) -> InspectReport | None:
-    """The inspect report of a plain safetensors file from its header alone (the report `inspect_file` gives for
-    it), or None when `path` is anything else (then `inspect_file` reads it). Raises the FileFormatError / InputError the torch path raises for the file."""
+    """The inspect report of a plain safetensors file or an .npy file from its header alone (the report
+    `inspect_file` gives for it), or None when `path` is anything else (then `inspect_file` reads it). Raises the
+    FileFormatError / InputError the torch path raises for the file."""
     path = Path(path)
-    if not path.is_file() or input_kind(path) != "safetensors":
+    if not path.is_file():
         return None
-    header = read_raw_header(path)
-    if META_SCHEMA in header.metadata:
+    kind = input_kind(path)
+    if kind == "npy":
+        h = read_npy_header(path)
+        report = InspectReport(str(path), "npy", None, None, path.stat().st_size, verified=verify)
+        rows = [("tensor", h.shape, h.torch_name, h.itemsize, h.nbytes)]  # one array, named as kvtool.readers names it
+    elif kind == "safetensors":
+        header = read_raw_header(path)
+        if META_SCHEMA in header.metadata:
+            return None
+        report = InspectReport(str(path), "safetensors", None, header.metadata.get(META_VERSION), header.file_size,
+                               verified=verify)
+        tensors = sorted(header.tensors.values(), key=lambda t: t.start)  # file order, as kvtool.readers
+        rows = [(t.name, t.shape, ST_DTYPE_NAMES[t.st_dtype], ST_ITEMSIZES[t.st_dtype], t.nbytes) for t in tensors]
+    else:
         return None
-    report = InspectReport(str(path), "safetensors", None, header.metadata.get(META_VERSION), header.file_size,
-                           verified=verify)
-    tensors = sorted(header.tensors.values(), key=lambda t: t.start)  # file order, as kvtool.readers
-    by_name = {t.name: t for t in tensors}
+    by_name = {row[0]: row for row in rows}
     names = select(list(by_name), include, exclude)
-    rows = {n: math.prod(by_name[n].shape[:-1]) for n in names}  # a scalar is one row
-    total, done = sum(rows.values()), 0
+    count = {n: math.prod(by_name[n][1][:-1]) for n in names}  # rows of D; a scalar is one row
+    total, done = sum(count.values()), 0
     for name in names:
-        t = by_name[name]
-        report.tensors.append(plain_info(name, t.shape, short_dtype_name(ST_DTYPE_NAMES[t.st_dtype]),
-                                         ST_ITEMSIZES[t.st_dtype], t.nbytes))
-        done += rows[name]
+        _, shape, torch_name, itemsize, nbytes = by_name[name]
+        report.tensors.append(plain_info(name, shape, short_dtype_name(torch_name), itemsize, nbytes))
+        done += count[name]
         if progress:
             progress(done, total, name)
     return report

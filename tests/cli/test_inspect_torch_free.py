@@ -1,7 +1,8 @@
-"""`kvtool inspect` of a plain safetensors file imports no torch (kvtool.workflows.inspect_plain), and says exactly
-what the torch path (kvtool.workflows.inspect.inspect_file) says: the same text, the same --json, the same one-line
-errors for files whose header lies. Files with NaN, +-inf, -0, all-zero and subnormal values make sure the header
-path reads no values that would matter; a kvtool cache file still goes the torch path and reports the same as before.
+"""`kvtool inspect` of a plain safetensors file or an .npy file imports no torch (kvtool.workflows.inspect_plain), and
+says exactly what the torch path (kvtool.workflows.inspect.inspect_file) says: the same text, the same --json, the
+same one-line errors for files whose header lies. Files with NaN, +-inf, -0, all-zero and subnormal values make sure
+the header path reads no values that would matter; a kvtool cache file still goes the torch path and reports the
+same as before.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -88,10 +90,100 @@ def test_report_equals_inspect_file(files, name):
 
 def test_other_inputs_go_the_torch_path(files, tmp_path):
     assert plain_report(files["kvtool"]) is None
-    npy = tmp_path / "a.npy"
-    npy.write_bytes(b"\x93NUMPY")
-    assert plain_report(npy) is None and plain_report(tmp_path / "missing.safetensors") is None
+    torch.save({"k": torch.zeros(2, 4)}, tmp_path / "a.pt")
+    (tmp_path / "dump.bin").write_bytes(b"\0" * 64)
+    assert plain_report(tmp_path / "a.pt") is None and plain_report(tmp_path / "dump.bin") is None
+    assert plain_report(tmp_path / "missing.safetensors") is None and plain_report(tmp_path / "missing.npy") is None
     assert plain_report(tmp_path) is None
+
+
+# ------------------------------------------------------------------------------------------------------ .npy
+NPY = {  # name -> array: every dtype torch takes, the layouts the reader loads whole, and edge values
+    "f32": np.array(EDGE * 13, dtype=np.float32)[:128].reshape(2, 2, 32),
+    "f16": np.zeros((3, 16), dtype=np.float16), "f64": np.full((1, 8), -0.0),
+    "i8": np.arange(-4, 4, dtype=np.int8).reshape(2, 4), "u16": np.zeros((4, 4), dtype=np.uint16),
+    "u64": np.ones(5, dtype=np.uint64), "i64": np.arange(6), "bool": np.array([[True, False]]),
+    "c64": np.zeros((2, 2), dtype=np.complex64), "scalar": np.array(3.0, dtype=np.float32),
+    "empty": np.zeros((0, 8), dtype=np.float32), "fortran": np.asfortranarray(np.ones((4, 6), dtype=np.float32)),
+    "big_endian": np.arange(12, dtype=">f4").reshape(3, 4),
+}
+
+
+@pytest.fixture(scope="module")
+def npy_files(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("npy")
+    out = {}
+    for name, arr in NPY.items():
+        out[name] = d / f"{name}.npy"
+        np.save(out[name], arr)
+    return out
+
+
+@pytest.mark.parametrize("name", NPY)
+def test_npy_report_equals_inspect_file(npy_files, name):
+    for kw in ({}, {"verify": False}, {"include": ["tensor"]}, {"exclude": ["t*"]}):
+        ticks_light, ticks_heavy = [], []
+        light = plain_report(npy_files[name], progress=lambda *a: ticks_light.append(a), **kw)
+        heavy = inspect_file(npy_files[name], progress=lambda *a: ticks_heavy.append(a), **kw)
+        assert light == heavy and ticks_light == ticks_heavy
+        assert json.dumps(light.__dict__, default=str) == json.dumps(heavy.__dict__, default=str)
+
+
+@pytest.mark.parametrize("opts", [[], ["--json"], ["--exclude", "tensor"]], ids=lambda o: " ".join(o) or "default")
+@pytest.mark.parametrize("name", ["f32", "scalar", "fortran", "big_endian"])
+def test_npy_cli_output_equals_the_torch_path(npy_files, name, opts, monkeypatch):
+    light = kv("inspect", npy_files[name], *opts)
+    _torch_path(monkeypatch)
+    heavy = kv("inspect", npy_files[name], *opts)
+    assert light.exit_code == heavy.exit_code == 0, light.output + heavy.output
+    assert (light.stdout, light.stderr) == (heavy.stdout, heavy.stderr)
+
+
+def _npy_bytes(arr: np.ndarray, **kw) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, arr, **kw)
+    return buf.getvalue()
+
+
+NPY_BAD = {  # name -> file bytes that the .npy reader refuses
+    "magic_only": b"\x93NUMPY",
+    "bad_version": b"\x93NUMPY\x09\x00" + b"\0" * 8,
+    "bad_dict": b"\x93NUMPY\x01\x00\x10\x00{'descr': '<f4',}\n",
+    "objects": _npy_bytes(np.array([{"a": 1}], dtype=object), allow_pickle=True),
+    "unicode": _npy_bytes(np.array(["ab", "c"])),
+    "datetime": _npy_bytes(np.array(["2026-01-01"], dtype="datetime64[D]")),
+    "structured": _npy_bytes(np.zeros(2, dtype=[("a", "<f4"), ("b", "<i2")])),
+    "subarray_field": _npy_bytes(np.zeros(3, dtype=[("a", "<f4", (2,))])),
+    "longdouble": _npy_bytes(np.zeros(2, dtype=np.longdouble)),
+    "truncated": _npy_bytes(np.zeros((4, 8), dtype=np.float32))[:-4],
+}
+
+
+@pytest.mark.parametrize("case", NPY_BAD)
+def test_npy_same_error(tmp_path, case):
+    path = tmp_path / f"{case}.npy"
+    path.write_bytes(NPY_BAD[case])
+    with pytest.raises(KvtoolError) as light:
+        plain_report(path)
+    with pytest.raises(KvtoolError) as heavy:
+        open_input(path).close()
+    assert (type(light.value), str(light.value)) == (type(heavy.value), str(heavy.value))
+    assert "\n" not in str(light.value)
+
+
+def test_npy_inspect_imports_no_torch(npy_files, monkeypatch, tmp_path):
+    monkeypatch.setenv("COLUMNS", "120")
+    for name in ("f32", "fortran", "scalar"):
+        for opts in ([], ["--json"]):
+            run = _run("inspect", npy_files[name], *opts)
+            assert run.stderr.splitlines()[-1] == "NO-TORCH 0", run.stderr
+            assert run.stdout == kv("inspect", npy_files[name], *opts).stdout
+    bad = tmp_path / "bad.npy"
+    bad.write_bytes(NPY_BAD["unicode"])
+    run = _run("inspect", bad)
+    assert run.stderr.splitlines()[-1] == "NO-TORCH 2" and run.stderr.startswith("error: "), run.stderr
 
 
 def _corrupt(path: Path, header: bytes, data: bytes = b"") -> Path:

@@ -286,6 +286,15 @@ def test_npy_reader(variant, tmp_path):
         open_input(tmp_path / "o.npy")
 
 
+def test_npy_scalar_keeps_its_shape(tmp_path):
+    """A 0-d array is a scalar entry, as a safetensors scalar is (shape [], one row of one element)."""
+    np.save(tmp_path / "s.npy", np.array(2.5, dtype=np.float32))
+    with open_input(tmp_path / "s.npy") as inp:
+        e = inp.entries["tensor"]
+        assert (e.shape, e.rows, e.dim) == ((), 1, 1)
+        assert torch.equal(e.read(0, 1), torch.tensor([[2.5]]))
+
+
 def test_plain_safetensors_and_fixture():
     with open_input(FIX) as inp:
         assert inp.kind == "safetensors"
