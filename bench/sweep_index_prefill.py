@@ -31,6 +31,23 @@ PREFILL_VARIANTS = (
     ("q64 ch32 w8 s3", dict(q_tile=64, chunk_blocks=32, num_warps=8, num_stages=3, prefetch=False)),
     ("q16 ch8 w4 s3", dict(q_tile=16, chunk_blocks=8, num_warps=4, num_stages=3, prefetch=False)),
     ("q16 ch32 w4 s2", dict(q_tile=16, chunk_blocks=32, num_warps=4, num_stages=2, prefetch=False)),
+    # query-major dots (kernels/index_tiles.tile_dot) and the prefill select variants (kernels/topk.py)
+    ("qm q32 w4 s3", dict(q_major=True, q_tile=32, num_warps=4, num_stages=3, prefetch=False)),
+    ("qm q16 w4 s3", dict(q_major=True, q_tile=16, num_warps=4, num_stages=3, prefetch=False)),
+    ("qm q32 w8 s3", dict(q_major=True, q_tile=32, num_warps=8, num_stages=3, prefetch=False)),
+    ("qm q64 w8 s3", dict(q_major=True, q_tile=64, num_warps=8, num_stages=3, prefetch=False)),
+    ("qm q32 w4 s2", dict(q_major=True, q_tile=32, num_warps=4, num_stages=2, prefetch=False)),
+    ("qm q32 w4 s4", dict(q_major=True, q_tile=32, num_warps=4, num_stages=4, prefetch=False)),
+    ("qm q32 ch256 w4 s3", dict(q_major=True, q_tile=32, chunk_blocks=256, num_warps=4, num_stages=3,
+                                prefetch=False)),
+    ("qm q16 ch256 w4 s5", dict(q_major=True, q_tile=16, chunk_blocks=256, num_warps=4, num_stages=5,
+                                prefetch=False)),
+    ("select packedR2", dict(select="packedR2")),
+    ("select packedR4", dict(select="packedR4")),
+    ("select packedR8", dict(select="packedR8")),
+    ("select split128", dict(select="split128")),
+    ("qm q32 w4 s3 packedR4", dict(q_major=True, q_tile=32, num_warps=4, num_stages=3, prefetch=False,
+                                   select="packedR4")),
 )
 DECODE_VARIANTS = (
     ("default", {}),
@@ -45,7 +62,7 @@ DECODE_VARIANTS = (
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="4096,32768")
-    ap.add_argument("--formats", default="bf16,fp8,nvfp4")
+    ap.add_argument("--formats", default="bf16,fp8,nvfp4,mxfp4")
     ap.add_argument("--decode", default="1x32768,1x150000")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
@@ -98,8 +115,13 @@ def main() -> None:
             pos = torch.arange(n, device="cuda", dtype=torch.int32)[None]
             rec(group, "select only",
                 lambda: select_from_block_scores(bsc, pos, cfg.block_size, cfg.topk, higher_id=True))
+            for sel in ("packedR2", "packedR4", "packedR8"):
+                rec(group, f"select only {sel}",
+                    lambda sel=sel: select_from_block_scores(bsc, pos, cfg.block_size, cfg.topk, higher_id=True,
+                                                             variant=sel))
             if not vllm.unsupported("index", one.fmt, device="cuda"):
                 rec(group, "vllm score+topk", bench_index_prefill(vllm, iq, cache, table, ctx, cfg))
+                rec(group, "vllm score only", bench_index_prefill(vllm, iq, cache, table, ctx, cfg, score_only=True))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -129,7 +129,7 @@ def tile_step(j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, po
                TILE_T: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, MODE: tl.constexpr,
                NATIVE_FP8: tl.constexpr, PREFETCH: tl.constexpr, ONE_POS: tl.constexpr, FP4_WORDS: tl.constexpr,
                POST_SCALE: tl.constexpr, NSBP: tl.constexpr, DOT_F32: tl.constexpr, WP: tl.constexpr,
-               LEAN: tl.constexpr):
+               LEAN: tl.constexpr, QM: tl.constexpr = False):
     """Tile j of the program (tokens blk0 BS + j TILE_T ..). PREFETCH: it was fetched into (payload, scales) from
     page pg by the previous step; first issue the loads of tile j + 1 (page pg_next) and the page lookup of tile
     j + 2, so that memory works while this tile decodes and multiplies (a register double buffer). Otherwise fetch
@@ -146,15 +146,15 @@ def tile_step(j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, po
     if PREFETCH:
         cur_pay, cur_sc, cur_pg = payload, scales, pg
         payload, scales = tiles.fetch(data_ptr, pg_next, t0 + TILE_T, t_lim, page_bytes, D, TILE_T, PAGE, PB, SB,
-                                      PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE, LEAN)
+                                      PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE, LEAN, QM)
         pg = pg_next
         pg_next = tiles.page_of(bt_row, t0 + 2 * TILE_T, t_lim, num_pages, PAGE)
     else:
         cur_pg = tiles.page_of(bt_row, t0, t_lim, num_pages, PAGE)
         cur_pay, cur_sc = tiles.fetch(data_ptr, cur_pg, t0, t_lim, page_bytes, D, TILE_T, PAGE, PB, SB,
-                                      PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE, LEAN)
+                                      PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE, LEAN, QM)
     acc = tiles.tile_dot(cur_pay, cur_sc, qa, qb, qc, qd, D, TILE_T, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK,
-                         NATIVE_FP8, FP4_WORDS, POST_SCALE, NSBP, DOT_F32)
+                         NATIVE_FP8, FP4_WORDS, POST_SCALE, NSBP, DOT_F32, QM)
     if ONE_POS:  # decode: every row sits at ctx - 1, so "t <= pos" is "t < t_lim"
         keep = ((t < t_lim) & (cur_pg >= 0))[:, None]
     else:
@@ -194,7 +194,7 @@ def pair_step(j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, po
                TILE_T: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, MODE: tl.constexpr,
                NATIVE_FP8: tl.constexpr, PREFETCH: tl.constexpr, ONE_POS: tl.constexpr, FP4_WORDS: tl.constexpr,
                POST_SCALE: tl.constexpr, NSBP: tl.constexpr, DOT_F32: tl.constexpr, WP: tl.constexpr,
-               LEAN: tl.constexpr):
+               LEAN: tl.constexpr, QM: tl.constexpr = False):
     """Tiles j and j + 1 of the program (PAIR launches: the loop runs n_tiles // 2 of these, then one `tile_step`
     if n_tiles is odd), so that the loop's per-iteration bookkeeping (counter, pipeline stage indices, barriers of
     the cp.async ring) is paid once per two tiles. Where each tile is one block (TPB = 1) of a LEAN block-score
@@ -209,13 +209,13 @@ def pair_step(j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, po
         pg_a = tiles.page_of(bt_row, t0, t_lim, num_pages, PAGE)
         pg_b = tiles.page_of(bt_row, t0 + TILE_T, t_lim, num_pages, PAGE)
         pay_a, sc_a = tiles.fetch(data_ptr, pg_a, t0, t_lim, page_bytes, D, TILE_T, PAGE, PB, SB, PAYLOAD_BITS,
-                                  SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE, LEAN)
+                                  SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE, LEAN, QM)
         pay_b, sc_b = tiles.fetch(data_ptr, pg_b, t0 + TILE_T, t_lim, page_bytes, D, TILE_T, PAGE, PB, SB,
-                                  PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE, LEAN)
+                                  PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE, LEAN, QM)
         acc_a = tiles.tile_dot(pay_a, sc_a, qa, qb, qc, qd, D, TILE_T, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK,
-                               NATIVE_FP8, FP4_WORDS, POST_SCALE, NSBP, DOT_F32)
+                               NATIVE_FP8, FP4_WORDS, POST_SCALE, NSBP, DOT_F32, QM)
         acc_b = tiles.tile_dot(pay_b, sc_b, qa, qb, qc, qd, D, TILE_T, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK,
-                               NATIVE_FP8, FP4_WORDS, POST_SCALE, NSBP, DOT_F32)
+                               NATIVE_FP8, FP4_WORDS, POST_SCALE, NSBP, DOT_F32, QM)
         if ONE_POS:
             keep_a = ((t < t_lim) & (pg_a >= 0))[:, None]
             keep_b = ((t + TILE_T < t_lim) & (pg_b >= 0))[:, None]
@@ -254,10 +254,10 @@ def pair_step(j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, po
             j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, pos, valid, bt_row,
             data_ptr, qa, qb, qc, qd, colscale, out_ptr, out_row, row_ok, n_out, num_pages, page_bytes, D,
             PAGE, PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, BS, TILE_T, INIT, LOCAL, MODE, NATIVE_FP8,
-            PREFETCH, ONE_POS, FP4_WORDS, POST_SCALE, NSBP, DOT_F32, WP, LEAN)
+            PREFETCH, ONE_POS, FP4_WORDS, POST_SCALE, NSBP, DOT_F32, WP, LEAN, QM)
         payload, scales, pg, pg_next, bmax, state = tile_step(
             j + 1, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, pos, valid, bt_row,
             data_ptr, qa, qb, qc, qd, colscale, out_ptr, out_row, row_ok, n_out, num_pages, page_bytes, D,
             PAGE, PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, BS, TILE_T, INIT, LOCAL, MODE, NATIVE_FP8,
-            PREFETCH, ONE_POS, FP4_WORDS, POST_SCALE, NSBP, DOT_F32, WP, LEAN)
+            PREFETCH, ONE_POS, FP4_WORDS, POST_SCALE, NSBP, DOT_F32, WP, LEAN, QM)
     return payload, scales, pg, pg_next, bmax, state

@@ -132,6 +132,7 @@ def _index_score_kernel(
     WP: tl.constexpr = 1,  # MODE_BLOCKS: write WP partial maxima per block (index_blocks), else the block max
     LEAN: tl.constexpr = False,  # leaner loop bookkeeping (`index_blocks.tile_step`)
     PAIR: tl.constexpr = False,  # two tiles per loop iteration (`index_blocks.pair_step`), then an odd tail tile
+    QM: tl.constexpr = False,  # query-major dots: Q [rows, D] x K^T, token maxima inside thread quads (`tiles.tile_dot`)
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -168,7 +169,7 @@ def _index_score_kernel(
     if LEAN and not PREFETCH:
         pg0 = -1 - pg * 0
     payload, scales = tiles.fetch(data_ptr, pg0, blk0 * BS, t_lim if PREFETCH else 0, page_bytes, D, TILE_T, PAGE,
-                                  PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE, LEAN)
+                                  PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, FP4_WORDS, POST_SCALE, LEAN, QM)
     pg_next = tiles.page_of(bt_row, blk0 * BS + TILE_T, t_lim, num_pages, PAGE)
     if PAIR:
         # the same steps as below, two per iteration; the odd tail tile after the loop (n_tiles > 0: C remainder
@@ -180,20 +181,20 @@ def _index_score_kernel(
                         2 * jj, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, pos, valid, bt_row,
                         data_ptr, qa, qb, qc, qd, colscale, out_ptr, out_row, row_ok, n_out, num_pages, page_bytes,
                         D, PAGE, PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, BS, TILE_T, INIT, LOCAL, MODE,
-                        NATIVE_FP8, PREFETCH, QT == 1, FP4_WORDS, POST_SCALE, NSBP, DOT_F32, WP, LEAN)
+                        NATIVE_FP8, PREFETCH, QT == 1, FP4_WORDS, POST_SCALE, NSBP, DOT_F32, WP, LEAN, QM)
         else:
             for jj in range(0, n_tiles // 2):
                 payload, scales, pg, pg_next, bmax, state = pair_step(
                     2 * jj, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, pos, valid, bt_row,
                     data_ptr, qa, qb, qc, qd, colscale, out_ptr, out_row, row_ok, n_out, num_pages, page_bytes,
                     D, PAGE, PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, BS, TILE_T, INIT, LOCAL, MODE,
-                    NATIVE_FP8, PREFETCH, QT == 1, FP4_WORDS, POST_SCALE, NSBP, DOT_F32, WP, LEAN)
+                    NATIVE_FP8, PREFETCH, QT == 1, FP4_WORDS, POST_SCALE, NSBP, DOT_F32, WP, LEAN, QM)
         if (n_tiles > 0) & (n_tiles % 2 == 1):
             payload, scales, pg, pg_next, bmax, state = tile_step(
                 n_tiles - 1, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, pos, valid, bt_row,
                 data_ptr, qa, qb, qc, qd, colscale, out_ptr, out_row, row_ok, n_out, num_pages, page_bytes, D,
                 PAGE, PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, BS, TILE_T, INIT, LOCAL, MODE, NATIVE_FP8,
-                PREFETCH, QT == 1, FP4_WORDS, POST_SCALE, NSBP, DOT_F32, WP, LEAN)
+                PREFETCH, QT == 1, FP4_WORDS, POST_SCALE, NSBP, DOT_F32, WP, LEAN, QM)
     else:
         if DOT_F32:
             # the interpreter cannot take a loaded scalar as a loop bound: run every step, skip the empty ones
@@ -203,14 +204,14 @@ def _index_score_kernel(
                         j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, pos, valid, bt_row,
                         data_ptr, qa, qb, qc, qd, colscale, out_ptr, out_row, row_ok, n_out, num_pages, page_bytes, D,
                         PAGE, PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, BS, TILE_T, INIT, LOCAL, MODE, NATIVE_FP8,
-                        PREFETCH, QT == 1, FP4_WORDS, POST_SCALE, NSBP, DOT_F32, WP, LEAN)
+                        PREFETCH, QT == 1, FP4_WORDS, POST_SCALE, NSBP, DOT_F32, WP, LEAN, QM)
         else:
             for j in range(0, n_tiles):
                 payload, scales, pg, pg_next, bmax, state = tile_step(
                     j, payload, scales, pg, pg_next, bmax, state, blk0, t_lim, col, pos, valid, bt_row,
                     data_ptr, qa, qb, qc, qd, colscale, out_ptr, out_row, row_ok, n_out, num_pages, page_bytes, D,
                     PAGE, PB, SB, PAYLOAD_BITS, SCALE_KIND, SCALE_BLOCK, BS, TILE_T, INIT, LOCAL, MODE, NATIVE_FP8,
-                    PREFETCH, QT == 1, FP4_WORDS, POST_SCALE, NSBP, DOT_F32, WP, LEAN)
+                    PREFETCH, QT == 1, FP4_WORDS, POST_SCALE, NSBP, DOT_F32, WP, LEAN, QM)
     if LEAN and MODE == MODE_BLOCKS:
         write_forced(blk0, n_iter, valid, out_ptr, out_row, row_ok, INIT, LOCAL, WP)
     if MODE == MODE_TOPK:
@@ -237,14 +238,14 @@ def _configs():
 
 _tuned_kernel = triton.autotune(
     configs=_configs(), key=["PAYLOAD_BITS", "SCALE_KIND", "D", "BS", "MP", "CH", "MODE", "HI", "NATIVE_FP8",
-                             "FP4_WORDS", "POST_SCALE", "WP", "LEAN", "PAIR"]
+                             "FP4_WORDS", "POST_SCALE", "WP", "LEAN", "PAIR", "QM"]
 )(_index_score_kernel)
 LAUNCH_OPTIONS = ("chunk_blocks", "q_tile", "prefetch", "native_fp8", "num_warps", "num_stages", "fp4_words",
                   "in_kernel_topk", "post_scale", "warp_partials", "select", "lean", "tile_pairs",
-                  "max_registers", "gluon", "tail_blocks")
+                  "max_registers", "gluon", "tail_blocks", "q_major")
 # launch options that pick a variant of the portable kernel: any of them given turns the Gluon fast path off
 PORTABLE_OPTIONS = ("q_tile", "prefetch", "native_fp8", "num_warps", "num_stages", "fp4_words", "in_kernel_topk",
-                    "post_scale", "warp_partials", "lean", "tile_pairs", "max_registers")
+                    "post_scale", "warp_partials", "lean", "tile_pairs", "max_registers", "q_major")
 
 # Two-pass top-k: the scorer writes per-warp partial block maxima (`index_blocks.part_nanmax`; no cross-warp reduction
 # in its loop, fewer barriers) and the select pass maxes them. Default for E2M1 keys that scale in the decode (nvfp4,
@@ -419,7 +420,8 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
     the comment above the launchers), select (the select pass's launch variant, `topk.SELECT_VARIANTS`), tile_pairs
     (two tiles per loop iteration, `index_blocks.pair_step`; FP4 top-k on CUDA: FP4_PAIR_LAUNCH), and prefetch /
     num_warps / num_stages / max_registers (a fixed launch instead of the autotuned one; max_registers: CUDA's maxnreg),
-    tail_blocks (the Gluon scorer's short final splits, `index_gluon.tail_blocks_for`; 0: none)."""
+    tail_blocks (the Gluon scorer's short final splits, `index_gluon.tail_blocks_for`; 0: none), q_major (query-major
+    dots, `index_tiles.tile_dot`)."""
     bad = set(options) - set(LAUNCH_OPTIONS)
     if bad:
         raise KernelArgumentError(f"index scorer: unknown launch options {sorted(bad)} (known: {LAUNCH_OPTIONS})")
@@ -497,7 +499,10 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
         wp = min(options.get("num_warps") or warps, tile_t // 16)
         wp = 1 << (wp.bit_length() - 1)
     n_out = {0: max_context, 1: nb * wp, 2: splits * kc_}[kmode]
-    out = torch.full((bsz, nq, hi, n_out), float("-inf"), dtype=torch.float32, device=iq4.device)
+    if two_pass:  # the select pass reads only each row's valid blocks, every one of which a program writes
+        out = torch.empty((bsz, nq, hi, n_out), dtype=torch.float32, device=iq4.device)
+    else:  # block / token scores: -inf past the valid ones
+        out = torch.full((bsz, nq, hi, n_out), float("-inf"), dtype=torch.float32, device=iq4.device)
     ids = torch.empty((bsz, nq, hi, n_out) if kmode == 2 else (1,), dtype=torch.int32, device=iq4.device)
     if bsz * nq and n_out:
         gscale = require_tensor_scale(cache) if fmt.scale_element == "fp32-tensor" else cache_scales(cache)[1]
@@ -513,7 +518,7 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
                       NATIVE_FP8=native_fp8(iq4.device) if native is None else bool(native),
                       FP4_WORDS=words, POST_SCALE=post, NSBP=nsbp, DOT_F32=INTERPRET, WP=wp,
                       LEAN=kmode == 1 and (LEAN_DEFAULT if options.get("lean") is None else bool(options["lean"])),
-                      PAIR=bool(options.get("tile_pairs", False)))
+                      PAIR=bool(options.get("tile_pairs", False)), QM=bool(options.get("q_major", False)))
         grid = (bsz * n_qtiles, splits)
         fixed = [k for k in ("prefetch", "num_warps", "num_stages", "max_registers") if options.get(k) is not None]
         if fixed or INTERPRET or warps < 4:

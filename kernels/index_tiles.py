@@ -164,10 +164,12 @@ def _in_page(t0, PAGE: tl.constexpr, TILE_T: tl.constexpr, LEAN: tl.constexpr):
 @triton.jit
 def fetch(data_ptr, pg, t0, t_lim, page_bytes, D: tl.constexpr, TILE_T: tl.constexpr, PAGE: tl.constexpr,
            PB: tl.constexpr, SB: tl.constexpr, PAYLOAD_BITS: tl.constexpr, SCALE_KIND: tl.constexpr,
-           SCALE_BLOCK: tl.constexpr, FP4_WORDS: tl.constexpr, POST_SCALE: tl.constexpr, LEAN: tl.constexpr = False):
+           SCALE_BLOCK: tl.constexpr, FP4_WORDS: tl.constexpr, POST_SCALE: tl.constexpr, LEAN: tl.constexpr = False,
+           QM: tl.constexpr = False):
     """Issue the loads of one key tile (tokens t0 .. t0 + TILE_T, all in page pg; token r's payload at byte
     r PB of the page's payload plane, its scales at r SB of the scale plane): (payload, scales) as stored: int16
-    [T, D] (bf16), uint8 [T, D] (e4m3), uint32 words [T, D/8] (packed E2M1); scales as `fetch_scales` gives them.
+    [T, D] (bf16; bf16 itself with QM, so that the loaded tile can feed the dot from shared memory unchanged),
+    uint8 [T, D] (e4m3), uint32 words [T, D/8] (packed E2M1); scales as `fetch_scales` gives them.
     Tokens of page -1 read as 0 and touch no memory; tokens at or past t_lim too, unless LEAN (`_tile_ok`)."""
     r = tl.arange(0, TILE_T)
     if LEAN:
@@ -176,7 +178,9 @@ def fetch(data_ptr, pg, t0, t_lim, page_bytes, D: tl.constexpr, TILE_T: tl.const
     else:
         ok = ((t0 + r) < t_lim) & (pg >= 0)
         pay = tl.maximum(pg, 0).to(tl.int64) * page_bytes + (t0 % PAGE) * PB
-    if PAYLOAD_BITS == 16:
+    if (PAYLOAD_BITS == 16) & QM:
+        ptrs = data_ptr.to(tl.pointer_type(tl.bfloat16)) + pay // 2 + r[:, None] * (PB // 2) + tl.arange(0, D)[None, :]
+    elif PAYLOAD_BITS == 16:
         ptrs = data_ptr.to(tl.pointer_type(tl.int16)) + pay // 2 + r[:, None] * (PB // 2) + tl.arange(0, D)[None, :]
     elif PAYLOAD_BITS == 8:
         ptrs = data_ptr + pay + r[:, None] * PB + tl.arange(0, D)[None, :]
@@ -236,30 +240,69 @@ def post_scale(acc, scales, TILE_T: tl.constexpr, NSBP: tl.constexpr, SCALE_KIND
 
 
 @triton.jit
+def _kq(k, q, QM: tl.constexpr):
+    """The first dot of a tile: keys [T, K] x query operand [K, MP] -> fp32 [T, MP], or with QM the same products
+    as query rows x key columns, [MP, T] (see `tile_dot`)."""
+    if QM:
+        return tl.dot(tl.trans(q), tl.trans(k))
+    else:
+        return tl.dot(k, q)
+
+
+@triton.jit
+def _kq_acc(k, q, acc, QM: tl.constexpr):
+    """`_kq` accumulated into acc (of the same orientation)."""
+    if QM:
+        return tl.dot(tl.trans(q), tl.trans(k), acc)
+    else:
+        return tl.dot(k, q, acc)
+
+
+@triton.jit
+def _oriented(acc, QM: tl.constexpr):
+    """A dot chain's result as [T, MP] (a transposed view of the QM chain's [MP, T]: no data moves)."""
+    if QM:
+        return tl.trans(acc)
+    else:
+        return acc
+
+
+@triton.jit
 def tile_dot(payload, scales, qa, qb, qc, qd, D: tl.constexpr, TILE_T: tl.constexpr, PAYLOAD_BITS: tl.constexpr,
               SCALE_KIND: tl.constexpr, SCALE_BLOCK: tl.constexpr, NATIVE_FP8: tl.constexpr,
-              FP4_WORDS: tl.constexpr, POST_SCALE: tl.constexpr, NSBP: tl.constexpr, DOT_F32: tl.constexpr):
+              FP4_WORDS: tl.constexpr, POST_SCALE: tl.constexpr, NSBP: tl.constexpr, DOT_F32: tl.constexpr,
+              QM: tl.constexpr = False):
     """Decode one fetched key tile and dot it with the query rows: fp32 [TILE_T, MP], times any per-token factor
-    (fp8 row scale, mxfp4 2**emax), before the column scale."""
+    (fp8 row scale, mxfp4 2**emax), before the column scale.
+
+    Orientation. By default the keys are the dot's A operand, K [T, K] x Q^T [K, MP]: decoded keys feed the tensor
+    cores from registers, but the accumulator spreads a tile's tokens over the warps, so a block max crosses warps
+    (shared memory and a barrier per block; `index_blocks.part_nanmax` avoids that for decode). QM (query-major)
+    computes the same products as Q [MP, K] x K^T [K, T]: the tokens of a row then sit in one thread quad, so the max
+    over them is in-thread plus two shuffles, and the query, fixed for the whole loop, is the A operand. The key
+    operand goes through shared memory (straight from the load for bf16; decoded keys are stored there first).
+    The same products and the same fp32 sums per tile in either orientation."""
     if PAYLOAD_BITS == 16:
-        if DOT_F32:
+        if QM:  # loaded as bf16 (`fetch`)
+            k = _f32_operand(payload, DOT_F32)
+        elif DOT_F32:
             k = (payload.to(tl.int32) << 16).to(tl.float32, bitcast=True)
         else:
             k = payload.to(tl.bfloat16, bitcast=True)
-        acc = tl.dot(k, qa)
+        acc = _oriented(_kq(k, qa, QM), QM)
     elif PAYLOAD_BITS == 8:
         if NATIVE_FP8:  # hardware e4m3 -> fp16 (two per instruction; NaN codes give NaN)
             k = payload.to(tl.float8e4nv, bitcast=True).to(tl.float16)
         else:  # the value times 2**-8 (the column scale holds 2**8)
             k = kc.e4m3_decode_f16(payload, False)
-        acc = tl.dot(_f32_operand(k, DOT_F32), qa)
+        acc = _oriented(_kq(_f32_operand(k, DOT_F32), qa, QM), QM)
     elif POST_SCALE:  # undecorated E2M1 quarters x the block-diagonal query, then the block scales
         NW_: tl.constexpr = D // 8
-        acc = tl.dot(_f32_operand(kc.fp4_quarter(payload, 0, TILE_T, NW_), DOT_F32), qa)
-        acc = tl.dot(_f32_operand(kc.fp4_quarter(payload, 1, TILE_T, NW_), DOT_F32), qb, acc)
-        acc = tl.dot(_f32_operand(kc.fp4_quarter(payload, 2, TILE_T, NW_), DOT_F32), qc, acc)
-        acc = tl.dot(_f32_operand(kc.fp4_quarter(payload, 3, TILE_T, NW_), DOT_F32), qd, acc)
-        acc = post_scale(acc, scales, TILE_T, NSBP, SCALE_KIND, NATIVE_FP8)
+        acc = _kq(_f32_operand(kc.fp4_quarter(payload, 0, TILE_T, NW_), DOT_F32), qa, QM)
+        acc = _kq_acc(_f32_operand(kc.fp4_quarter(payload, 1, TILE_T, NW_), DOT_F32), qb, acc, QM)
+        acc = _kq_acc(_f32_operand(kc.fp4_quarter(payload, 2, TILE_T, NW_), DOT_F32), qc, acc, QM)
+        acc = _kq_acc(_f32_operand(kc.fp4_quarter(payload, 3, TILE_T, NW_), DOT_F32), qd, acc, QM)
+        acc = post_scale(_oriented(acc, QM), scales, TILE_T, NSBP, SCALE_KIND, NATIVE_FP8)
     elif not FP4_WORDS:  # bytes: even and odd elements, each block scale gathered per byte [T, D/2]
         even, odd = kc.fp4_bytes(payload)
         if SCALE_KIND == SK_E4M3:
@@ -269,8 +312,8 @@ def tile_dot(payload, scales, qa, qb, qc, qd, D: tl.constexpr, TILE_T: tl.conste
                 f16 = kc.e4m3_decode_f16(scales)
         else:  # the same factors as the word path, from the gathered bytes
             f16, rowfac = kc.e8m0_tile_factors(scales)
-        acc = tl.dot(_f32_operand(even * f16, DOT_F32), qa)
-        acc = tl.dot(_f32_operand(odd * f16, DOT_F32), qb, acc)
+        acc = _kq(_f32_operand(even * f16, DOT_F32), qa, QM)
+        acc = _oriented(_kq_acc(_f32_operand(odd * f16, DOT_F32), qb, acc, QM), QM)
         if SCALE_KIND == SK_E8M0:
             acc = acc * rowfac[:, None]
     else:
@@ -285,10 +328,14 @@ def tile_dot(payload, scales, qa, qb, qc, qd, D: tl.constexpr, TILE_T: tl.conste
             f16, rowfac = kc.e8m0_word_factors(scales)
         else:
             f16, rowfac = kc.e8m0_tile_factors(scales)
-        acc = tl.dot(_f32_operand(_scaled(kc.fp4_quarter(payload, 0, TILE_T, NW), f16, TILE_T, NSB), DOT_F32), qa)
-        acc = tl.dot(_f32_operand(_scaled(kc.fp4_quarter(payload, 1, TILE_T, NW), f16, TILE_T, NSB), DOT_F32), qb, acc)
-        acc = tl.dot(_f32_operand(_scaled(kc.fp4_quarter(payload, 2, TILE_T, NW), f16, TILE_T, NSB), DOT_F32), qc, acc)
-        acc = tl.dot(_f32_operand(_scaled(kc.fp4_quarter(payload, 3, TILE_T, NW), f16, TILE_T, NSB), DOT_F32), qd, acc)
+        acc = _kq(_f32_operand(_scaled(kc.fp4_quarter(payload, 0, TILE_T, NW), f16, TILE_T, NSB), DOT_F32), qa, QM)
+        acc = _kq_acc(_f32_operand(_scaled(kc.fp4_quarter(payload, 1, TILE_T, NW), f16, TILE_T, NSB), DOT_F32), qb,
+                      acc, QM)
+        acc = _kq_acc(_f32_operand(_scaled(kc.fp4_quarter(payload, 2, TILE_T, NW), f16, TILE_T, NSB), DOT_F32), qc,
+                      acc, QM)
+        acc = _kq_acc(_f32_operand(_scaled(kc.fp4_quarter(payload, 3, TILE_T, NW), f16, TILE_T, NSB), DOT_F32), qd,
+                      acc, QM)
+        acc = _oriented(acc, QM)
         if SCALE_KIND == SK_E8M0:
             acc = acc * rowfac[:, None]
     if SCALE_KIND == SK_ROW:

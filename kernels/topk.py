@@ -176,7 +176,9 @@ MAX_SELECT_BLOCKS = 16384  # widest block-score row select_from_block_scores tak
 # per step (half the barriers). "splitN": N-column segments, one warp each (shuffles only, no barrier), then
 # `_merge_packed_kernel`. "packed" (the default) measured fastest or tied at every shape on the H200; the table of
 # SASS counts and times is in docs/kernels/topk.md.
+# "packedR<n>": "packed" with n rows per program (n warps at 256 columns), for the many short rows of prefill.
 SELECT_VARIANTS = {"legacy": (False, 0, 0), "flat": (False, 0, 8), "packed": (True, 0, 8),
+                   "packedR2": (True, 0, 8, 2), "packedR4": (True, 0, 8, 4), "packedR8": (True, 0, 8, 8),
                    "split128": (True, 128, 4), "split256": (True, 256, 8), "split512": (True, 512, 16)}
 SELECT_DEFAULT = "packed"
 
@@ -207,7 +209,8 @@ def select_from_block_scores(scores: torch.Tensor, pos: torch.Tensor, block_size
     out = torch.empty(bsz, nq, hi, topk, dtype=torch.int32, device=scores.device)
     if rows == 0:
         return out
-    packed, seg, per_thread = SELECT_VARIANTS[variant]
+    packed, seg, per_thread, *more = SELECT_VARIANTS[variant]
+    per_program = more[0] if more else 1
     nc = triton.next_power_of_2(max(nb, 2))
     if variant == "legacy":
         per = max(1, min(16, 4096 // nc))
@@ -217,10 +220,11 @@ def select_from_block_scores(scores: torch.Tensor, pos: torch.Tensor, block_size
                                                   PARTS=parts, num_warps=4 if nc <= 2048 else 8)
         return out
     if seg == 0 or nc <= seg:
-        # one row per program, `per_thread` elements per thread (at most 8 warps)
-        warps = max(1, min(8, nc // (32 * per_thread)))
-        _select_kernel[(rows, 1)](scores, pos, out, rows, hi, nb, block_size, NC=nc, TOPK=topk, ROWS=1,
-                                  HIGHER_ID=higher_id, PACKED=packed, SPLIT=False, PARTS=parts, num_warps=warps)
+        # `per_program` rows per program (default one), `per_thread` elements per thread (at most 8 warps)
+        warps = max(1, min(8, per_program * nc // (32 * per_thread)))
+        _select_kernel[(triton.cdiv(rows, per_program), 1)](
+            scores, pos, out, rows, hi, nb, block_size, NC=nc, TOPK=topk, ROWS=per_program, HIGHER_ID=higher_id,
+            PACKED=packed, SPLIT=False, PARTS=parts, num_warps=warps)
         return out
     # two levels: each program (row, segment) keeps its segment's packed top-k (one warp per segment: shuffle-only
     # reductions), then one program per row picks from those (exact: see the module docstring)

@@ -343,9 +343,10 @@ def bench_index_decode(impl: VllmM3, iq: torch.Tensor, cache, table: torch.Tenso
 
 
 def bench_index_prefill(impl: VllmM3, iq: torch.Tensor, cache, table: torch.Tensor, ctx: torch.Tensor,
-                        cfg: IndexerConfig):
+                        cfg: IndexerConfig, score_only: bool = False):
     """One request, every position a query: iq bf16 [1, Q, Hi, D] (the last Q positions of ctx[0]) -> callable
-    running minimax_m3_index_score then minimax_m3_index_topk, as vLLM's prefill does."""
+    running minimax_m3_index_score then minimax_m3_index_topk, as vLLM's prefill does (score_only: the first alone,
+    to split the time)."""
     ops, standin = impl.ops["index"], _standin(iq.device)
     kcache = index_cache_tensor(cache, standin)
     q = iq[0].to(torch.float32 if standin else torch.bfloat16).contiguous()
@@ -359,6 +360,8 @@ def bench_index_prefill(impl: VllmM3, iq: torch.Tensor, cache, table: torch.Tens
     @_quiet
     def run():
         score = ops.minimax_m3_index_score(q, kcache, table, cu, seq, prefix, nq, n, hi)
+        if score_only:
+            return score
         return ops.minimax_m3_index_topk(score, cu, prefix, nq, cfg.topk, cfg.init_blocks, cfg.local_blocks)
 
     return run

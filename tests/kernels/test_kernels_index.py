@@ -478,6 +478,33 @@ def test_prefill_tile_pairs(label):
                                                tile_pairs=True, chunk_blocks=8), ref_scores, tol)
 
 
+@pytest.mark.parametrize("label", ["bf16", "fp8", "fp8-token", "nvfp4", "mxfp4"])
+def test_prefill_q_major(label):
+    """Query-major dots (q_major: Q x K^T, so a row's token maxima reduce inside a thread quad) in prefill: the
+    reference's ids and block scores on the poisoned cache, with and without LEAN, with tile pairs and with the
+    register double buffer; the prefill select variants (several rows per program) pick the same ids."""
+    cache, table, cl, iq, cfg, ref_ids, ref_scores, tol = poisoned_prefill(label, seed=74)
+    assert_ids_match(K.prefill_topk(iq, cache, table, cl, cfg, q_major=True, prefetch=False, lean=True), ref_ids,
+                     ref_scores, tol)
+    assert_scores_match(K.prefill_block_scores(iq, cache, table, cl, cfg, q_major=True, prefetch=True, lean=False,
+                                               chunk_blocks=2), ref_scores, tol)
+    assert_scores_match(K.prefill_block_scores(iq, cache, table, cl, cfg, q_major=True, prefetch=False, lean=True,
+                                               tile_pairs=True, chunk_blocks=4), ref_scores, tol)
+    base = K.prefill_topk(iq, cache, table, cl, cfg, prefetch=False)
+    for variant in ("packedR2", "packedR4", "packedR8"):
+        assert torch.equal(K.prefill_topk(iq, cache, table, cl, cfg, prefetch=False, select=variant), base), variant
+
+
+@pytest.mark.parametrize("label", ["bf16", "fp8", "nvfp4", "mxfp4"])
+def test_decode_q_major(label):
+    """q_major in decode (one query row per program, padded to the 16 rows a dot needs) on the LEAN test's poisoned
+    ragged cache: the reference's ids and block scores."""
+    cache, table, cl, _ = poisoned_cache(label, [1, 31, 32, 33, 0, 129, 200], page=16, seed=76)
+    iq = queries(7, 4, 128, seed=77)
+    cfg = IndexerConfig(block_size=32, topk=4, init_blocks=1, local_blocks=2)
+    check_decode(cache, table, cl, iq, cfg, chunk_blocks=2, lean=True, q_major=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("label", ["fp8", "nvfp4", "mxfp4"])
 def test_gpu_decode_tile_pairs(label):
@@ -693,6 +720,28 @@ def test_gpu_post_scale_variants(label, variant):
     check_decode(cache, table, cl, queries(len(ctx), 4, 128, seed=47), IndexerConfig(), **opts)
     if variant != "post-prefetch":
         check_decode(cache, table, cl, queries(len(ctx), 4, 128, seed=48), IndexerConfig(), num_stages=3, **opts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("label", ["bf16", "fp8", "fp8-token", "nvfp4", "mxfp4"])
+def test_gpu_prefill_q_major(label):
+    """Query-major prefill launches at engine geometry (128-token pages and blocks, 4 heads, top-16, 512 queries
+    into 4K and 3001-token contexts): the reference's ids through 64- and 128-row tiles, 4 and 8 warps, and every
+    prefill select variant; the same ids as the default launch."""
+    ctx = [4096, 3001]
+    cache, table, cl, _ = make_cache(label, ctx, page=128, seed=78)
+    iq = queries(2, 4, 128, seed=79, q=512)
+    cfg = IndexerConfig()
+    ref_ids, ref_scores = paged_reference(iq, cache, table, cl, cfg)
+    tol = tolerance(iq, cache, table, cl)
+    base = K.prefill_topk(iq, cache, table, cl, cfg)
+    assert_ids_match(base, ref_ids, ref_scores, tol)
+    for q_tile, warps, stages in ((16, 4, 3), (32, 4, 3), (32, 8, 3), (32, 4, 2)):
+        ids = K.prefill_topk(iq, cache, table, cl, cfg, q_major=True, q_tile=q_tile, num_warps=warps,
+                             num_stages=stages, prefetch=False)
+        assert_ids_match(ids, ref_ids, ref_scores, tol)
+    for variant in ("packedR2", "packedR4", "packedR8"):
+        assert torch.equal(K.prefill_topk(iq, cache, table, cl, cfg, select=variant), base), variant
 
 
 @pytest.mark.gpu
