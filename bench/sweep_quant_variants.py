@@ -26,16 +26,17 @@ dev = "cuda"
 copy = copy_bandwidth(dev)
 print(f"copy {copy:.0f} GB/s", flush=True)
 
-# (variant, config) per scale element: the current defaults (first row of each list) against the encode toggles the
-# store keeps (kernels/store.py FAST_CODECS / MUL_PACK); a config "x0.5" / "x2" scales the default rows per program.
-# Lane-split block loads (11:29 UTC) and persistent programs (13:17 / 13:21 UTC) measured no gain and were removed.
-# GLUON=False: the portable kernel where the Hopper TMA path (kernels/store_gluon.py) is the default; GLUON_*: its
-# tile rows, stages in flight and programs per SM.
-GL = [dict(GLUON=False), dict(GLUON_PACKED_AMAX=False, GLUON_RCP_LUT=False), dict(GLUON_ROWS=32, GLUON_PROGRAMS=8,
-      GLUON_WARPS=4)]
+# (variant, config, gluon) per scale element, as launch_store takes them (variant keys: kernels/store.py VARIANTS):
+# the current defaults (first row of each list) against the launch variants the store keeps; a config "x0.5" / "x2"
+# scales the default rows per program. gluon=False: the portable kernel where the Hopper TMA path
+# (kernels/store_gluon.py) is the default; GLUON_*: its tile rows, programs per SM and warps, and the nvfp4 packed amax
+# / reciprocal table. Variants measured no gain and removed (lane-split block loads, persistent programs):
+# docs/kernels/store.md.
+GL = [(dict(), None, False), (dict(GLUON_PACKED_AMAX=False, GLUON_RCP_LUT=False), None, None),
+      (dict(GLUON_ROWS=32, GLUON_PROGRAMS=8, GLUON_WARPS=4), None, None)]
 STORE = {
-    "e8m0": [(dict(), None)] + [(v, None) for v in GL],
-    "e4m3": [(dict(), None)] + [(v, None) for v in GL],
+    "e8m0": [(dict(), None, None)] + GL,
+    "e4m3": [(dict(), None, None)] + GL,
 }
 if parts not in ("store", "all"):
     STORE = {}
@@ -75,25 +76,27 @@ for n_el, label in [(n, lb) for n in sizes for lb in labels]:
     del src, dst
     print(f"== {n_el / 2**20:.0f}M {fmt.label}: store {st_bytes / 1e6:.0f} MB, dequant {dq_bytes / 1e6:.0f} MB; "
           f"same-bytes copy {same:.0f} GB/s ({same / copy:.1%} of the 1 GiB copy)", flush=True)
-    for var, cfg in STORE.get(fmt.scale_element, []):
+    for var, cfg, gluon in STORE.get(fmt.scale_element, []):
+        name = str(var) if gluon is None else f"{var} gluon={gluon}"
         if isinstance(cfg, str):  # rows per program scaled from the default config
             rows, warps = launch_config(DIM, fmt.spec.payload_bits, None, fmt.block or 32)
             cfg = (max(1, int(rows * float(cfg[1:]))), warps)
         t0 = time.time()
         try:
             cache.data.zero_()
-            fn = lambda: launch_store(x, slots, cache.data, None, fmt, config=cfg, variant=var, **kw)  # noqa: E731
+            fn = lambda: launch_store(x, slots, cache.data, None, fmt, config=cfg, variant=var, gluon=gluon,  # noqa: E731
+                                      **kw)
             fn()
             torch.cuda.synchronize()
             ok = torch.equal(cache.data, ref.data)
             sec = time_fn(fn, dev, cuda_graph=True)
-            TABLE.setdefault((fmt.label, str(var), str(cfg)), {})[n_el] = (st_bytes / sec / 1e9 / copy, ok)
-            print(f"store   {fmt.label:12s} {str(var):40s} {str(cfg):>8s}  {'OK ' if ok else 'BAD'} "
+            TABLE.setdefault((fmt.label, name, str(cfg)), {})[n_el] = (st_bytes / sec / 1e9 / copy, ok)
+            print(f"store   {fmt.label:12s} {name:40s} {str(cfg):>8s}  {'OK ' if ok else 'BAD'} "
                   f"{sec * 1e6:8.1f} us {st_bytes / sec / 1e9:6.0f} GB/s {st_bytes / sec / 1e9 / copy:6.1%} "
                   f"[{st_bytes / sec / 1e9 / same:6.1%} of same-bytes copy] (compile+check {time.time() - t0:.1f}s)", flush=True)
         except Exception as e:  # noqa: BLE001
-            TABLE.setdefault((fmt.label, str(var), str(cfg)), {})[n_el] = (float("nan"), False)
-            print(f"store   {fmt.label} {var} {cfg}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            TABLE.setdefault((fmt.label, name, str(cfg)), {})[n_el] = (float("nan"), False)
+            print(f"store   {fmt.label} {name} {cfg}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
     out = torch.empty(tokens, 1, DIM, dtype=torch.bfloat16, device=dev)
     for var, cfg in DEQ:
         t0 = time.time()

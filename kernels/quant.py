@@ -5,6 +5,8 @@ dequantize kernels in their planes mode. `triton_quantize(fmt, x)` returns the s
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from kvtool.errors import InputError, KernelArgumentError
@@ -18,14 +20,16 @@ __all__ = ["triton_dequantize", "triton_quantize"]
 
 
 def triton_quantize(fmt: Format, x: torch.Tensor, tensor_amax: torch.Tensor | None = None, *,
-                    check_finite: bool = True, config: tuple[int, int] | None = None) -> QTensor:
+                    check_finite: bool = True, config: tuple[int, int] | None = None,
+                    variant: Mapping[str, object] | None = None) -> QTensor:
     """Quantize x [..., D] (bf16 / fp16 / fp32, on CUDA or under the interpreter) along its last dimension.
 
     Returns QTensor(fmt, payload, scales, outer_scale, x.shape) with the torch path's types: payload uint8
     [..., D * bits / 8] (bf16 [..., D] for bf16), scales uint8 [..., D / block] (nvfp4 / mxfp4), fp32 [..., 1] (fp8
     token), a 0-dim fp32 tensor (fp8 tensor) or None. `tensor_amax` (fp32 scalar tensor) stands in for the whole
     tensor's amax when x is a chunk (fp8 tensor scale, nvfp4 `auto`). Non-finite input raises InputError unless
-    `check_finite` is False (that check is an extra pass over x)."""
+    `check_finite` is False (that check is an extra pass over x). `config` / `variant`: the store's launch overrides
+    (`store.launch_store`; tests and sweeps)."""
     if not x.is_floating_point():
         raise InputError(f"quantize: dtype {x.dtype} is not floating point")
     if x.dim() == 0:
@@ -51,7 +55,7 @@ def triton_quantize(fmt: Format, x: torch.Tensor, tensor_amax: torch.Tensor | No
         scales_out = fp8_row_scale(amax.reshape(()), ds_floor=False, pow2=False).to(x.device)
         tensor_scale = float(scales_out)
     launch_store(x2.unsqueeze(1), None, payload, scales if scales.numel() else None, fmt, tensor_scale=tensor_scale,
-                 g_dec=g_dec, config=config)
+                 g_dec=g_dec, config=config, variant=variant)
     return qtensor_of_bytes(fmt, payload, scales, tuple(x.shape), lead=lead, tensor_scale=scales_out, outer_scale=g_dec)
 
 

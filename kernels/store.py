@@ -27,6 +27,7 @@ program): docs/kernels/store.md.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -44,10 +45,10 @@ from kvtool.kernels.paged_rows import row_addresses
 from kvtool.kernels.platform import INTERPRET
 
 __all__ = [
-    "BLOCK_FORMAT_CONFIGS", "DEFAULT_VARIANT", "FAST_CODECS", "INPUT_DTYPES", "KernelFormat", "LAUNCH_CONFIGS",
-    "MUL_PACK", "SCALE_E4M3", "SCALE_E8M0", "SCALE_NONE", "SCALE_ROW", "SCALE_TENSOR", "cache_scales", "check_cache",
-    "check_floating", "check_slot_ids", "launch_config", "launch_store", "load_blocks", "load_f32", "native_fp8",
-    "next_pow2", "outer_scales", "require_tensor_scale", "row_mask", "store", "word_aligned"
+    "BLOCK_FORMAT_CONFIGS", "FAST_CODECS", "INPUT_DTYPES", "KernelFormat", "LAUNCH_CONFIGS", "MUL_PACK",
+    "SCALE_E4M3", "SCALE_E8M0", "SCALE_NONE", "SCALE_ROW", "SCALE_TENSOR", "VARIANTS", "cache_scales", "check_cache",
+    "check_floating", "check_slot_ids", "check_variant", "launch_config", "launch_store", "load_blocks", "load_f32",
+    "native_fp8", "next_pow2", "outer_scales", "require_tensor_scale", "row_mask", "store", "word_aligned"
 ]
 
 # Scale kinds as kernel constexprs, keyed by Format.scale_element (the format is data; the kernel reads this number).
@@ -273,8 +274,27 @@ FAST_CODECS = {"e4m3": True, "e8m0": False}
 # fewer registers let more warps queue on the L1 (see the module docstring); both measured on the H200 with the
 # FAST_CODECS bench (docs/kernels/store.md). `variant={"MUL_PACK": ...}` overrides.
 MUL_PACK = {"e4m3": True, "e8m0": False}
-# Kernel constexpr overrides for every launch (tests set {"FAST": ...} to run both codecs through the public store).
-DEFAULT_VARIANT: dict = {}
+# Launch variants (`variant=` of launch_store / store), key -> what it overrides; an absent key keeps the default.
+# The portable kernel's encode (FAST, MUL_PACK: defaults per scale element above) and the Hopper store's launch
+# (store_gluon.VARIANTS, ignored where the portable kernel runs). Tests run every encode through them and
+# bench/sweep_quant_variants.py re-measures them; any other key is a KernelArgumentError.
+VARIANTS = {
+    "FAST": "4-bit formats: the *_quantize_block_fast codecs (FAST_CODECS)",
+    "MUL_PACK": "4-bit formats with word rows: kc.*_scale_block + kc.e2m1_words (MUL_PACK)",
+    **store_gluon.VARIANTS,
+}
+
+
+def check_variant(variant: Mapping[str, object] | None) -> Mapping[str, object]:
+    """`variant` (None: no overrides) after checking its keys against VARIANTS (KernelArgumentError otherwise)."""
+    if not variant:
+        return {}
+    if not isinstance(variant, Mapping):
+        raise KernelArgumentError(f"store: variant must be a mapping of VARIANTS keys, got {type(variant).__name__}")
+    bad = sorted(set(variant) - set(VARIANTS))
+    if bad:
+        raise KernelArgumentError(f"store: unknown variant keys {bad} (known: {sorted(VARIANTS)})")
+    return variant
 
 
 def check_floating(x: torch.Tensor, name: str) -> None:
@@ -327,11 +347,13 @@ def outer_scales(g_dec: float) -> tuple[float, float]:
 def launch_store(x3: torch.Tensor, slots: torch.Tensor | None, payload: torch.Tensor, scales: torch.Tensor | None,
                  fmt: Format, *, page_size: int = 1, page_stride: int = 0, head_stride: int = 0,
                  tensor_scale: float = 1.0, g_dec: float = 1.0, config: tuple[int, int] | None = None,
-                 variant: dict | None = None, gluon: bool | None = None) -> None:
+                 variant: Mapping[str, object] | None = None, gluon: bool | None = None) -> None:
     """Launch `_store_kernel` on x3 [T, H, D] (last dim contiguous). With `slots` it writes pages of `payload` (the
     uint8 cache buffer; `scales` is ignored), without it the planes `payload` [T * H, PB] and `scales` [T * H, SB].
     `gluon`: None takes the Hopper fast path (kernels/store_gluon.py) where it applies, False never, True requires
-    it (KernelArgumentError where it cannot run); a `config` means the portable kernel."""
+    it (KernelArgumentError where it cannot run); a `config` means the portable kernel. `variant`: VARIANTS
+    overrides (tests, bench sweeps); the bytes are the same for every variant."""
+    variant = check_variant(variant)
     T, H, D = x3.shape
     if T * H == 0:
         return
@@ -341,21 +363,19 @@ def launch_store(x3: torch.Tensor, slots: torch.Tensor | None, payload: torch.Te
     pb = fmt.payload_bytes(D)
     bits = fmt.spec.payload_bits
     opts = dict(WORDS=word_aligned(payload, pb, page_stride, head_stride),
-                FAST=FAST_CODECS.get(fmt.scale_element, False),
+                FAST=variant.get("FAST", FAST_CODECS.get(fmt.scale_element, False)),
                 BF16_AMAX=x3.dtype == torch.bfloat16 and not INTERPRET)  # (the interpreter's fma rounds twice)
-    opts.update(DEFAULT_VARIANT)
-    opts.update(variant or {})
-    opts["MUL_PACK"] = bool(opts.get("MUL_PACK", MUL_PACK.get(fmt.scale_element, False))) and opts["WORDS"]
-    # the Hopper fast path (kernels/store_gluon.py) where it applies; variant GLUON=False or a config forces this one
-    tuning = {k: opts.pop(k) for k in list(opts) if k.startswith("GLUON")}
-    use_gluon = tuning.pop("GLUON", True) if gluon is None else gluon
+    opts["MUL_PACK"] = bool(variant.get("MUL_PACK", MUL_PACK.get(fmt.scale_element, False))) and opts["WORDS"]
+    # the Hopper fast path (kernels/store_gluon.py) where it applies; gluon=False or a config forces this one
+    tuning = {k: v for k, v in variant.items() if k in store_gluon.VARIANTS}
+    use_gluon = gluon is not False
     fast_ok = config is None and store_gluon.applies(x3, fmt, opts["WORDS"])
     if gluon and not fast_ok:
         raise KernelArgumentError("gluon=True: the Gluon store needs CUDA capability >= 9.0, bf16 rows of 128 with "
                                   "contiguous heads, a 4-bit block format with word-aligned rows, and no config")
     if use_gluon and fast_ok:
         store_gluon.launch(x3, slots, payload, scales, fmt, opts, page_size=page_size, page_stride=page_stride,
-                           head_stride=head_stride, g_dec=g_dec, g_enc=g_enc, **tuning)
+                           head_stride=head_stride, g_dec=g_dec, g_enc=g_enc, variant=tuning)
         return
     block_r, num_warps = launch_config(dp, bits, config, fmt.block or 32)
     grid = (triton.cdiv(T, block_r), H)
@@ -375,14 +395,17 @@ def word_aligned(buf: torch.Tensor, pb: int, *strides: int) -> bool:
 
 # ----------------------------------------------------------------------------------------------------- the store
 def store(cache, x: torch.Tensor, slot_mapping: torch.Tensor, *, validate: bool = True,
-          config: tuple[int, int] | None = None, gluon: bool | None = None) -> None:
+          config: tuple[int, int] | None = None, gluon: bool | None = None,
+          variant: Mapping[str, object] | None = None) -> None:
     """Triton twin of `PagedCache.store`: quantize x [N, H, D] (bf16 / fp16 / fp32, last dim contiguous) in the
     cache's format and write token i's payload and scales to slot `slot_mapping[i]` (int32 / int64 [N], -1 skips).
 
     Same bytes as the torch path. `validate` (default) also checks what the torch path checks on values: finite
     input (InputError, nothing written) and slot ids in range (LayoutError); both cost a pass over the data and a host
     sync, so engines that guarantee them pass False. Whole-tensor scales come from `cache.tensor_amax`, frozen from the
-    first store as in the torch path. `gluon`: the Hopper fast path's switch (see launch_store)."""
+    first store as in the torch path. `gluon`: the Hopper fast path's switch; `variant`: launch overrides (VARIANTS;
+    both see launch_store)."""
+    variant = check_variant(variant)
     check_cache(cache)
     if x.dim() != 3 or tuple(x.shape[1:]) != (cache.num_heads, cache.head_dim):
         raise KernelArgumentError(f"store: x must be [N, {cache.num_heads}, {cache.head_dim}], got {list(x.shape)}")
@@ -397,7 +420,7 @@ def store(cache, x: torch.Tensor, slot_mapping: torch.Tensor, *, validate: bool 
     tensor_scale, g_dec = cache_scales(cache)
     launch_store(x, slot_mapping, cache.data, None, cache.fmt, page_size=cache.page_size,
                  page_stride=cache.data.stride(0), head_stride=cache.data.stride(1), tensor_scale=tensor_scale,
-                 g_dec=g_dec, config=config, gluon=gluon)
+                 g_dec=g_dec, config=config, gluon=gluon, variant=variant)
 
 
 def cache_scales(cache) -> tuple[float, float]:

@@ -33,6 +33,8 @@ portable kernel, tested in CI under the interpreter) `store.launch_store` runs t
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import triton
 
@@ -43,7 +45,8 @@ from kvtool.kernels import paged_rows
 from kvtool.kernels.gluon_port import port
 from kvtool.kernels.platform import cuda_at_least, num_sms
 
-__all__ = ["CONFIGS", "DIM", "MUL_PACK", "PACKED_AMAX", "RCP_LUT", "applies", "device_ok", "launch", "rcp_lut"]
+__all__ = ["CONFIGS", "DIM", "MUL_PACK", "PACKED_AMAX", "RCP_LUT", "VARIANTS", "RcpTables", "applies", "device_ok",
+           "launch", "rcp_lut"]
 
 try:  # Gluon ships with Triton >= 3.5; without it the portable kernel runs everywhere
     from triton.experimental import gluon
@@ -67,6 +70,15 @@ MUL_PACK = False
 # decode, multiply and IEEE reciprocal; same bytes
 PACKED_AMAX = True
 RCP_LUT = True
+# Launch variants (`store.launch_store(variant=...)` passes them here), key -> what it overrides; None or absent keeps
+# the default. The bench sweep (bench/sweep_quant_variants.py) re-measures them against the defaults above.
+VARIANTS = {
+    "GLUON_ROWS": "rows per tile (CONFIGS)",
+    "GLUON_PROGRAMS": "programs per SM (CONFIGS)",
+    "GLUON_WARPS": "warps per program (CONFIGS)",
+    "GLUON_PACKED_AMAX": "nvfp4 fast codec: the block amax by packed bf16x2 maxima (PACKED_AMAX)",
+    "GLUON_RCP_LUT": "nvfp4 rcp: the per-block reciprocal from a table (RCP_LUT)",
+}
 
 if gluon is not None:
     kg = port(kc)
@@ -219,23 +231,36 @@ def device_ok(device: torch.device) -> bool:
     return cuda_at_least(device, (9, 0))
 
 
-_RCP_TABLES: dict = {}
+class RcpTables:
+    """The reciprocal tables (kc.rcp_table) of the launches, one per (device, g_dec), computed once and kept; at most
+    `limit` (`auto` outer scales give one per tensor amax), then it starts over."""
+
+    def __init__(self, limit: int = 64):
+        self.limit = limit
+        self.tables: dict[tuple[torch.device, float], torch.Tensor] = {}
+
+    def get(self, device: torch.device, g_dec: float) -> torch.Tensor | None:
+        """The table for (device, g_dec); None while a CUDA graph is being captured and the table does not exist yet
+        (the kernel then divides, as the portable one does)."""
+        key = (torch.device(device), float(g_dec))
+        table = self.tables.get(key)
+        if table is None:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                return None
+            table = torch.empty(256, dtype=torch.float32, device=key[0])
+            kc.rcp_table[(1,)](table, float(g_dec))
+            if len(self.tables) >= self.limit:
+                self.tables.clear()
+            self.tables[key] = table
+        return table
+
+
+_RCP_TABLES = RcpTables()
 
 
 def rcp_lut(device: torch.device, g_dec: float) -> torch.Tensor | None:
-    """kc.rcp_table for (device, g_dec), computed once and kept (None while a CUDA graph is being captured and the
-    table does not exist yet: the kernel then divides, as the portable one does)."""
-    key = (torch.device(device), float(g_dec))
-    table = _RCP_TABLES.get(key)
-    if table is None:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            return None
-        table = torch.empty(256, dtype=torch.float32, device=key[0])
-        kc.rcp_table[(1,)](table, float(g_dec))
-        if len(_RCP_TABLES) >= 64:  # `auto` outer scales: one table per tensor amax
-            _RCP_TABLES.clear()
-        _RCP_TABLES[key] = table
-    return table
+    """kc.rcp_table for (device, g_dec) from the launches' kept tables (RcpTables.get)."""
+    return _RCP_TABLES.get(device, g_dec)
 
 
 def applies(x3: torch.Tensor, fmt: Format, words: bool) -> bool:
@@ -252,15 +277,16 @@ def applies(x3: torch.Tensor, fmt: Format, words: bool) -> bool:
 
 def launch(x3: torch.Tensor, slots: torch.Tensor | None, payload: torch.Tensor, scales: torch.Tensor | None,
            fmt: Format, opts: dict, *, page_size: int, page_stride: int, head_stride: int, g_dec: float,
-           g_enc: float, GLUON_ROWS: int | None = None, GLUON_PROGRAMS: int | None = None,
-           GLUON_WARPS: int | None = None, GLUON_PACKED_AMAX: bool | None = None,
-           GLUON_RCP_LUT: bool | None = None) -> None:
-    """Launch `store_tma_kernel` (arguments as store.launch_store, after its checks; `opts` its FAST codec choice;
-    GLUON_* override CONFIGS' rows, programs and warps, PACKED_AMAX and RCP_LUT: the variants bench/sweep_quant_variants.py
-    re-measures)."""
+           g_enc: float, variant: Mapping[str, object] | None = None) -> None:
+    """Launch `store_tma_kernel` (arguments as store.launch_store, after its checks; `opts` its FAST codec choice).
+    `variant`: VARIANTS keys overriding this launch's defaults (CONFIGS' rows, programs and warps, PACKED_AMAX,
+    RCP_LUT), the variants bench/sweep_quant_variants.py re-measures; store.launch_store has checked the keys."""
+    variant = variant or {}
     rows, stages, programs, warps = CONFIGS[fmt.scale_element]
-    GLUON_ROWS = GLUON_ROWS or rows
-    GLUON_PROGRAMS, GLUON_WARPS = GLUON_PROGRAMS or programs, GLUON_WARPS or warps
+    GLUON_ROWS = variant.get("GLUON_ROWS") or rows
+    GLUON_PROGRAMS = variant.get("GLUON_PROGRAMS") or programs
+    GLUON_WARPS = variant.get("GLUON_WARPS") or warps
+    GLUON_PACKED_AMAX, GLUON_RCP_LUT = variant.get("GLUON_PACKED_AMAX"), variant.get("GLUON_RCP_LUT")
     T, H, _ = x3.shape
     x2 = torch.as_strided(x3, (T, H * DIM), (x3.stride(0) if T > 1 else H * DIM, 1))
     layout = gl.NVMMASharedLayout.get_default_for([GLUON_ROWS, DIM], gl.bfloat16)

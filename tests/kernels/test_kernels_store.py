@@ -98,12 +98,13 @@ def first_diff(a: torch.Tensor, b: torch.Tensor) -> str:
 
 # ------------------------------------------------------------------------------------------------------ checks
 def check_store(fmt: Format, x: torch.Tensor, slots: torch.Tensor, pages: int, page_size: int, seed: int,
-                validate: bool = True) -> None:
-    """Kernel store == torch store over the whole buffer; gather-dequantize == torch dequantize, fp32 and bf16."""
+                validate: bool = True, variant: dict | None = None) -> None:
+    """Kernel store (with the launch `variant`) == torch store over the whole buffer; gather-dequantize == torch
+    dequantize, fp32 and bf16."""
     n, heads, dim = x.shape
     ref, ker = fresh_caches(fmt, pages, page_size, heads, dim, x.device.type, seed)
     ref.store(x, slots)
-    store(ker, x, slots, validate=validate)
+    store(ker, x, slots, validate=validate, variant=variant)
     assert ref.tensor_amax == ker.tensor_amax
     assert torch.equal(ker.data.cpu(), ref.data.cpu()), \
         f"{fmt.label} seed {seed}: cache bytes {first_diff(ker.data, ref.data)}"
@@ -113,10 +114,12 @@ def check_store(fmt: Format, x: torch.Tensor, slots: torch.Tensor, pages: int, p
         assert same_bits(got, want), f"{fmt.label} seed {seed} {dtype}: values {first_diff(got, want)}"
 
 
-def check_planes(fmt: Format, x: torch.Tensor, tensor_amax: torch.Tensor | None = None) -> None:
-    """triton_quantize == fmt.quantize (payload, scales, outer scale, types); triton_dequantize == q.dequantize."""
+def check_planes(fmt: Format, x: torch.Tensor, tensor_amax: torch.Tensor | None = None,
+                 variant: dict | None = None) -> None:
+    """triton_quantize (with the store's launch `variant`) == fmt.quantize (payload, scales, outer scale, types);
+    triton_dequantize == q.dequantize."""
     want = fmt.quantize(x, tensor_amax=tensor_amax)
-    got = triton_quantize(fmt, x, tensor_amax)
+    got = triton_quantize(fmt, x, tensor_amax, variant=variant)
     assert got.shape == want.shape and got.outer_scale == want.outer_scale
     assert same_bits(got.payload, want.payload), f"{fmt.label}: payload {first_diff(got.payload, want.payload)}"
     if want.scales is None:
@@ -371,18 +374,15 @@ FP4_VARIANTS = {"fast-codec": {"FAST": True, "MUL_PACK": False}, "codec": {"FAST
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", list(FP4_VARIANTS))
 @pytest.mark.parametrize("fmt", FP4_FORMATS, ids=lambda f: f.label)
-def test_store_gpu_fp4_codecs(fmt, variant, device, monkeypatch):
+def test_store_gpu_fp4_codecs(fmt, variant, device):
     """Every 4-bit encode path (kernels/store.py FAST_CODECS / MUL_PACK pick the defaults) through the public store
     at real sizes: head dims 64 and 256, bf16 into 128-token pages, 20 % of tokens skipped."""
-    from kvtool.kernels import store as store_mod
-
-    monkeypatch.setattr(store_mod, "DEFAULT_VARIANT", FP4_VARIANTS[variant])
     seed = SEED + 21
     n, pages, page_size = 1 << 15, (1 << 15) * 5 // 4 // 128, 128
     slots = slot_mapping(n, pages * page_size, page_size, seed).to(device)
     for dim in (64, 256):
         x = spread_values((n, 2, dim), seed + dim, torch.bfloat16).to(device)
-        check_store(fmt, x, slots, pages, page_size, seed, validate=False)
+        check_store(fmt, x, slots, pages, page_size, seed, validate=False, variant=FP4_VARIANTS[variant])
 
 
 # (tokens, heads): 1 row, a partial tile, ragged, H > 1; and 5 heads, which the H200's programs (132 SMs x 8 or 16)
@@ -398,7 +398,6 @@ def test_store_gluon_gpu(fmt, variant, device, monkeypatch):
     each codec form: bf16 rows of 128, token counts that are not multiples of the 64-row tile, a head slice of a
     wider tensor (strided tokens), 20 % of tokens skipped, runs across page boundaries; the edge-case table; and
     whole-tensor quantize (planes). A spy checks that the fast path ran."""
-    from kvtool.kernels import store as store_mod
     from kvtool.kernels import store_gluon
 
     if not store_gluon.device_ok(torch.device(device)):
@@ -413,23 +412,20 @@ def test_store_gluon_gpu(fmt, variant, device, monkeypatch):
         x = spread_values((n, heads + 2, 128), seed, torch.bfloat16).to(device)[:, 1:1 + heads]
         pages = n * 5 // 4 // page_size + 2
         slots = slot_mapping(n, pages * page_size, page_size, seed).to(device)
-        monkeypatch.setattr(store_mod, "DEFAULT_VARIANT", base)
         count = len(ran)
-        check_store(fmt, x, slots, pages, page_size, seed, validate=False)
+        check_store(fmt, x, slots, pages, page_size, seed, validate=False, variant=base)
         assert len(ran) == count + 1, "the Gluon store did not run"
-        monkeypatch.setattr(store_mod, "DEFAULT_VARIANT", {**base, "GLUON": False})
         _, portable = fresh_caches(fmt, pages, page_size, heads, 128, device, seed)
         _, fast = fresh_caches(fmt, pages, page_size, heads, 128, device, seed)
-        store(portable, x, slots, validate=False)
-        monkeypatch.setattr(store_mod, "DEFAULT_VARIANT", base)
-        store(fast, x, slots, validate=False)
+        store(portable, x, slots, validate=False, gluon=False, variant=base)
+        store(fast, x, slots, validate=False, variant=base)
         assert torch.equal(fast.data, portable.data), f"{fmt.label} {n}x{heads}: {first_diff(fast.data, portable.data)}"
     edge = edge_case_tensor(128).to(torch.bfloat16).to(device)
     edge = edge[: edge.shape[0] // 2 * 2].reshape(-1, 2, 128)
     pages = edge.shape[0] // page_size + 2
     slots = torch.randperm(pages * page_size, generator=torch.Generator().manual_seed(SEED))[:edge.shape[0]]
-    check_store(fmt, edge, slots.to(device), pages, page_size, SEED, validate=False)
-    check_planes(fmt, spread_values((4099, 128), SEED + 45, torch.bfloat16).to(device))
+    check_store(fmt, edge, slots.to(device), pages, page_size, SEED, validate=False, variant=base)
+    check_planes(fmt, spread_values((4099, 128), SEED + 45, torch.bfloat16).to(device), variant=base)
     assert len(ran) == len(GLUON_CASES) * 2 + 2
 
 
@@ -455,17 +451,20 @@ def test_store_gluon_rcp_table_memo(monkeypatch):
     graph is being captured (the kernel then divides), reused if it exists."""
     from kvtool.kernels import store_gluon
 
-    monkeypatch.setattr(store_gluon, "_RCP_TABLES", {})
+    tables = store_gluon.RcpTables(limit=3)
     cpu = torch.device("cpu")
-    t = store_gluon.rcp_lut(cpu, 0.5)
+    t = tables.get(cpu, 0.5)
     assert t.shape == (256,) and t[1].item() == 1.0 / (2.0**-9 * 0.5)
-    assert store_gluon.rcp_lut(cpu, 0.5) is t and store_gluon.rcp_lut(cpu, 2.0) is not t
+    assert tables.get(cpu, 0.5) is t and tables.get(cpu, 2.0) is not t
+    tables.get(cpu, 4.0)
+    tables.get(cpu, 8.0)  # past the limit: starts over
+    assert list(tables.tables) == [(cpu, 8.0)]
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert store_gluon.rcp_lut(cuda, 1.0) is None
-    store_gluon._RCP_TABLES[(cuda, 1.0)] = t
-    assert store_gluon.rcp_lut(cuda, 1.0) is t
+    assert tables.get(cuda, 1.0) is None
+    tables.tables[(cuda, 1.0)] = t
+    assert tables.get(cuda, 1.0) is t
 
 
 def test_store_gluon_dispatch(monkeypatch):
@@ -549,19 +548,41 @@ def test_dequant_launch_variants(label, device):
         assert same_values(out, want), f"{label} {variant} {config}: {first_diff(out, want)}"
 
 
-def test_store_both_codecs(device, monkeypatch):
+def test_store_both_codecs(device):
     """Interpreter sizes: the codec FAST_CODECS does not pick for each 4-bit family, and the encode MUL_PACK does
-    not pick, through the public store."""
+    not pick, through the public store's `variant`."""
     from kvtool.kernels import store as store_mod
 
     for label in ("mxfp4-rceil", "mxfp4-floor", "nvfp4-rcp-auto", "nvfp4-unrounded"):
         fmt = get_format(label)
         for variant in ({"FAST": not store_mod.FAST_CODECS[fmt.scale_element], "MUL_PACK": False},
                         {"MUL_PACK": not store_mod.MUL_PACK[fmt.scale_element]}):
-            monkeypatch.setattr(store_mod, "DEFAULT_VARIANT", variant)
             x = spread_values((40, 2, 64), SEED + 31, torch.bfloat16).to(device)
             slots = slot_mapping(40, 3 * 32, 32, SEED + 31).to(device)
-            check_store(fmt, x, slots, 3, 32, SEED + 31)
+            check_store(fmt, x, slots, 3, 32, SEED + 31, variant=variant)
+
+
+def test_store_variant_keys(device):
+    """A launch variant is checked against store.VARIANTS: an unknown key (a typo, or a kernel constexpr that is no
+    variant) is a one-line KernelArgumentError naming it, before anything is written; None and {} are the defaults."""
+    from kvtool.kernels import store as store_mod
+
+    fmt = get_format("mxfp4")
+    x = spread_values((9, 1, 128), SEED + 52, torch.bfloat16).to(device)
+    slots = torch.arange(9, device=device)
+    _, cache = fresh_caches(fmt, 1, 16, 1, 128, device, SEED)
+    before = cache.data.clone()
+    for bad in ({"FAST_CODEC": True}, {"WORDS": False}, {"GLUON": False}):
+        with pytest.raises(KernelArgumentError, match=f"unknown variant keys \\['{next(iter(bad))}'\\]"):
+            store(cache, x, slots, variant=bad)
+        with pytest.raises(KernelArgumentError, match="unknown variant keys"):
+            triton_quantize(fmt, x[:, 0], variant=bad)
+    assert torch.equal(cache.data, before) and cache.tensor_amax is None
+    with pytest.raises(KernelArgumentError, match="mapping"):
+        store_mod.check_variant([("FAST", True)])
+    assert store_mod.check_variant(None) == {} and set(store_mod.VARIANTS) >= {"FAST", "MUL_PACK", "GLUON_ROWS"}
+    check_store(fmt, x, slots, 1, 16, SEED, variant={})
+    check_store(fmt, x, slots, 1, 16, SEED, variant={"GLUON_ROWS": 32})  # ignored where the portable kernel runs
 
 
 # ------------------------------------------------------------------------------------------------ bench plumbing
