@@ -191,8 +191,8 @@ def inspect(path: Annotated[Path, typer.Argument(metavar="FILE", help="A kvtool 
 
 
 def _inspect(path: Path, **kw):
-    """inspect_file's report; a plain safetensors file is read from its header alone, without importing torch
-    (kvtool.workflows.inspect_plain; a bad --chunk-mb or a --layout is inspect_file's to handle)."""
+    """inspect_file's report; a plain safetensors or .npy file is read from its header alone, without importing
+    torch (kvtool.workflows.inspect_plain; a bad --chunk-mb or a --layout is inspect_file's to handle)."""
     from kvtool.workflows.inspect_plain import plain_report
 
     if kw["layout"] is None and kw["chunk_mb"] > 0:
