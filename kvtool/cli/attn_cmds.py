@@ -35,7 +35,7 @@ FORMATS_DEFAULT = "nvfp4,mxfp4,fp8-token,fp8,bf16"
 @app.command("verify-attn", epilog=EPILOG)
 @handle_errors
 def verify_attn_cmd(
-    file: Annotated[Optional[Path], typer.Argument(help="A capture file (kvtool capture).")] = None,
+    file: Annotated[Optional[Path], typer.Argument(metavar="FILE", help="A capture file (kvtool capture).")] = None,
     synthetic: Annotated[bool, typer.Option("--synthetic", help="One synthetic decode step at M3's TP4 shape "
                                                                 "instead of a file.")] = False,
     formats: Annotated[str, typer.Option("--formats", help="Comma-separated formats or labels (nvfp4-rcp-auto, "

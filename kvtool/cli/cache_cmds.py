@@ -270,7 +270,8 @@ def diff(a: Annotated[Path, typer.Argument(metavar="A", help="Candidate A (any i
          geometry_b: Annotated[Optional[str], typer.Option("--geometry-b", help="Layout geometry of B.")] = None,
          plot: Annotated[Optional[Path], typer.Option("--plot", help="Write error histograms to this PNG "
                                                       "(needs matplotlib).")] = None,
-         pair: Annotated[Optional[list[str]], typer.Option("--pair", help="Compare tensor A_NAME of A with B_NAME of "
+         pair: Annotated[Optional[list[str]], typer.Option("--pair", metavar="A_NAME=B_NAME",
+                                                           help="Compare tensor A_NAME of A with B_NAME of "
                                                            "B, e.g. x=layers.0.k (repeatable; only these pairs are "
                                                            "compared).")] = None,
          verify: VerifyOpt = True, as_json: JsonOpt = False) -> None:

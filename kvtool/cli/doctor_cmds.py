@@ -38,7 +38,7 @@ def findings_json(report) -> dict:
     "kvtool doctor /tmp/k.safetensors --fp8-element fnuz  (the reader is an MI300: E4M3FNUZ)",
     "kvtool doctor /tmp/topk.pt --topk-block 128 --topk-order ascending"))
 @handle_errors
-def doctor(path: Annotated[Path, typer.Argument(help="The cache: kvtool file, safetensors, .pt, .npy, or an engine "
+def doctor(path: Annotated[Path, typer.Argument(metavar="PATH", help="The cache: kvtool file, safetensors, .pt, .npy, or an engine "
                                                      "dump with --layout.", show_default=False)],
            layout: Annotated[Optional[str], typer.Option("--layout", help="Engine dump layout (kvtool layouts).")]
            = None,
@@ -60,9 +60,11 @@ def doctor(path: Annotated[Path, typer.Argument(help="The cache: kvtool file, sa
                                                    "of top-k ids).")] = 128,
            page: Annotated[int, typer.Option("--page", help="Tokens per page for the stale-page check when no "
                                              "geometry gives one.")] = 16,
-           include: Annotated[Optional[list[str]], typer.Option("--include", help="Only tensors matching this glob "
+           include: Annotated[Optional[list[str]], typer.Option("--include", metavar="GLOB",
+                                                                help="Only tensors matching this glob "
                                                                 "(repeatable).")] = None,
-           exclude: Annotated[Optional[list[str]], typer.Option("--exclude", help="Skip tensors matching this glob "
+           exclude: Annotated[Optional[list[str]], typer.Option("--exclude", metavar="GLOB",
+                                                                help="Skip tensors matching this glob "
                                                                 "(repeatable).")] = None,
            as_json: JsonOpt = False) -> None:
     """Explain a broken cache from its bytes.

@@ -28,7 +28,8 @@ G = "format=mxfp4,page=128,heads=2,dim=128,tokens=256"
     "kvtool convert kv.safetensors -o trt.bin --from-layout vllm-nvfp4-kv --to-layout trtllm-nvfp4-kv"))
 @handle_errors
 def convert(
-    input: Annotated[Path, typer.Argument(help="Engine dump: raw .bin, .pt or .safetensors.", show_default=False)],
+    input: Annotated[Path, typer.Argument(metavar="INPUT", help="Engine dump: raw .bin, .pt or .safetensors.",
+                                          show_default=False)],
     output: OutOpt,
     from_layout: Annotated[str, typer.Option("--from-layout", help="Layout of the input (a preset: see "
                                                                    "'kvtool layouts').")],
@@ -37,10 +38,10 @@ def convert(
     to_geometry: Annotated[Optional[str], typer.Option(
         "--to-geometry", help="Output page size, page=N (default: the target preset's).")] = None,
     include: Annotated[Optional[list[str]], typer.Option(
-        "--include", help="Only tensors whose name matches this glob (fnmatch; repeatable). A raw .bin output "
+        "--include", metavar="GLOB", help="Only tensors whose name matches this glob (fnmatch; repeatable). A raw .bin output "
                           "holds one cache: pick it here.")] = None,
     exclude: Annotated[Optional[list[str]], typer.Option(
-        "--exclude", help="Leave out tensors whose name matches this glob (repeatable).")] = None,
+        "--exclude", metavar="GLOB", help="Leave out tensors whose name matches this glob (repeatable).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Move a quantized cache's bytes between engine layouts.

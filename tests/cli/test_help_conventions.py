@@ -60,6 +60,20 @@ def test_help_has_a_summary_a_description_and_examples(path, monkeypatch):
     assert "…" not in text and "()" not in text and "╭" not in text
 
 
+@pytest.mark.parametrize("path", COMMANDS, ids=" ".join)
+def test_help_names_values_not_python_types(path, monkeypatch):
+    """A repeatable option shows what one value is (GLOB, A_NAME=B_NAME), not typer's `<list[str]>`; arguments are
+    named in capitals in the usage line, as the options' metavars are (INPUT, FILE, PATH)."""
+    import re
+
+    monkeypatch.setenv("COLUMNS", "80")
+    text = kv(*path, "-h").output
+    assert not re.search(r"<(list|tuple|dict|set|Optional)\b", text), text
+    usage = text.splitlines()[0].removeprefix(f"Usage: kvtool {' '.join(path)} ")
+    args = re.findall(r"[{\[]([A-Za-z_]+)[}\]]", usage.replace("[OPTIONS]", ""))
+    assert all(a.isupper() for a in args if a != "ARGS"), usage
+
+
 def test_group_help_lists_one_line_summaries(monkeypatch):
     monkeypatch.setenv("COLUMNS", "80")
     for args in ((), ("bench",)):
