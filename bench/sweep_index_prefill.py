@@ -42,6 +42,10 @@ PREFILL_VARIANTS = (
                                 prefetch=False)),
     ("qm q16 ch256 w4 s5", dict(q_major=True, q_tile=16, chunk_blocks=256, num_warps=4, num_stages=5,
                                 prefetch=False)),
+    ("in-kernel decode", dict(decode_once=False)),
+    ("decode once qm q32 w4 s4", dict(decode_once=True, q_major=True, q_tile=32, num_warps=4, num_stages=4,
+                                      prefetch=False)),
+    ("select packed", dict(select="packed")),
     ("select packedR2", dict(select="packedR2")),
     ("select packedR4", dict(select="packedR4")),
     ("select packedR8", dict(select="packedR8")),
@@ -64,6 +68,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="4096,32768")
     ap.add_argument("--formats", default="bf16,fp8,nvfp4,mxfp4")
     ap.add_argument("--decode", default="1x32768,1x150000")
+    ap.add_argument("--variants", default="", help="comma-separated variant names to run (default: all)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     from kvtool.engines.vllm_m3 import VllmM3, bench_index_decode, bench_index_prefill
@@ -100,7 +105,8 @@ def main() -> None:
             cache, table, ctx = one.caches[0], one.table, one.ctx
             group = f"prefill {n} {one.fmt.label}"
             ref = isc.prefill_topk(iq, cache, table, ctx, cfg, max_context=n)
-            for vname, opts in PREFILL_VARIANTS:
+            wanted = [v for v in args.variants.split(",") if v]
+            for vname, opts in [v for v in PREFILL_VARIANTS if not wanted or v[0] in wanted]:
                 try:
                     got = isc.prefill_topk(iq, cache, table, ctx, cfg, max_context=n, **opts)
                     same = bool(torch.equal(got, ref))

@@ -77,7 +77,9 @@ import triton.language as tl
 
 from kvtool.errors import KernelArgumentError
 from kvtool.formats import kernel_desc as kd
+from kvtool.formats.registry import get_format
 from kvtool.kernels import index_gluon
+from kvtool.kernels.dequant import launch_dequant
 from kvtool.kernels import index_tiles as tiles
 from kvtool.kernels.index_blocks import MODE_BLOCKS, MODE_TOPK, pair_step, tile_step, write_forced
 from kvtool.kernels.platform import INTERPRET  # the interpreter dots in fp32
@@ -242,7 +244,7 @@ _tuned_kernel = triton.autotune(
 )(_index_score_kernel)
 LAUNCH_OPTIONS = ("chunk_blocks", "q_tile", "prefetch", "native_fp8", "num_warps", "num_stages", "fp4_words",
                   "in_kernel_topk", "post_scale", "warp_partials", "select", "lean", "tile_pairs",
-                  "max_registers", "gluon", "tail_blocks", "q_major")
+                  "max_registers", "gluon", "tail_blocks", "q_major", "decode_once")
 # launch options that pick a variant of the portable kernel: any of them given turns the Gluon fast path off
 PORTABLE_OPTIONS = ("q_tile", "prefetch", "native_fp8", "num_warps", "num_stages", "fp4_words", "in_kernel_topk",
                     "post_scale", "warp_partials", "lean", "tile_pairs", "max_registers", "q_major")
@@ -282,21 +284,32 @@ def _fp4_pair_default(device: torch.device) -> bool:
 FP4_PAIR_LAUNCH = {"tile_pairs": True, "prefetch": False, "num_stages": 5, "num_warps": 4, "max_registers": 128}
 
 # Prefill (several queries per request) on CUDA: a fixed launch per key element width instead of the autotuned one.
-# bf16 / fp8 keys: 128 dot rows (32 queries x 4 heads), 3 stages; FP4 keys: the autotuned 64 rows but one program
-# per query tile over its whole context (no context split). Each measured faster than the autotuned launch on the
-# H200 with the same top-k (`bench/sweep_index_prefill.py`; numbers in docs/kernels/index_score.md).
+# bf16 / fp8 keys: query-major dots (`index_tiles.tile_dot`) over 128 rows (32 queries x 4 heads), 4 warps, 3 stages;
+# FP4 keys (where they are not decoded once, below): 64 rows, one program per query tile over its whole context.
+# Measured fastest of the `bench/sweep_index_prefill.py` rows on the H200 (docs/kernels/index_score.md).
 PREFILL_LAUNCH = {
-    16: {"q_rows": 128, "num_warps": 4, "num_stages": 3, "prefetch": False},
-    8: {"q_rows": 128, "num_warps": 4, "num_stages": 3, "prefetch": False},
+    16: {"q_rows": 128, "num_warps": 4, "num_stages": 3, "prefetch": False, "q_major": True},
+    8: {"q_rows": 128, "num_warps": 4, "num_stages": 3, "prefetch": False, "q_major": True},
     4: {"q_rows": 64, "chunk_blocks": 256, "num_warps": 4, "num_stages": 5, "prefetch": False},
 }
+# The prefill select pass: rows per program by the row's block count (power of two): short rows pack several rows
+# into one program (at 32 blocks 4 rows took 8.3 us against 18.6 for one, H200); 256-block rows keep one per program.
+PREFILL_SELECT = {32: "packedR4", 64: "packedR2"}
+# Decode once (launch option decode_once; default for prefill on CUDA from DECODE_ONCE_MIN_QUERIES queries): a
+# prefill chunk scores every key against many query tiles, so FP4 and unit / tensor-scaled fp8 keys are first decoded
+# once into a bf16 copy of the chunk's pages (`_decode_once`), which the bf16 scorer then reads; the fixed factors
+# (nvfp4 outer scale, fp8 tensor scale) stay out of the copy and multiply the fp32 scores, so every decoded value is
+# exact in bf16 (E2M1 x E4M3: <= 6 significant bits; E2M1 x 2**e and E4M3 values within bf16's range). The copy costs
+# 2 bytes per key element once (8 MB at 32K tokens, D = 128) instead of a key decode per query tile.
+DECODE_ONCE_MIN_QUERIES = 128
 PREFILL_DEFAULT_ROWS = 64  # dot rows of a prefill query tile elsewhere (the interpreter, other devices)
 
 
 def prefill_options(payload_bits: int, heads: int, nb: int, mode: int, options: dict) -> dict:
     """`options` with the measured prefill launch (PREFILL_LAUNCH) for keys of `payload_bits`, `heads` index heads
     and `nb` blocks filled in, unless an option it would override is given. Its whole-context programs only where
-    the top-k runs in two passes (a program's in-kernel candidates take registers per block of its chunk)."""
+    the top-k runs in two passes (a program's in-kernel candidates take registers per block of its chunk); the
+    select variant of PREFILL_SELECT for top-k launches."""
     plan = PREFILL_LAUNCH.get(payload_bits)
     if plan is None or any(options.get(k) is not None for k in ("q_tile", *plan)):
         return options
@@ -307,7 +320,69 @@ def prefill_options(payload_bits: int, heads: int, nb: int, mode: int, options: 
         else:
             plan["chunk_blocks"] = min(plan["chunk_blocks"], triton.next_power_of_2(nb))
     rows = plan.pop("q_rows")
+    select = PREFILL_SELECT.get(triton.next_power_of_2(max(nb, 2)))
+    if select and mode == 2:
+        plan["select"] = select
     return {**plan, "q_tile": max(1, rows // triton.next_power_of_2(heads)), **options}
+
+
+@dataclass(frozen=True)
+class _DecodedPages:
+    """A bf16 index cache of decoded pages (`_decode_once`): the fields of a paged cache the scorer reads."""
+
+    fmt: object
+    data: torch.Tensor  # uint8 [pages, 1, page_size * head_dim * 2]
+    page_size: int
+    head_dim: int
+    num_heads: int = 1
+    scale_bytes: int = 0
+
+    @property
+    def num_pages(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def page_bytes(self) -> int:
+        return self.data.shape[2]
+
+    @property
+    def payload_bytes(self) -> int:
+        return 2 * self.head_dim
+
+
+def _decode_once_applies(cache, nq: int, device: torch.device, options: dict) -> bool:
+    """Whether a prefill launch first decodes its pages to bf16 (DECODE_ONCE_MIN_QUERIES): option decode_once, else
+    on CUDA for FP4 keys and fp8 keys without row scales, from that many queries, unless a variant option of the
+    kernel (q_tile, warps, ...) or of the Gluon path is given."""
+    desc = kd.kernel_desc(cache.fmt)
+    fits = desc.payload_bits == 4 or (desc.payload_bits == 8 and desc.token_scale == kd.SCALE_NONE)
+    want = options.get("decode_once")
+    if want is not None:
+        if want and not fits:
+            raise KernelArgumentError(f"index scorer: decode_once takes FP4 or unit / tensor-scaled fp8 keys, not "
+                                      f"{cache.fmt.label}")
+        return bool(want)
+    varied = any(options.get(k) is not None for k in (*PORTABLE_OPTIONS, "chunk_blocks", "gluon"))
+    return fits and not varied and nq >= DECODE_ONCE_MIN_QUERIES and _fp4_pair_default(device)
+
+
+def _decode_once(cache, block_table: torch.Tensor, max_context: int) -> tuple[_DecodedPages, torch.Tensor]:
+    """The pages of every request's first ceil(max_context / page) table entries, decoded to bf16 without the fixed
+    factors (nvfp4 outer scale, fp8 tensor scale; the caller multiplies the scores by them): (a bf16 cache of
+    B x W pages, its block table int32 [B, W], -1 where the original entry is no page)."""
+    page, d = cache.page_size, cache.head_dim
+    width = min(block_table.shape[1], max(1, triton.cdiv(max_context, page)))
+    table = block_table[:, :width]
+    ok = (table >= 0) & (table < cache.num_pages)
+    src = torch.where(ok, table, 0).to(torch.int64)
+    slots = (src[:, :, None] * page + torch.arange(page, device=src.device)[None, None, :]).reshape(-1)
+    keys = torch.empty(slots.shape[0], 1, d, dtype=torch.bfloat16, device=src.device)
+    launch_dequant(cache.data, None, slots, keys, cache.fmt, page_size=page, page_stride=cache.data.stride(0),
+                   head_stride=cache.data.stride(1), tensor_scale=1.0, g_dec=1.0)
+    n = table.shape[0] * width
+    new_table = torch.where(ok, torch.arange(n, device=src.device, dtype=torch.int32).view(table.shape), -1)
+    data = keys.view(torch.uint8).view(n, 1, page * d * 2)
+    return _DecodedPages(get_format("bf16"), data, page, d), new_table.to(torch.int32)
 
 
 def _use_gluon(iq4, cache, cfg, q_pos, mode: int, options: dict) -> bool:
@@ -407,7 +482,8 @@ def _positions(q_pos, iq4: torch.Tensor, context_lens: torch.Tensor) -> torch.Te
     return torch.where(q_pos < 0, -1, q_pos).to(torch.int32).contiguous()
 
 
-def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_context: int | None, **options):
+def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_context: int | None, *,
+            gscale: float | None = None, **options):
     """iq4 bf16 [B, Q, Hi, D] -> MODE_TOKENS fp32 [B, Q, Hi, S] | MODE_BLOCKS fp32 [B, Q, Hi, NB] |
     MODE_TOPK int32 [B, Q, Hi, cfg.topk]. Options (LAUNCH_OPTIONS, for tests and benchmark sweeps): chunk_blocks
     (blocks per program), q_tile (queries per program), native_fp8 (hardware e4m3 decode), fp4_words (FP4 word
@@ -421,7 +497,8 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
     (two tiles per loop iteration, `index_blocks.pair_step`; FP4 top-k on CUDA: FP4_PAIR_LAUNCH), and prefetch /
     num_warps / num_stages / max_registers (a fixed launch instead of the autotuned one; max_registers: CUDA's maxnreg),
     tail_blocks (the Gluon scorer's short final splits, `index_gluon.tail_blocks_for`; 0: none), q_major (query-major
-    dots, `index_tiles.tile_dot`)."""
+    dots, `index_tiles.tile_dot`), decode_once (prefill: decode the keys to bf16 first, `_decode_once_applies`).
+    gscale: the whole-tensor factor of the scores when `cache` is such a decoded copy (else the cache's own)."""
     bad = set(options) - set(LAUNCH_OPTIONS)
     if bad:
         raise KernelArgumentError(f"index scorer: unknown launch options {sorted(bad)} (known: {LAUNCH_OPTIONS})")
@@ -429,6 +506,11 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
     if max_context is None:
         max_context = int(context_lens.max()) if mode != 2 and iq4.shape[0] else block_table.shape[1] * cache.page_size
     nb = triton.cdiv(max(max_context, 1), cfg.block_size)
+    if iq4.shape[1] > 1 and _decode_once_applies(cache, iq4.shape[1], iq4.device, options):
+        own = require_tensor_scale(cache) if cache.fmt.scale_element == "fp32-tensor" else cache_scales(cache)[1]
+        decoded, table = _decode_once(cache, block_table, max_context)
+        rest = {k: v for k, v in options.items() if k != "decode_once"}
+        return _launch(iq4, decoded, table, context_lens, q_pos, cfg, mode, max_context, gscale=own, **rest)
     if (mode == 1 or nb <= MAX_SELECT_BLOCKS) and _use_gluon(iq4, cache, cfg, q_pos, mode, options):
         parts, pos = index_gluon.decode_block_parts(iq4, cache, block_table, context_lens, cfg, nb,
                                                     options.get("chunk_blocks"), fill=mode == 1,
@@ -505,7 +587,8 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
         out = torch.full((bsz, nq, hi, n_out), float("-inf"), dtype=torch.float32, device=iq4.device)
     ids = torch.empty((bsz, nq, hi, n_out) if kmode == 2 else (1,), dtype=torch.int32, device=iq4.device)
     if bsz * nq and n_out:
-        gscale = require_tensor_scale(cache) if fmt.scale_element == "fp32-tensor" else cache_scales(cache)[1]
+        if gscale is None:
+            gscale = require_tensor_scale(cache) if fmt.scale_element == "fp32-tensor" else cache_scales(cache)[1]
         native = options.get("native_fp8")
         args = (iq4, cache.data, block_table, context_lens, pos, tile_pos, out, ids, float(gscale),
                 nq, hi, cache.num_pages, cache.page_bytes, n_qtiles, n_out,

@@ -495,6 +495,35 @@ def test_prefill_q_major(label):
         assert torch.equal(K.prefill_topk(iq, cache, table, cl, cfg, prefetch=False, select=variant), base), variant
 
 
+@pytest.mark.parametrize("label", ["fp8", "fp8-tensor", "nvfp4", "nvfp4-auto", "mxfp4", "mxfp4-floor"])
+def test_prefill_decode_once(label):
+    """decode_once (the keys decoded to a bf16 copy of the chunk's pages, then the bf16 scorer; the outer / tensor
+    scale multiplies the scores): the reference's ids and block scores on the poisoned cache (NaN codes and garbage
+    past every context), with a -1 and an out-of-range table entry inside a context (masked like the kernel's own
+    path) and a padding query row (q_pos -1)."""
+    cache, table, cl, iq, cfg, ref_ids, ref_scores, tol = poisoned_prefill(label, seed=80)
+    assert_ids_match(K.prefill_topk(iq, cache, table, cl, cfg, decode_once=True), ref_ids, ref_scores, tol)
+    assert_scores_match(K.prefill_block_scores(iq, cache, table, cl, cfg, decode_once=True, q_major=True,
+                                               prefetch=False), ref_scores, tol)
+    holed = table.clone()
+    holed[0, 1], holed[0, 3] = -1, cache.num_pages + 7  # tokens 16..31 and 48..63 of request 0: no page
+    pos = torch.tensor([[3, 20, 40, -1, 69], [0, 8, 16, 31, 32]], dtype=torch.int32, device=iq.device)
+    want = K.prefill_block_scores(iq, cache, holed, cl, cfg, q_pos=pos, prefetch=False)
+    got = K.prefill_block_scores(iq, cache, holed, cl, cfg, q_pos=pos, decode_once=True)
+    assert_scores_match(got, want, tol)
+    assert torch.equal(K.prefill_topk(iq, cache, holed, cl, cfg, q_pos=pos, decode_once=True),
+                       K.prefill_topk(iq, cache, holed, cl, cfg, q_pos=pos, prefetch=False))
+
+
+def test_prefill_decode_once_refuses_keys_it_cannot_copy_exactly():
+    """bf16 keys need no decode and fp8 row scales do not fit a bf16 copy exactly: decode_once=True is an error."""
+    for label in ("bf16", "fp8-token"):
+        cache, table, cl, _ = make_cache(label, [40], page=16)
+        with pytest.raises(KernelArgumentError, match="decode_once"):
+            K.prefill_topk(queries(1, 4, 128, q=4), cache, table, cl, IndexerConfig(block_size=16, topk=2),
+                           decode_once=True)
+
+
 @pytest.mark.parametrize("label", ["bf16", "fp8", "nvfp4", "mxfp4"])
 def test_decode_q_major(label):
     """q_major in decode (one query row per program, padded to the 16 rows a dot needs) on the LEAN test's poisoned
@@ -745,6 +774,22 @@ def test_gpu_prefill_q_major(label):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("label", ["fp8", "fp8-tensor", "nvfp4", "nvfp4-auto", "mxfp4", "mxfp4-floor"])
+def test_gpu_prefill_decode_once(label):
+    """The decode-once prefill (the CUDA default from DECODE_ONCE_MIN_QUERIES queries) at engine geometry: the
+    reference's ids; the same ids as the in-kernel decode (decode_once=False)."""
+    ctx = [4096, 3001]
+    cache, table, cl, _ = make_cache(label, ctx, page=128, seed=82)
+    iq = queries(2, 4, 128, seed=83, q=512)
+    cfg = IndexerConfig()
+    ref_ids, ref_scores = paged_reference(iq, cache, table, cl, cfg)
+    tol = tolerance(iq, cache, table, cl)
+    ids = K.prefill_topk(iq, cache, table, cl, cfg)
+    assert_ids_match(ids, ref_ids, ref_scores, tol)
+    assert_ids_match(K.prefill_topk(iq, cache, table, cl, cfg, decode_once=False), ref_ids, ref_scores, tol)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("label", ["bf16", "fp8", "nvfp4", "mxfp4"])
 def test_gpu_prefill_4k(label):
     ctx = [4096, 3000]
@@ -875,7 +920,10 @@ def test_prefill_options_fill_the_measured_launch_and_yield_to_given_options():
     where the top-k runs in two passes (capped at the row's blocks); any option it would set leaves the caller's
     options as given."""
     two_byte = K.prefill_options(16, 4, 256, 2, {})
-    assert two_byte == {"num_warps": 4, "num_stages": 3, "prefetch": False, "q_tile": 32}
+    assert two_byte == {"num_warps": 4, "num_stages": 3, "prefetch": False, "q_major": True, "q_tile": 32}
+    assert K.prefill_options(16, 4, 32, 2, {})["select"] == "packedR4"  # short rows: 4 per select program
+    assert K.prefill_options(8, 4, 64, 2, {})["select"] == "packedR2"
+    assert "select" not in K.prefill_options(16, 4, 32, 1, {})  # block scores: no select pass
     assert K.prefill_options(8, 1, 256, 1, {})["q_tile"] == 128
     assert K.prefill_options(4, 4, 32, 2, {})["chunk_blocks"] == 32  # 4K context: 32 blocks, not 256
     assert K.prefill_options(4, 4, 256, 1, {})["q_tile"] == 16
