@@ -11,7 +11,7 @@ from rich import box
 from rich.table import Table
 
 from kvtool.cli.root import app
-from kvtool.cli.common import DeviceOpt, JsonOpt, emit, examples, handle_errors, lazy_module, stderr, stdout
+from kvtool.cli.common import DeviceOpt, JsonOpt, emit, examples, handle_errors, lazy_module, line, stderr, stdout
 from kvtool.errors import InputError
 
 __all__ = ["DEFAULT_TOLERANCE", "EPILOG", "FORMATS_DEFAULT", "va", "verify_attn_cmd"]
@@ -118,20 +118,20 @@ def _render(r) -> None:
         table.add_row(row.layer, row.format, row.impl, str(row.queries), f"{a.rel_l2:.1e}", f"{a.max_rel:.1e}",
                       f"{row.bf16_out_max_rel:.1e}", f"{b.rel_l2:.3f}", f"{b.max_rel:.3f}", f"{b.cosine:.4f}",
                       verdict)
-    stdout.print(table)
+    stdout.print(table)  # a rich Table: laid out by kvtool.cli.render
     if "context_lens" in r.geometry:
-        stdout.print(f"context lengths: {r.geometry['context_lens']}")
+        line(f"context lengths: {r.geometry['context_lens']}")
     ran = {row.format: row.kernel for row in r.layers if row.kernel and row.impl == "kvtool"}
     if ran:
-        stdout.print("kernel: " + ", ".join(f"{fmt} {k}" for fmt, k in ran.items()))
-    stdout.print(f"selection: {r.selection}. a = kernel (fp32 out) vs the reference on the dequantized cache (goal "
+        line("kernel: " + ", ".join(f"{fmt} {k}" for fmt, k in ran.items()))
+    line(f"selection: {r.selection}. a = kernel (fp32 out) vs the reference on the dequantized cache (goal "
                  f"max_rel <= {r.tolerance:g}); a bf16 = a's max_rel with the bf16 output rounding; b = vs the "
                  f"reference on the bf16 original; q = queries")
     for spec in r.impls:
-        stdout.print(f"impl {spec} (held to the tolerance + 2^-8 when its output path is bf16)")
+        line(f"impl {spec} (held to the tolerance + 2^-8 when its output path is bf16)")
     for note in r.notes:
-        stdout.print(f"note: {note}")
+        line(f"note: {note}")
     if r.verdict.startswith("SKIPPED"):
-        stdout.print(f"[yellow]{r.verdict}[/yellow]")
+        line(r.verdict, style="yellow")
     else:
-        stdout.print("[green]PASS[/green]" if r.passed else "[red]FAIL: kernel beyond accumulation noise[/red]")
+        line("PASS" if r.passed else "FAIL: kernel beyond accumulation noise", style="green" if r.passed else "red")

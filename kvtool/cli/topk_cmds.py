@@ -11,7 +11,7 @@ from rich import box
 from rich.table import Table
 
 from kvtool.cli.root import app
-from kvtool.cli.common import DeviceOpt, JsonOpt, emit, examples, handle_errors, lazy_module, stderr, stdout
+from kvtool.cli.common import DeviceOpt, JsonOpt, emit, examples, handle_errors, lazy_module, line, stderr, stdout
 from kvtool.errors import InputError
 
 __all__ = ["EPILOG", "FORMATS_DEFAULT", "verify_topk_cmd", "vt"]
@@ -158,32 +158,32 @@ def _render(r) -> None:
                       "-" if b is None else f"{b.recall:.3f}", "-" if b is None else f"{b.rel_score_err:.1e}",
                       "-" if c is None else c.rule_text(), row.verdict.split(" (")[0],
                       style=None if row.passed else "bold red")  # failing rows in red
-    stdout.print(table)
+    stdout.print(table)  # a rich Table: laid out by kvtool.cli.render
     if "context_lens" in r.config:
-        stdout.print(f"context lengths: {r.config['context_lens']}")
-    stdout.print("a = scorer vs the reference on the dequantized cache (differences must be ties up to the fp32 "
+        line(f"context lengths: {r.config['context_lens']}")
+    line("a = scorer vs the reference on the dequantized cache (differences must be ties up to the fp32 "
                  "accumulation bound; max err = largest block-score difference); b = vs the reference on the "
                  "original keys (recall@k = |A n B| / |B|; rel err = |sum R(A) - sum R(B)| / sum |R(B)| over "
                  "unforced blocks)" + (f"; min recall {r.min_recall:g}" if r.min_recall is not None else ""))
-    stdout.print("order% = rows whose ids are in descending rank order; rules = tie / NaN rules the selection equals "
+    line("order% = rows whose ids are in descending rank order; rules = tie / NaN rules the selection equals "
                  "exactly on every row (tie any: only tie order differs; nan any: only NaN / -inf blocks differ)")
     for spec in r.impls:
-        stdout.print(f"impl {spec}")
+        line(f"impl {spec}")
     for row in r.layers:
         c = row.checks
         if c is None or row.passed:
             continue
         kinds = ", ".join(f"{n} {k}" for n, k in ((c.defect, "DEFECT"), (c.nonfinite, "NaN/-inf policy"),
                                                    (c.order_bad, "out of rank order")) if n)
-        stdout.print(f"[red]{row.impl} {row.layer}/{row.format}[/red]: {kinds} of {c.rows} rows")
+        line(f"{row.impl} {row.layer}/{row.format}: {kinds} of {c.rows} rows", style="red")
         for e in c.evidence:
-            stdout.print(f"  {e}")
+            line(f"  {e}")
         for d in c.diagnosis:
-            stdout.print(f"  diagnosis: {d}")
+            line(f"  diagnosis: {d}")
     for note in r.notes:
-        stdout.print(f"note: {note}")
+        line(f"note: {note}")
     failed = [f"{row.impl} {row.layer}/{row.format}" for row in r.layers + r.overall if not row.passed]
     if r.verdict.startswith("SKIPPED"):
-        stdout.print(f"[yellow]{r.verdict}[/yellow]")
+        line(r.verdict, style="yellow")
     else:
-        stdout.print("[green]PASS[/green]" if r.passed else f"[red]FAIL[/red]: {', '.join(failed)}")
+        line("PASS" if r.passed else f"FAIL: {', '.join(failed)}", style="green" if r.passed else "red")

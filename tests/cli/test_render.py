@@ -122,6 +122,8 @@ def _commands(d: Path, mx: Path, nv: Path) -> dict[str, list]:
         "convert": ["convert", VLLM, "-o", d / "k.planes.safetensors", "--from-layout", "vllm-mxfp4-page",
                     "--to-layout", "planes", "--geometry", GEO[-1]],
         "capacity": ["capacity", "--model", "minimax-m3.1-flash", "--kv", "nvfp4", "--index", "fp4"],
+        "verify-attn": ["verify-attn", "--synthetic", "--formats", "nvfp4,bf16"],
+        "verify-topk": ["verify-topk", "--synthetic", "--formats", "nvfp4,mxfp4", "--context-lens", "4096"],
     }
 
 
@@ -161,6 +163,7 @@ def test_every_command_at_80_columns_shows_whole_values(name, files, monkeypatch
     assert json_run.exit_code == 0, json_run.output
     for value in set(_json_values(json.loads(json_run.stdout))):
         assert any(value in line for line in lines), (value, text)  # whole, on one line
+    assert not [line for line in lines if line != line.rstrip()]  # wrapped prose leaves no trailing blanks
     too_wide = [line for line in lines if len(line) > 80 and " " in line.strip()]
     # Only single long tokens (a path, a formula) may exceed the width; prose and tables fit.
     assert all(len(max(line.split(), key=len)) > 40 or "(off =" in line for line in too_wide), too_wide
