@@ -24,7 +24,9 @@ app.add_typer(bench_app, name="bench", short_help="Time kvtool's codecs and kern
 
 
 def _progress(name: str) -> None:
-    stderr.print(f"[dim]{name}[/dim]")
+    """One stderr line per case as it starts: says what the line is in a log, and prints the name as it is (a case
+    name is not rich markup)."""
+    stderr.print(f"timing {name}", style="dim", markup=False, highlight=False)
 
 
 def _emit_bench(report, as_json: bool, render_extra) -> None:
