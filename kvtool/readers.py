@@ -57,6 +57,7 @@ from kvtool.st_header import (  # noqa: F401 - re-exported; torch-free (kvtool.w
     SAFETENSORS_SUFFIXES,
     TORCH_SUFFIXES,
     ZIP_MAGIC,
+    check_input_path,
     input_kind,
     read_npy_header,
     select,
@@ -191,10 +192,7 @@ def open_input(path: Path, layout: str | None = None, geometry: str | None = Non
     `report_checksums` (inspect): checksums are not checked as data is read but left to `InputFile.verify`, which
     reports them per tensor; the decoded codes are still checked when `verify`."""
     path = Path(path)
-    if not path.exists():
-        raise InputError(f"{path}: no such file")
-    if path.is_dir():
-        raise InputError(f"{path}: is a directory, not a file")
+    check_input_path(path)
     if layout is not None:
         return _open_layout(path, layout, geometry, verify, report_checksums)
     kind = input_kind(path)

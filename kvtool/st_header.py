@@ -30,7 +30,7 @@ from kvtool.errors import FileFormatError, InputError
 __all__ = [
     "MAX_DIM", "MAX_DIMS", "MAX_HEADER_BYTES", "MAX_JSON_DEPTH", "META_SCHEMA", "META_VERSION", "NPY_MAGIC",
     "NPY_TORCH_DTYPES", "NpyHeader", "RawHeader", "SAFETENSORS_SUFFIXES", "TORCH_SUFFIXES", "ZIP_MAGIC", "input_kind", "RawTensor", "SHORT_DTYPE_NAMES",
-    "ST_DTYPE_NAMES", "ST_ITEMSIZES", "check_shape", "json_depth", "load_json", "read_npy_header", "read_raw_header", "select",
+    "ST_DTYPE_NAMES", "ST_ITEMSIZES", "check_input_path", "check_shape", "json_depth", "load_json", "read_npy_header", "read_raw_header", "select",
     "short_dtype_name",
 ]
 
@@ -263,6 +263,15 @@ def read_npy_header(path: Path) -> NpyHeader:
         raise FileFormatError(f"{path}: truncated .npy: {list(shape)} {dtype} needs {need} data bytes")
     return NpyHeader(tuple(shape), dtype, torch_name, dtype.itemsize, offset, need,
                      bool(fortran or len(shape) == 0 or not dtype.isnative))
+
+
+def check_input_path(path: Path) -> None:
+    """InputError unless `path` exists and is not a directory (the first check of every reader)."""
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"{path}: no such file")
+    if path.is_dir():
+        raise InputError(f"{path}: is a directory, not a file")
 
 
 def input_kind(path: Path) -> str:

@@ -25,6 +25,7 @@ from kvtool.st_header import (
     META_VERSION,
     ST_DTYPE_NAMES,
     ST_ITEMSIZES,
+    check_input_path,
     input_kind,
     read_npy_header,
     read_raw_header,
@@ -96,10 +97,10 @@ def plain_report(path: Path, *, verify: bool = True, include: list[str] | None =
                  exclude: list[str] | None = None, progress: Progress | None = None) -> InspectReport | None:
     """The inspect report of a plain safetensors file or an .npy file from its header alone (the report
     `inspect_file` gives for it), or None when `path` is anything else (then `inspect_file` reads it). Raises the
-    FileFormatError / InputError the torch path raises for the file."""
+    FileFormatError / InputError the torch path raises for the file (also for a missing file or a directory).
+    Call it without a --layout only (an engine dump with --layout goes to `inspect_file` directly)."""
     path = Path(path)
-    if not path.is_file():
-        return None
+    check_input_path(path)  # the torch path's first errors: no such file, a directory
     kind = input_kind(path)
     if kind == "npy":
         h = read_npy_header(path)

@@ -93,8 +93,15 @@ def test_other_inputs_go_the_torch_path(files, tmp_path):
     torch.save({"k": torch.zeros(2, 4)}, tmp_path / "a.pt")
     (tmp_path / "dump.bin").write_bytes(b"\0" * 64)
     assert plain_report(tmp_path / "a.pt") is None and plain_report(tmp_path / "dump.bin") is None
-    assert plain_report(tmp_path / "missing.safetensors") is None and plain_report(tmp_path / "missing.npy") is None
-    assert plain_report(tmp_path) is None
+
+
+@pytest.mark.parametrize("name", ["missing.safetensors", "missing.npy", "missing.pt", "."])
+def test_missing_file_or_directory_same_error(tmp_path, name):
+    with pytest.raises(KvtoolError) as light:
+        plain_report(tmp_path / name)
+    with pytest.raises(KvtoolError) as heavy:
+        open_input(tmp_path / name)
+    assert (type(light.value), str(light.value)) == (type(heavy.value), str(heavy.value))
 
 
 # ------------------------------------------------------------------------------------------------------ .npy
@@ -262,8 +269,9 @@ def test_plain_inspect_imports_no_torch(files, opts, monkeypatch):
 def test_help_and_bad_file_import_no_torch(tmp_path):
     assert _run("-h").stderr.splitlines()[-1] == "NO-TORCH 0"
     bad = _corrupt(tmp_path / "bad.safetensors", b"{nope")
-    run = _run("inspect", bad)
-    assert run.stderr.splitlines()[-1] == "NO-TORCH 2" and run.stderr.startswith("error: "), run.stderr
+    for path in (bad, tmp_path / "missing.pt", tmp_path):
+        run = _run("inspect", path)
+        assert run.stderr.splitlines()[-1] == "NO-TORCH 2" and run.stderr.startswith("error: "), run.stderr
 
 
 def test_kvtool_cache_inspect_imports_torch(files):
