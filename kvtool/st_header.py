@@ -29,9 +29,9 @@ from kvtool.errors import FileFormatError, InputError
 
 __all__ = [
     "MAX_DIM", "MAX_DIMS", "MAX_HEADER_BYTES", "MAX_JSON_DEPTH", "META_SCHEMA", "META_VERSION", "NPY_MAGIC",
-    "NPY_TORCH_DTYPES", "NpyHeader", "RawHeader", "SAFETENSORS_SUFFIXES", "TORCH_SUFFIXES", "ZIP_MAGIC", "input_kind", "RawTensor", "SHORT_DTYPE_NAMES",
-    "ST_DTYPE_NAMES", "ST_ITEMSIZES", "check_input_path", "check_shape", "json_depth", "load_json", "read_npy_header", "read_raw_header", "select",
-    "short_dtype_name",
+    "NPY_TORCH_DTYPES", "NpyHeader", "RawHeader", "RawTensor", "SAFETENSORS_SUFFIXES", "SHORT_DTYPE_NAMES",
+    "ST_DTYPE_NAMES", "ST_ITEMSIZES", "TORCH_SUFFIXES", "ZIP_MAGIC", "check_input_path", "check_shape", "input_kind",
+    "json_depth", "load_json", "read_npy_header", "read_raw_header", "select", "short_dtype_name",
 ]
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit on the JSON header

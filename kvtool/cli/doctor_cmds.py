@@ -38,7 +38,8 @@ def findings_json(report) -> dict:
     "kvtool doctor /tmp/k.safetensors --fp8-element fnuz  (the reader is an MI300: E4M3FNUZ)",
     "kvtool doctor /tmp/topk.pt --topk-block 128 --topk-order ascending"))
 @handle_errors
-def doctor(path: Annotated[Path, typer.Argument(metavar="PATH", help="The cache: kvtool file, safetensors, .pt, .npy, or an engine "
+def doctor(path: Annotated[Path, typer.Argument(metavar="PATH",
+                                                help="The cache: kvtool file, safetensors, .pt, .npy, or an engine "
                                                      "dump with --layout.", show_default=False)],
            layout: Annotated[Optional[str], typer.Option("--layout", help="Engine dump layout (kvtool layouts).")]
            = None,

@@ -38,8 +38,8 @@ def convert(
     to_geometry: Annotated[Optional[str], typer.Option(
         "--to-geometry", help="Output page size, page=N (default: the target preset's).")] = None,
     include: Annotated[Optional[list[str]], typer.Option(
-        "--include", metavar="GLOB", help="Only tensors whose name matches this glob (fnmatch; repeatable). A raw .bin output "
-                          "holds one cache: pick it here.")] = None,
+        "--include", metavar="GLOB", help="Only tensors whose name matches this glob (fnmatch; repeatable). A raw .bin "
+                                          "output holds one cache: pick it here.")] = None,
     exclude: Annotated[Optional[list[str]], typer.Option(
         "--exclude", metavar="GLOB", help="Leave out tensors whose name matches this glob (repeatable).")] = None,
     as_json: JsonOpt = False,

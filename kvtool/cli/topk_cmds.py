@@ -36,8 +36,8 @@ FORMATS_DEFAULT = "bf16,fp8,nvfp4,mxfp4"
 @handle_errors
 def verify_topk_cmd(
     file: Annotated[Optional[Path], typer.Argument(
-        metavar="FILE", help="A capture file (kvtool capture), or an index cache file (float keys or kvtool quantize output) with "
-             "--queries.")] = None,
+        metavar="FILE", help="A capture file (kvtool capture), or an index cache file (float keys or kvtool quantize "
+                             "output) with --queries.")] = None,
     queries: Annotated[Optional[Path], typer.Option("--queries", help="Query file for an index cache FILE: [Q, Hi, "
                                                                       "D] queries of the last Q positions.")] = None,
     synthetic: Annotated[bool, typer.Option("--synthetic", help="One synthetic M3 decode step instead of a "
