@@ -43,6 +43,8 @@ PREFILL_VARIANTS = (
     ("qm q16 ch256 w4 s5", dict(q_major=True, q_tile=16, chunk_blocks=256, num_warps=4, num_stages=5,
                                 prefetch=False)),
     ("in-kernel decode", dict(decode_once=False)),
+    ("qm q32 ch8 w4 s3", dict(q_major=True, q_tile=32, chunk_blocks=8, num_warps=4, num_stages=3, prefetch=False)),
+    ("qm q32 ch32 w4 s3", dict(q_major=True, q_tile=32, chunk_blocks=32, num_warps=4, num_stages=3, prefetch=False)),
     ("decode once qm q32 w4 s4", dict(decode_once=True, q_major=True, q_tile=32, num_warps=4, num_stages=4,
                                       prefetch=False)),
     ("select packed", dict(select="packed")),
@@ -60,6 +62,12 @@ DECODE_VARIANTS = (
     ("ch2 w4 s5", dict(chunk_blocks=2, num_warps=4, num_stages=5, prefetch=False)),
     ("ch1 w8 s3", dict(chunk_blocks=1, num_warps=8, num_stages=3, prefetch=False)),
     ("ch1 w2 s3", dict(chunk_blocks=1, num_warps=2, num_stages=3, prefetch=False)),
+    ("in-kernel topk ch16", dict(in_kernel_topk=True, chunk_blocks=16)),
+    ("in-kernel topk ch32", dict(in_kernel_topk=True, chunk_blocks=32)),
+    ("in-kernel topk ch64", dict(in_kernel_topk=True, chunk_blocks=64)),
+    ("ch16", dict(chunk_blocks=16)),
+    ("ch64", dict(chunk_blocks=64)),
+    ("qm ch32 w4 s3", dict(q_major=True, chunk_blocks=32, num_warps=4, num_stages=3, prefetch=False)),
 )
 
 
@@ -88,12 +96,13 @@ def main() -> None:
         print(f"{group:24s} {name:28s} {us:10.1f} us", flush=True)
 
     hi, d = GEOMETRY["index_heads"], GEOMETRY["head_dim"]
+    wanted = [v for v in args.variants.split(",") if v]
     for spec in [s for s in args.decode.split(",") if s]:
         b, n = (int(x) for x in spec.split("x"))
         for name in [f for f in args.formats.split(",") if f]:
             step = _Decode(name, b, n, 4, "cuda", gen, cfg)
             group = f"decode b{b}x{n} {step.fmt.label}"
-            for vname, opts in DECODE_VARIANTS:
+            for vname, opts in [v for v in DECODE_VARIANTS if not wanted or v[0] in wanted]:
                 rec(group, vname, step.topk(**opts))
             if not vllm.unsupported("index", step.fmt, device="cuda"):
                 fns = [bench_index_decode(vllm, step.iq, c, step.table, step.ctx, cfg, n) for c in step.caches]
@@ -105,7 +114,6 @@ def main() -> None:
             cache, table, ctx = one.caches[0], one.table, one.ctx
             group = f"prefill {n} {one.fmt.label}"
             ref = isc.prefill_topk(iq, cache, table, ctx, cfg, max_context=n)
-            wanted = [v for v in args.variants.split(",") if v]
             for vname, opts in [v for v in PREFILL_VARIANTS if not wanted or v[0] in wanted]:
                 try:
                     got = isc.prefill_topk(iq, cache, table, ctx, cfg, max_context=n, **opts)

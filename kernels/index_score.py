@@ -366,23 +366,42 @@ def _decode_once_applies(cache, nq: int, device: torch.device, options: dict) ->
     return fits and not varied and nq >= DECODE_ONCE_MIN_QUERIES and _fp4_pair_default(device)
 
 
+@triton.jit
+def _decoded_slots_kernel(bt_ptr, slot_ptr, table_ptr, width, stride_bt, num_pages, n_tok, PAGE: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    """For the bf16 copy of `_decode_once`: token i of copy page i // PAGE (request b = page // width, table column
+    page % width) reads slot `table[b, col] * PAGE + i % PAGE` (-1 where that entry is no page: a dead row the
+    dequantize skips), and the copy's block table maps (b, col) to copy page b * width + col (-1 likewise)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = i < n_tok
+    page = i // PAGE
+    b = page // width
+    pg = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + page % width, mask=live, other=-1)
+    ok = (pg >= 0) & (pg < num_pages)
+    tl.store(slot_ptr + i, tl.where(ok, pg * PAGE + i % PAGE, -1), mask=live)
+    tl.store(table_ptr + page, tl.where(ok, page, -1), mask=live & (i % PAGE == 0))
+
+
 def _decode_once(cache, block_table: torch.Tensor, max_context: int) -> tuple[_DecodedPages, torch.Tensor]:
     """The pages of every request's first ceil(max_context / page) table entries, decoded to bf16 without the fixed
     factors (nvfp4 outer scale, fp8 tensor scale; the caller multiplies the scores by them): (a bf16 cache of
-    B x W pages, its block table int32 [B, W], -1 where the original entry is no page)."""
+    B x W pages, its block table int32 [B, W], -1 where the original entry is no page). Two launches: the slots and
+    table (`_decoded_slots_kernel`), then the gather-dequantize."""
     page, d = cache.page_size, cache.head_dim
     width = min(block_table.shape[1], max(1, triton.cdiv(max_context, page)))
-    table = block_table[:, :width]
-    ok = (table >= 0) & (table < cache.num_pages)
-    src = torch.where(ok, table, 0).to(torch.int64)
-    slots = (src[:, :, None] * page + torch.arange(page, device=src.device)[None, None, :]).reshape(-1)
-    keys = torch.empty(slots.shape[0], 1, d, dtype=torch.bfloat16, device=src.device)
-    launch_dequant(cache.data, None, slots, keys, cache.fmt, page_size=page, page_stride=cache.data.stride(0),
-                   head_stride=cache.data.stride(1), tensor_scale=1.0, g_dec=1.0)
-    n = table.shape[0] * width
-    new_table = torch.where(ok, torch.arange(n, device=src.device, dtype=torch.int32).view(table.shape), -1)
-    data = keys.view(torch.uint8).view(n, 1, page * d * 2)
-    return _DecodedPages(get_format("bf16"), data, page, d), new_table.to(torch.int32)
+    n = block_table.shape[0] * width
+    dev = block_table.device
+    slots = torch.empty(n * page, dtype=torch.int32, device=dev)
+    table = torch.empty(block_table.shape[0], width, dtype=torch.int32, device=dev)
+    keys = torch.empty(n * page, 1, d, dtype=torch.bfloat16, device=dev)
+    if n:
+        block = 1024
+        _decoded_slots_kernel[(triton.cdiv(n * page, block),)](block_table, slots, table, width,
+                                                                block_table.stride(0), cache.num_pages, n * page,
+                                                                PAGE=page, BLOCK=block)
+        launch_dequant(cache.data, None, slots, keys, cache.fmt, page_size=page, page_stride=cache.data.stride(0),
+                       head_stride=cache.data.stride(1), tensor_scale=1.0, g_dec=1.0)
+    return _DecodedPages(get_format("bf16"), keys.view(torch.uint8).view(n, 1, page * d * 2), page, d), table
 
 
 def _use_gluon(iq4, cache, cfg, q_pos, mode: int, options: dict) -> bool:
