@@ -77,7 +77,7 @@ def verify_attn_cmd(
     if not names:
         raise InputError("--formats needs at least one format")
     dev = str(resolve_device(device))
-    progress = (lambda msg: stderr.print(f"[dim]{msg}[/dim]"))
+    progress = (lambda msg: stderr.print(msg, style="dim", markup=False, highlight=False))  # text, not markup
     impls = [i.strip() for i in (impl or "").split(",") if i.strip()]
     if synthetic:
         report = va.verify_attn_synthetic(names, batch=batch, context_lens=context_lens, seed=seed, device=dev,

@@ -12,10 +12,11 @@ import typer
 from rich import box
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from kvtool.cli.root import app
 from kvtool.cli.common import (DeviceOpt, Fp8ScaleOpt, JsonOpt, OuterScaleOpt, RecipeOpt, ScaleRuleOpt, emit,
-                               examples, format_options, handle_errors, stderr, stdout)
+                               examples, format_options, handle_errors, line, stderr, stdout, warn)
 from kvtool.errors import InputError, OutputError
 
 __all__ = ["EPILOG", "LiveProgress", "decode_cmd", "plot_report", "render"]
@@ -113,7 +114,7 @@ def decode_cmd(
         report = run_decode(opts, progress=live.update, warn=live.warn)
     if plot is not None:
         plot_report(report, plot)
-        stderr.print(f"wrote {plot}")
+        stderr.print(f"wrote {plot}", markup=False, highlight=False)
     emit(report, as_json, render)
 
 
@@ -185,7 +186,7 @@ class LiveProgress:
         if self.plain:
             print(f"warning: {msg}", file=sys.stderr, flush=True)
             return
-        self.progress.console.print(f"[yellow]warning:[/] {msg}")
+        self.progress.console.print(f"warning: {msg}", style="yellow", markup=False, highlight=False)
 
 
 # ------------------------------------------------------------------------------------------------------- render
@@ -205,10 +206,10 @@ def render(r: DecodeReport) -> None:
     sel = "dense" if r.selection is None else (f"sparse: block {r.selection['block_size']}, top-{r.selection['topk']}"
                                                f", init {r.selection['init_blocks']}, local "
                                                f"{r.selection['local_blocks']}")
-    stdout.print(f"[bold]{m['name']}[/]: {m['n_layers']} layers, {m['n_heads']}/{m['n_kv_heads']} heads, head dim "
-                 f"{m['head_dim']}; {sel}; batch {r.batch}, {r.tokens} teacher-forced positions ({r.prompt_tokens} "
-                 f"prompt), {r.gen_tokens} generated; {r.device} (store {r.paths['store']}, attention "
-                 f"{r.paths['attention']})")
+    line(f"{m['name']}: {m['n_layers']} layers, {m['n_heads']}/{m['n_kv_heads']} heads, head dim "
+         f"{m['head_dim']}; {sel}; batch {r.batch}, {r.tokens} teacher-forced positions ({r.prompt_tokens} "
+         f"prompt), {r.gen_tokens} generated; {r.device} (store {r.paths['store']}, attention "
+         f"{r.paths['attention']})")
     level = f"{100 * r.confidence['level']:.0f}%" if r.confidence else None
     table = Table(title=f"vs baseline {r.baseline.label} (K/V / index)",
                   caption=(f"[..]: {level} bootstrap interval over {r.confidence['basis']}" if level else None),
@@ -226,16 +227,15 @@ def render(r: DecodeReport) -> None:
                       _ci(o and o.ppl_ratio, c.intervals.get("ppl_ratio"), ".3f"), div)
     stdout.print(table)
     if r.floor is not None:
-        stdout.print(f"[dim]noise floor ({r.floor.label}): {r.floor_change}[/dim]")
+        line(f"noise floor ({r.floor.label}): {r.floor_change}", style="dim")
     _render_verdict(r)
     if r.bf16_dense_tokens_per_s:
-        stdout.print(f"plain bf16 dense decode of the same model: {r.bf16_dense_tokens_per_s:.1f} tok/s")
+        line(f"plain bf16 dense decode of the same model: {r.bf16_dense_tokens_per_s:.1f} tok/s")
     _render_buckets(r)
     _render_layers(r)
     _render_generations(r)
     _render_llama(r)
-    for w in r.warnings:
-        stderr.print(f"[yellow]warning:[/] {w}")
+    warn(r.warnings)
 
 
 def _render_buckets(r: DecodeReport) -> None:
@@ -273,9 +273,9 @@ def _render_verdict(r: DecodeReport) -> None:
         kl = cmp.diff["kl_mean"]
         what = f"{cmp.a} vs {cmp.b}: KL difference {kl.value:+.4g} [{kl.lo:+.4g}, {kl.hi:+.4g}]"
         if cmp.distinguishable:
-            stdout.print(f"{what}: distinguishable at {level} (on {', '.join(cmp.differs_on)})")
+            line(f"{what}: distinguishable at {level} (on {', '.join(cmp.differs_on)})")
         else:
-            stdout.print(f"{what}: [bold]not distinguishable[/] at {level} on any metric")
+            line(f"{what}: not distinguishable at {level} on any metric")
 
 
 def _render_llama(r: DecodeReport) -> None:
@@ -285,10 +285,10 @@ def _render_llama(r: DecodeReport) -> None:
     for c in r.candidates + ([r.floor] if r.floor else []):
         if not c.llama_cpp:
             continue
-        stdout.print(f"[bold]{c.label}[/]: llama.cpp statistics (llama-perplexity --kl-divergence names; every "
-                     f"position with a next token)")
-        for line in decode_stats.llama_lines(c.llama_cpp):
-            stdout.print(line, markup=False, highlight=False)
+        line(f"{c.label}: llama.cpp statistics (llama-perplexity --kl-divergence names; every position with a next "
+             "token)")
+        for text in decode_stats.llama_lines(c.llama_cpp):
+            stdout.print(text, markup=False, highlight=False)
 
 
 def _render_layers(r: DecodeReport) -> None:
@@ -315,18 +315,18 @@ def _render_generations(r: DecodeReport) -> None:
     if r.baseline.generation.text is None:  # no tokenizer: token agreement only
         for c in r.candidates:
             g = c.generation
-            stdout.print(f"{c.label}: generated tokens agree {g.agreement_pct:.1f} % with the baseline, first "
-                         f"divergence {'none' if g.first_divergence is None else g.first_divergence}")
+            line(f"{c.label}: generated tokens agree {g.agreement_pct:.1f} % with the baseline, first divergence "
+                 f"{'none' if g.first_divergence is None else g.first_divergence}")
         return
     if r.prompt_tail:
-        stdout.print(f"[dim]...{r.prompt_tail!r}[/dim]")
+        line(f"...{r.prompt_tail!r}", style="dim", wrap=False)  # the prompt as it is: no markup, no wrapping
     table = Table(title=f"free-running greedy continuation ({r.gen_tokens} tokens)", box=box.SIMPLE, show_lines=True)
     for col in ("config", "agree %", "1st div", "text"):
         table.add_column(col, justify="right" if col in ("agree %", "1st div") else "left", overflow="fold")
     for i, c in enumerate([r.baseline] + r.candidates):
         g = c.generation
         div = "-" if i == 0 else ("none" if g.first_divergence is None else str(g.first_divergence))
-        table.add_row(c.label, "-" if i == 0 else f"{g.agreement_pct:.1f}", div, repr(g.text))
+        table.add_row(c.label, "-" if i == 0 else f"{g.agreement_pct:.1f}", div, Text(repr(g.text)))  # not markup
     stdout.print(table)
 
 

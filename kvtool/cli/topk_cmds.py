@@ -91,7 +91,7 @@ def verify_topk_cmd(
     if not names:
         raise InputError("--formats needs at least one format")
     dev = str(resolve_device(device))
-    progress = (lambda msg: stderr.print(f"[dim]{msg}[/dim]"))
+    progress = (lambda msg: stderr.print(msg, style="dim", markup=False, highlight=False))  # text, not markup
     impls = [i.strip() for i in (impl or "").split(",") if i.strip()]
     common = dict(device=dev, backend=backend, min_recall=min_recall, progress=progress, impls=impls)
     if synthetic or edge_scores or scores is not None:
