@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 from rich import box
 from rich.table import Table
+from rich.text import Text
 
 from kvtool.cli.root import app
 from kvtool.cli.common import DeviceOpt, JsonOpt, emit, examples, handle_errors, lazy_module, line, stderr, stdout
@@ -98,7 +99,8 @@ def verify_attn_cmd(
 def _render(r) -> None:
     geo = ", ".join(f"{k} {v}" for k, v in r.geometry.items() if k != "context_lens")
     # Compact enough for 80 columns: the JSON report also has max_abs and cosine of (a).
-    table = Table(title=f"verify-attn: {r.source} — {r.backend} on {r.device}", caption=geo, box=box.SIMPLE_HEAD,
+    table = Table(title=Text(f"verify-attn: {r.source} — {r.backend} on {r.device}"), caption=geo,
+                  box=box.SIMPLE_HEAD,
                   pad_edge=False, padding=(0, 0), collapse_padding=True)
     for col in ("layer", "format", "impl", "q", "a\nrel_l2", "a\nmax_rel", "a bf16\nmax_rel", "b\nrel_l2",
                 "b\nmax_rel", "b\ncos", "verdict"):
@@ -111,11 +113,11 @@ def _render(r) -> None:
             table.add_section()  # the overall rows, over every layer
         a, b = row.vs_dequant, row.vs_original
         if a is None:  # skipped: the reason instead of numbers
-            table.add_row(row.layer, row.format, row.impl, str(row.queries), *["-"] * 6, row.verdict, style="dim")
+            table.add_row(Text(row.layer), row.format, row.impl, str(row.queries), *["-"] * 6, row.verdict, style="dim")
             continue
         verdict = "[green]PASS[/green]" if row.verdict == "PASS" else f"[red]FAIL (> {row.tolerance:.2g})[/red]" \
             if not row.passed else "[yellow]SKIPPED: no kernel ran[/yellow]"  # the reference compared with itself
-        table.add_row(row.layer, row.format, row.impl, str(row.queries), f"{a.rel_l2:.1e}", f"{a.max_rel:.1e}",
+        table.add_row(Text(row.layer), row.format, row.impl, str(row.queries), f"{a.rel_l2:.1e}", f"{a.max_rel:.1e}",
                       f"{row.bf16_out_max_rel:.1e}", f"{b.rel_l2:.3f}", f"{b.max_rel:.3f}", f"{b.cosine:.4f}",
                       verdict)
     stdout.print(table)  # a rich Table: laid out by kvtool.cli.render

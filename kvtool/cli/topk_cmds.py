@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 from rich import box
 from rich.table import Table
+from rich.text import Text
 
 from kvtool.cli.root import app
 from kvtool.cli.common import DeviceOpt, JsonOpt, emit, examples, handle_errors, lazy_module, line, stderr, stdout
@@ -135,7 +136,7 @@ def _read_scores(path: Path, verify: bool = True):
 
 def _render(r) -> None:
     cfg = ", ".join(f"{k} {v}" for k, v in r.config.items() if k != "context_lens")
-    table = Table(title=f"verify-topk: {r.source} ({r.backend}, {r.device})", caption=cfg, box=box.SIMPLE_HEAD,
+    table = Table(title=Text(f"verify-topk: {r.source} ({r.backend}, {r.device})"), caption=cfg, box=box.SIMPLE_HEAD,
                   pad_edge=False, collapse_padding=True)
     for col in ("layer", "format", "impl", "rows", "a\nexact%", "a\ntie%", "a\norder%", "a\nmax err", "b\nexact%",
                 "b\nrecall", "b\nrel err", "rules", "verdict"):
@@ -149,9 +150,11 @@ def _render(r) -> None:
             table.add_section()  # the overall rows, over every layer
         a, b, c = row.vs_dequant, row.vs_original, row.checks
         if a is None:  # skipped: the reason instead of numbers
-            table.add_row(row.layer, row.format, row.impl, str(row.rows), *["-"] * 8, "-", row.verdict, style="dim")
+            table.add_row(Text(row.layer), row.format, row.impl, str(row.rows), *["-"] * 8, "-", row.verdict,
+                          style="dim")
             continue
-        table.add_row(row.layer, row.format, row.impl, str(row.rows), f"{a.exact_pct:.1f}", f"{a.tie_aware_pct:.1f}",
+        table.add_row(Text(row.layer), row.format, row.impl, str(row.rows), f"{a.exact_pct:.1f}",
+                      f"{a.tie_aware_pct:.1f}",
                       "-" if c is None else f"{c.order_pct:.1f}",
                       "-" if row.max_score_err != row.max_score_err else f"{row.max_score_err:.1e}",
                       "-" if b is None else f"{b.exact_pct:.1f}",
