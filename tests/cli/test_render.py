@@ -124,6 +124,8 @@ def _commands(d: Path, mx: Path, nv: Path) -> dict[str, list]:
         "capacity": ["capacity", "--model", "minimax-m3.1-flash", "--kv", "nvfp4", "--index", "fp4"],
         "verify-attn": ["verify-attn", "--synthetic", "--formats", "nvfp4,bf16"],
         "verify-topk": ["verify-topk", "--synthetic", "--formats", "nvfp4,mxfp4", "--context-lens", "4096"],
+        "recipes": ["recipes"],
+        "doctor": ["doctor", mx, "--reference", FIX],
     }
 
 
