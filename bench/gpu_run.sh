@@ -42,6 +42,7 @@ for stage in "$@"; do
     tests-attn) sharded tests_attn -m gpu tests/kernels/test_kernels_attn.py tests/reference/test_attention.py ;;
     tests-index) sharded tests_index -m gpu tests/kernels/test_kernels_index.py tests/reference/test_indexer.py ;;
     tests-index-gluon) sharded tests_index_gluon -m gpu -k gluon tests/kernels/test_kernels_index.py ;;
+    tests-index-decode) sharded tests_index_decode -m gpu -k "decode and not prefill" tests/kernels/test_kernels_index.py ;;
     tests-rest) sharded tests_rest -m gpu $(ls -d tests/io tests/workflows tests/cli tests/engines 2>/dev/null) ;;
     bench-quant) python3 -m kvtool bench quant --device cuda --sizes 64M,256M,1G --formats nvfp4,mxfp4,mxfp4-floor,fp8,fp8-token > "$OUT/bench_quant.txt" 2>&1; tail -60 "$OUT/bench_quant.txt" ;;
     bench-attn) python3 -m kvtool bench attn --device cuda > "$OUT/bench_attn.txt" 2>&1; tail -60 "$OUT/bench_attn.txt" ;;

@@ -242,11 +242,11 @@ _tuned_kernel = triton.autotune(
     configs=_configs(), key=["PAYLOAD_BITS", "SCALE_KIND", "D", "BS", "MP", "CH", "MODE", "HI", "NATIVE_FP8",
                              "FP4_WORDS", "POST_SCALE", "WP", "LEAN", "PAIR", "QM"]
 )(_index_score_kernel)
-LAUNCH_OPTIONS = ("chunk_blocks", "q_tile", "prefetch", "native_fp8", "num_warps", "num_stages", "fp4_words",
+LAUNCH_OPTIONS = ("chunk_blocks", "q_tile", "prefetch", "num_warps", "num_stages", "fp4_words",
                   "in_kernel_topk", "post_scale", "warp_partials", "select", "lean", "tile_pairs",
                   "max_registers", "gluon", "tail_blocks", "q_major", "decode_once")
 # launch options that pick a variant of the portable kernel: any of them given turns the Gluon fast path off
-PORTABLE_OPTIONS = ("q_tile", "prefetch", "native_fp8", "num_warps", "num_stages", "fp4_words", "in_kernel_topk",
+PORTABLE_OPTIONS = ("q_tile", "prefetch", "num_warps", "num_stages", "fp4_words", "in_kernel_topk",
                     "post_scale", "warp_partials", "lean", "tile_pairs", "max_registers", "q_major")
 
 # Two-pass top-k: the scorer writes per-warp partial block maxima (`index_blocks.part_nanmax`; no cross-warp reduction
@@ -302,6 +302,10 @@ PREFILL_SELECT = {32: "packedR4", 64: "packedR2"}
 # exact in bf16 (E2M1 x E4M3: <= 6 significant bits; E2M1 x 2**e and E4M3 values within bf16's range). The copy costs
 # 2 bytes per key element once (8 MB at 32K tokens, D = 128) instead of a key decode per query tile.
 DECODE_ONCE_MIN_QUERIES = 128
+# Most blocks per program of the default context split; CUDA decode 16: at batch 64 on the H200 bf16 / fp8 keys took
+# 2230 / 1228 us per 4 layers at 150K with 16 against 2529 / 1342 with 32 (bf16 at 32K: 537 against 638).
+MAX_CHUNK_BLOCKS = 32
+CUDA_DECODE_MAX_CHUNK_BLOCKS = 16
 PREFILL_DEFAULT_ROWS = 64  # dot rows of a prefill query tile elsewhere (the interpreter, other devices)
 
 
@@ -505,7 +509,7 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
             gscale: float | None = None, **options):
     """iq4 bf16 [B, Q, Hi, D] -> MODE_TOKENS fp32 [B, Q, Hi, S] | MODE_BLOCKS fp32 [B, Q, Hi, NB] |
     MODE_TOPK int32 [B, Q, Hi, cfg.topk]. Options (LAUNCH_OPTIONS, for tests and benchmark sweeps): chunk_blocks
-    (blocks per program), q_tile (queries per program), native_fp8 (hardware e4m3 decode), fp4_words (FP4 word
+    (blocks per program), q_tile (queries per program), fp4_words (FP4 word
     decode; default for head dims >= 128), in_kernel_topk (top-k: each program keeps candidates in registers and a
     merge kernel picks, instead of the default two passes: block scores, then `select_from_block_scores`; the
     block scores are 4 bytes per block and head, about 0.2 % of an FP4 cache's bytes, and two passes measured faster
@@ -576,14 +580,15 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
         tile_pos = tile_pos.amax(-1).contiguous() if bsz * nq else tile_pos.new_empty(0)
     ch = options.get("chunk_blocks")
     if ch is None:
-        # about four programs per SM; powers of 4 so that few distinct kernels (and autotune keys) arise, at most 32
-        # blocks; one block per program where there are fewer blocks than that (both measured best on the H200,
-        # docs/kernels/index_score.md)
+        # about four programs per SM; powers of 4 so that few distinct kernels (and autotune keys) arise, at most
+        # MAX_CHUNK_BLOCKS blocks; one block per program where there are fewer blocks than that (both measured best
+        # on the H200, docs/kernels/index_score.md)
         want = triton.cdiv(nb * bsz * n_qtiles, 4 * _num_sms(iq4.device))
         ch = 1 if want <= 1 else 4
         while 1 < ch < min(want, 64):
             ch *= 4
-        ch = min(ch, 32)
+        cuda_decode = nq == 1 and iq4.device.type == "cuda"
+        ch = min(ch, CUDA_DECODE_MAX_CHUNK_BLOCKS if cuda_decode else MAX_CHUNK_BLOCKS)
     ch = triton.next_power_of_2(ch)
     splits = triton.cdiv(nb, ch)
     kc_ = min(cfg.topk, ch)
@@ -608,7 +613,6 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
     if bsz * nq and n_out:
         if gscale is None:
             gscale = require_tensor_scale(cache) if fmt.scale_element == "fp32-tensor" else cache_scales(cache)[1]
-        native = options.get("native_fp8")
         args = (iq4, cache.data, block_table, context_lens, pos, tile_pos, out, ids, float(gscale),
                 nq, hi, cache.num_pages, cache.page_bytes, n_qtiles, n_out,
                 iq4.stride(0), iq4.stride(1), iq4.stride(2), block_table.stride(0), pos.stride(0))
@@ -617,7 +621,7 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
                       SCALE_BLOCK=fmt.block or 1, BS=bs, TILE_T=tile_t, QT=qt, HIP=hip, MP=mp,
                       CH=ch, KC=kc_, INIT=cfg.init_blocks, LOCAL=cfg.local_blocks,
                       HIGHER_ID=cfg.tie_rule != "lower-id", MODE=kmode,
-                      NATIVE_FP8=native_fp8(iq4.device) if native is None else bool(native),
+                      NATIVE_FP8=native_fp8(iq4.device),
                       FP4_WORDS=words, POST_SCALE=post, NSBP=nsbp, DOT_F32=INTERPRET, WP=wp,
                       LEAN=kmode == 1 and (LEAN_DEFAULT if options.get("lean") is None else bool(options["lean"])),
                       PAIR=bool(options.get("tile_pairs", False)), QM=bool(options.get("q_major", False)))

@@ -34,7 +34,7 @@ import torch
 
 from kvtool.backend import interpreting
 from kvtool.bench.common import BenchCase, BenchReport, run_cases
-from kvtool.formats import E4M3, get_format
+from kvtool.formats import get_format
 from kvtool.indexer import IndexerConfig, apply_forced, select_topk
 from kvtool.paged import PagedCache
 
@@ -85,12 +85,10 @@ FP4_ONLY = ("post_scale",)
 
 
 def _sweep_applies(options: dict, fmt, families=None) -> bool:
-    """Variants that change nothing for a format are skipped: the fp8 decode option needs E4M3 bytes, the FP4 decode
-    options FP4 keys; families, when given, lists the format families a row is for."""
+    """Variants that change nothing for a format are skipped: the FP4 decode options need FP4 keys; families, when
+    given, lists the format families a row is for."""
     if families is not None and fmt.family not in families:
         return False
-    if "native_fp8" in options:
-        return fmt.scale_element == "e4m3" or fmt.element is E4M3
     if any(k in options for k in FP4_ONLY) or options.get("num_warps") == 1:
         return fmt.spec.payload_bits == 4
     return True
