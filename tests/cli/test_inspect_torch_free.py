@@ -68,14 +68,19 @@ def _torch_path(monkeypatch):
     monkeypatch.setattr("kvtool.workflows.inspect_plain.plain_report", lambda *a, **k: None)
 
 
+def assert_same_as_torch_path(path, opts, monkeypatch):
+    """`kvtool inspect path *opts` prints the same (stdout, stderr, exit 0) on the torch-free route and the torch one."""
+    light = kv("inspect", path, *opts)
+    _torch_path(monkeypatch)
+    heavy = kv("inspect", path, *opts)
+    assert light.exit_code == heavy.exit_code == 0, light.output + heavy.output
+    assert (light.stdout, light.stderr) == (heavy.stdout, heavy.stderr)
+
+
 @pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: " ".join(o) or "default")
 @pytest.mark.parametrize("name", PLAIN)
 def test_cli_output_equals_the_torch_path(files, name, opts, monkeypatch):
-    light = kv("inspect", files[name], *opts)
-    _torch_path(monkeypatch)
-    heavy = kv("inspect", files[name], *opts)
-    assert light.exit_code == heavy.exit_code == 0, light.output + heavy.output
-    assert (light.stdout, light.stderr) == (heavy.stdout, heavy.stderr)
+    assert_same_as_torch_path(files[name], opts, monkeypatch)
 
 
 @pytest.mark.parametrize("name", PLAIN)
@@ -139,11 +144,7 @@ def test_npy_report_equals_inspect_file(npy_files, name):
 @pytest.mark.parametrize("opts", [[], ["--json"], ["--exclude", "tensor"]], ids=lambda o: " ".join(o) or "default")
 @pytest.mark.parametrize("name", ["f32", "scalar", "fortran", "big_endian"])
 def test_npy_cli_output_equals_the_torch_path(npy_files, name, opts, monkeypatch):
-    light = kv("inspect", npy_files[name], *opts)
-    _torch_path(monkeypatch)
-    heavy = kv("inspect", npy_files[name], *opts)
-    assert light.exit_code == heavy.exit_code == 0, light.output + heavy.output
-    assert (light.stdout, light.stderr) == (heavy.stdout, heavy.stderr)
+    assert_same_as_torch_path(npy_files[name], opts, monkeypatch)
 
 
 def _npy_bytes(arr: np.ndarray, **kw) -> bytes:

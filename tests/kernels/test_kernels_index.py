@@ -751,18 +751,23 @@ def test_gpu_post_scale_variants(label, variant):
         check_decode(cache, table, cl, queries(len(ctx), 4, 128, seed=48), IndexerConfig(), num_stages=3, **opts)
 
 
+def engine_prefill(label, seed):
+    """A causal prefill case at engine geometry (128-token pages and blocks, 4 heads, top-16; 512 queries into 4K and
+    3001-token contexts): (cache, table, ctx, iq, cfg, reference ids, reference scores, bound)."""
+    cache, table, cl, _ = make_cache(label, [4096, 3001], page=128, seed=seed)
+    iq = queries(2, 4, 128, seed=seed + 1, q=512)
+    cfg = IndexerConfig()
+    ref_ids, ref_scores = paged_reference(iq, cache, table, cl, cfg)
+    return cache, table, cl, iq, cfg, ref_ids, ref_scores, tolerance(iq, cache, table, cl)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("label", ["bf16", "fp8", "fp8-token", "nvfp4", "mxfp4"])
 def test_gpu_prefill_q_major(label):
     """Query-major prefill launches at engine geometry (128-token pages and blocks, 4 heads, top-16, 512 queries
     into 4K and 3001-token contexts): the reference's ids through 64- and 128-row tiles, 4 and 8 warps, and every
     prefill select variant; the same ids as the default launch."""
-    ctx = [4096, 3001]
-    cache, table, cl, _ = make_cache(label, ctx, page=128, seed=78)
-    iq = queries(2, 4, 128, seed=79, q=512)
-    cfg = IndexerConfig()
-    ref_ids, ref_scores = paged_reference(iq, cache, table, cl, cfg)
-    tol = tolerance(iq, cache, table, cl)
+    cache, table, cl, iq, cfg, ref_ids, ref_scores, tol = engine_prefill(label, seed=78)
     base = K.prefill_topk(iq, cache, table, cl, cfg)
     assert_ids_match(base, ref_ids, ref_scores, tol)
     for q_tile, warps, stages in ((16, 4, 3), (32, 4, 3), (32, 8, 3), (32, 4, 2)):
@@ -778,12 +783,7 @@ def test_gpu_prefill_q_major(label):
 def test_gpu_prefill_decode_once(label):
     """The decode-once prefill (the CUDA default from DECODE_ONCE_MIN_QUERIES queries) at engine geometry: the
     reference's ids; the same ids as the in-kernel decode (decode_once=False)."""
-    ctx = [4096, 3001]
-    cache, table, cl, _ = make_cache(label, ctx, page=128, seed=82)
-    iq = queries(2, 4, 128, seed=83, q=512)
-    cfg = IndexerConfig()
-    ref_ids, ref_scores = paged_reference(iq, cache, table, cl, cfg)
-    tol = tolerance(iq, cache, table, cl)
+    cache, table, cl, iq, cfg, ref_ids, ref_scores, tol = engine_prefill(label, seed=82)
     ids = K.prefill_topk(iq, cache, table, cl, cfg)
     assert_ids_match(ids, ref_ids, ref_scores, tol)
     assert_ids_match(K.prefill_topk(iq, cache, table, cl, cfg, decode_once=False), ref_ids, ref_scores, tol)
