@@ -31,6 +31,10 @@ How it aims to stay bandwidth-bound (the goal shape and its byte floor: docs/ker
   block scale and the blocks are summed (`tiles.post_scale`): no per-element multiply, no relative-exponent trick for
   mxfp4 (E8M0 2**e applied in fp32). For mxfp4 the 4 blocks x 4 heads fill the 16 rows a dot is padded to anyway;
   nvfp4 at 4 heads (8 blocks, 32 rows) measured slower than scaling the elements, so it keeps that path.
+- prefill (every key against many query tiles) is compute-bound, not bandwidth-bound: there the dots run query-major
+  (`q_major`, `tiles.tile_dot`: Q [rows, D] x K^T, so a row's block max reduces inside a thread quad and bf16 keys
+  feed the tensor cores from shared memory as loaded), and on CUDA FP4 and unit / tensor-scaled fp8 keys are decoded
+  once per call into a bf16 copy of the chunk's pages (`decode_once`, `_decode_once`) instead of once per query tile.
 - fp8 keys use the hardware e4m3 -> fp16 conversion where it exists (CUDA sm_89+), else an integer decode.
 - the next tile's loads overlap this tile's math: either the compiler's cp.async pipeline (5 stages: the page lookup,
   then the payload, one tile ahead) or a register double buffer (PREFETCH); the autotuner picks per format.
