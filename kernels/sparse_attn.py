@@ -547,7 +547,8 @@ def sparse_decode(q: torch.Tensor, k_cache, v_cache, block_table: torch.Tensor,
                   out_dtype: torch.dtype = torch.bfloat16, precise_p: bool | None = None,
                   prefetch: int | bool | None = None, paired: bool | str | None = None,
                   maxnreg: int | None = None, lazy_l: bool | None = None,
-                  joint_max: bool | None = None, gluon: bool | None = None) -> torch.Tensor:
+                  joint_max: bool | None = None, gluon: bool | None = None, gluon_tile: int | None = None,
+                  fused_combine: bool | None = None) -> torch.Tensor:
     """One decode step of sparse attention for B requests.
 
     q bf16 [B, Hq, D] (the token at position context_lens[b] - 1, already stored in the caches); k_cache / v_cache:
@@ -565,8 +566,11 @@ def sparse_decode(q: torch.Tensor, k_cache, v_cache, block_table: torch.Tensor,
     0 = none); warps (default 2 or 4) and splits: see `launch_plan`; paired: E2M1 decoded in PAIRED order (fewer
     integer ops, but slower on the H200; default off), True for K and V, "k" for K only, see
     `kc.e2m1_words_paired`; lazy_l: softmax denominators as per-column sums reduced after the loop (default on for
-    quantized formats); joint_max: E8M0 V factors through the softmax max (default on), see `_attend`). No host
-    synchronization, so it can be captured in a CUDA graph."""
+    quantized formats); joint_max: E8M0 V factors through the softmax max (default on), see `_attend`). gluon: the
+    NVIDIA fast path forced (True), refused (False) or where it applies (None, see `_use_gluon`); with gluon=True,
+    gluon_tile (its tokens per tile, 64 or 128) and fused_combine (the split merge in the decode's last program, or
+    the combine kernel) tune it (defaults: `attn_gluon.plan`, `attn_gluon.sparse_decode`). No host synchronization,
+    so it can be captured in a CUDA graph."""
     _check_q(q)
     b, hq, d = q.shape
     _check_caches(k_cache, v_cache, q, hq, d, block_size)
@@ -576,6 +580,9 @@ def sparse_decode(q: torch.Tensor, k_cache, v_cache, block_table: torch.Tensor,
     portable = {"tile_tokens": tile_tokens, "num_warps": num_warps, "num_stages": num_stages, "native_fp8": native_fp8,
                 "precise_p": precise_p, "prefetch": prefetch, "paired": paired, "maxnreg": maxnreg, "lazy_l": lazy_l,
                 "joint_max": joint_max}
+    fast = {k: v for k, v in {"tokens_per_tile": gluon_tile, "fused_combine": fused_combine}.items() if v is not None}
+    if fast and gluon is not True:
+        raise KernelArgumentError("sparse_decode: gluon_tile and fused_combine tune the Gluon path: pass gluon=True")
     if _use_gluon(q, k_cache, v_cache, block_size, gluon, portable, scale):
         _check_out_dtype(out_dtype)
         if num_splits is not None and int(num_splits) < 1:
@@ -584,7 +591,7 @@ def sparse_decode(q: torch.Tensor, k_cache, v_cache, block_table: torch.Tensor,
         return attn_gluon.sparse_decode(q, k_cache, v_cache, block_table, context_lens, block_ids,
                                         scale * LOG2E * _scalar_of(k_cache, "k_cache") * E2M1_UNIT,
                                         _scalar_of(v_cache, "v_cache") * E2M1_UNIT, num_splits, out_dtype,
-                                        _combine_kernel)
+                                        _combine_kernel, **fast)
     return _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_splits, True, context_lens,
                    context_lens, context_lens, tile_tokens, num_warps, num_stages, native_fp8, out_dtype,
                    precise_p, prefetch, paired, maxnreg, lazy_l, joint_max)

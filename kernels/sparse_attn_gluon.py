@@ -3,7 +3,7 @@ dialect), so that decoded K and V are born in the tensor-core operand registers.
 
 Why a second kernel: the portable kernel (`kernels/sparse_attn.py`) decodes E2M1 into blocked layouts that Triton
 moves into the dot operand layouts through shared memory; its per-tile time did not depend on the bytes it loads and
-ncu found it bound by those shared-memory round trips (see that module's docstring). Here, per tile of TOKENS_PER_TILE
+ncu found it bound by those shared-memory round trips (see that module's docstring). Here, per tile of `tokens_per_tile`
 tokens (128, one page; 64 also compiles) of one (request, KV head), 4 warps:
 - S = Q K^T: Q [16 query heads, 128] is the mma.sync A operand (scaled per head by 2**a into fp16's range), K^T
   [128 dim slots, tile] the B operand, decoded in place from the 16 bytes of each token row that a thread's B
@@ -40,7 +40,7 @@ tokens (128, one page; 64 also compiles) of one (request, KV head), 4 warps:
 - one split writes the bf16 (or fp32) output itself; several write the portable kernel's fp32 partials (acc, m, l),
   and the last program of each (request, KV head) to arrive (an int32 arrival counter per pair: barrier, acq_rel
   atomic at GPU scope; the last one resets it) merges them as the portable `_combine_kernel` does and writes the
-  output: no second launch (FUSED_COMBINE).
+  output: no second launch (`fused_combine`).
 Semantics are the portable kernel's (SPEC section 3): tokens after the query, -1 selection slots, selected blocks
 wholly after the query and -1 pages are never read (score -inf; copies of zeros, V scales of tokens after the query
 read as 0 factors), a row with no visible token gives zeros, whole-tensor factors (the nvfp4 outer scale, E2M1's 2**-14
@@ -66,14 +66,15 @@ import math
 import torch
 import triton
 
+from kvtool.errors import KernelArgumentError
 from kvtool.formats import kernel_desc as kd
 from kvtool.kernels import codecs as kc
 from kvtool.kernels.platform import cuda_at_least, num_sms, pdl_ok
 
 __all__ = [
-    "BLOCK", "DIM", "FUSED_COMBINE", "MAXNREG", "MAX_GROUP", "MIN_PROGRAMS", "MIN_SPLIT_TOKENS", "NUM_WARPS", "PAYLOAD",
-    "SCALE_BYTES", "TILE", "TOKENS_PER_TILE", "applies", "default_splits", "device_ok", "format_key", "plan",
-    "sparse_decode", "split_counters", "twice_the_tokens"
+    "BLOCK", "DEFAULT_FUSED_COMBINE", "DEFAULT_TOKENS_PER_TILE", "DIM", "MAX_GROUP", "MIN_PROGRAMS", "MIN_SPLIT_TOKENS",
+    "NUM_WARPS", "PAYLOAD", "SCALE_BYTES", "TILE", "TILE_SIZES", "applies", "default_splits", "device_ok", "format_key",
+    "plan", "sparse_decode", "split_counters", "twice_the_tokens"
 ]
 
 try:  # Gluon ships with Triton >= 3.5; without it the portable kernel runs everywhere
@@ -84,7 +85,7 @@ try:  # Gluon ships with Triton >= 3.5; without it the portable kernel runs ever
 except ImportError:  # pragma: no cover - the pinned Triton has it
     gluon = None
 
-TILE = 64  # the layouts' base token count (half a page); TOKENS_PER_TILE picks 64- or 128-token tiles
+TILE = 64  # the layouts' base token count (half a page); a launch's tokens_per_tile picks 64- or 128-token tiles
 BLOCK = 128  # selection block = page (tokens)
 DIM = 128  # head dim
 MAX_GROUP = 16  # query heads per KV head (the mma's M)
@@ -631,8 +632,8 @@ def applies(q: torch.Tensor, k_cache, v_cache, block_size: int) -> bool:
 # are faster on the H200, from 16 this kernel (the measurements: docs/kernels/sparse_attn_gluon.md).
 MIN_PROGRAMS = {NVFP4: 16, MXFP4: 16}
 
-MAXNREG = None  # a register cap for sweeps (None: the compiler's choice)
-TOKENS_PER_TILE = 128  # a page a tile (64: half a page, also compiled and tested; see default_splits for both)
+TILE_SIZES = (TILE, BLOCK)  # the tokens per tile the kernel's layouts take: half a page or a page
+DEFAULT_TOKENS_PER_TILE = 128  # a page a tile (64: half a page, also compiled and tested; see default_splits for both)
 MIN_SPLIT_TOKENS = 256  # splits of fewer selected tokens lose to the merge and the pipeline fill (measured,
 # docs/kernels/sparse_attn_gluon.md)
 
@@ -644,11 +645,20 @@ def default_splits(rows: int, num_kv_heads: int, n_tiles: int, device: torch.dev
     return max(1, min(n_tiles * tile // MIN_SPLIT_TOKENS, 2 * num_sms(device) // max(1, rows * num_kv_heads)))
 
 
-def plan(rows: int, num_kv_heads: int, topk: int, device: torch.device,
-         num_splits: int | None = None) -> tuple[int, int, int]:
-    """A launch's (tokens per tile, tiles, splits): TOKENS_PER_TILE, the default splits unless num_splits, never an
-    empty trailing split."""
-    tile = TOKENS_PER_TILE
+def _tile(tokens_per_tile: int | None) -> int:
+    if tokens_per_tile is None:
+        return DEFAULT_TOKENS_PER_TILE
+    if isinstance(tokens_per_tile, bool) or tokens_per_tile not in TILE_SIZES:
+        raise KernelArgumentError(f"sparse_decode: the Gluon kernel's tokens per tile must be one of {TILE_SIZES}, "
+                                  f"got {tokens_per_tile!r}")
+    return int(tokens_per_tile)
+
+
+def plan(rows: int, num_kv_heads: int, topk: int, device: torch.device, num_splits: int | None = None,
+         tokens_per_tile: int | None = None) -> tuple[int, int, int]:
+    """A launch's (tokens per tile, tiles, splits): tokens_per_tile (one of TILE_SIZES, default
+    DEFAULT_TOKENS_PER_TILE), the default splits unless num_splits, never an empty trailing split."""
+    tile = _tile(tokens_per_tile)
     n_tiles = topk * (BLOCK // tile)
     splits = int(num_splits) if num_splits else default_splits(rows, num_kv_heads, n_tiles, device, tile)
     per = max(1, math.ceil(n_tiles / splits))
@@ -656,7 +666,7 @@ def plan(rows: int, num_kv_heads: int, topk: int, device: torch.device,
 
 
 # Split decodes merge their partials in the last program of each (request, KV head) instead of a second launch.
-FUSED_COMBINE = True
+DEFAULT_FUSED_COMBINE = True
 _COUNTERS: dict = {}
 
 
@@ -678,19 +688,23 @@ def split_counters(device: torch.device, n: int) -> torch.Tensor | None:
 
 def sparse_decode(q: torch.Tensor, k_cache, v_cache, block_table: torch.Tensor, context_lens: torch.Tensor,
                   block_ids: torch.Tensor, qk_scale: float, v_scalar: float, num_splits: int | None,
-                  out_dtype: torch.dtype, combine, fused_combine: bool | None = None) -> torch.Tensor:
+                  out_dtype: torch.dtype, combine, *, tokens_per_tile: int | None = None,
+                  fused_combine: bool | None = None) -> torch.Tensor:
     """The launch: inputs as checked by `sparse_attn.sparse_decode`; `applies` and `device_ok` hold. qk_scale: the
     softmax scale x log2(e) x K's folded factors (outer scale, E2M1 unit); v_scalar: V's. combine: the portable
     kernel's split combine kernel, launched after a split decode unless the merge is fused (`fused_combine`, default
-    FUSED_COMBINE)."""
+    DEFAULT_FUSED_COMBINE). tokens_per_tile: see `plan`."""
+    _tile(tokens_per_tile)
+    if fused_combine is not None and not isinstance(fused_combine, bool):
+        raise KernelArgumentError(f"sparse_decode: fused_combine must be True or False, got {fused_combine!r}")
     rows, hq, d = q.shape
     hkv, topk = k_cache.num_heads, block_ids.shape[-1]
     out = torch.empty(rows, hq, d, dtype=out_dtype, device=q.device)
     if rows == 0:
         return out
-    tile, n_tiles, splits = plan(rows, hkv, topk, q.device, num_splits)
+    tile, n_tiles, splits = plan(rows, hkv, topk, q.device, num_splits, tokens_per_tile)
     per = math.ceil(n_tiles / splits)
-    fused = splits > 1 and (FUSED_COMBINE if fused_combine is None else fused_combine)
+    fused = splits > 1 and (DEFAULT_FUSED_COMBINE if fused_combine is None else fused_combine)
     cnt = split_counters(q.device, rows * hkv) if fused else None
     fused = fused and cnt is not None
     if splits > 1:
@@ -706,8 +720,7 @@ def sparse_decode(q: torch.Tensor, k_cache, v_cache, block_table: torch.Tensor, 
         v_cache.data.stride(0), v_cache.data.stride(1), block_table.stride(0), block_ids.stride(0),
         block_ids.stride(1), n_tiles, per, 0x07070707, -0x7F7F7F80, G=hq // hkv, SPLIT=splits > 1,
         E8M0=k_cache.fmt.scale_element == "e8m0", FUSED=fused, OT=tile, NSEL=triton.next_power_of_2(max(topk, 1)),
-        PDL=pdl, num_warps=NUM_WARPS, **({"launch_pdl": True} if pdl else {}),
-        **({"maxnreg": MAXNREG} if MAXNREG else {}))
+        PDL=pdl, num_warps=NUM_WARPS, **({"launch_pdl": True} if pdl else {}))
     if splits > 1 and not fused:
         combine[(rows * hq,)](part, ml, out, float(v_scalar), splits, BLOCK_S=triton.next_power_of_2(splits), D=d,
                               PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}))

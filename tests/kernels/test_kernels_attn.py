@@ -320,8 +320,43 @@ def test_gluon_dispatch_rules(monkeypatch):
     for tile in (64, 128):
         assert [G.default_splits(r, 1, 2048 // tile, cpu, tile) for r in (256, 128, 64, 16, 1)] == [1, 2, 4, 8, 8]
     assert G.default_splits(1, 1, 3, cpu, 64) == 1  # fewer tokens than a split's least
-    assert G.plan(64, 1, 16, cpu) == (G.TOKENS_PER_TILE, 16 * 128 // G.TOKENS_PER_TILE, 4)
-    assert G.plan(1, 1, 16, cpu, num_splits=5)[2] == (4 if G.TOKENS_PER_TILE == 128 else 5)  # 16 tiles: 4 a split
+    assert G.plan(64, 1, 16, cpu) == (G.DEFAULT_TOKENS_PER_TILE, 16 * 128 // G.DEFAULT_TOKENS_PER_TILE, 4)
+    assert G.plan(1, 1, 16, cpu, num_splits=5)[2] == (4 if G.DEFAULT_TOKENS_PER_TILE == 128 else 5)  # 4 a split
+
+
+def test_gluon_launch_options(monkeypatch):
+    """The Gluon launch's options (host side, device condition patched): gluon_tile (tokens per tile, one of the
+    kernel's TILE_SIZES) and fused_combine (a bool) reach the launcher only when given, and only with gluon=True."""
+    from kvtool.kernels import sparse_attn as SA
+    from kvtool.kernels import sparse_attn_gluon as G
+
+    monkeypatch.setattr(G, "device_ok", lambda device: True)
+    monkeypatch.setattr(G, "num_sms", lambda device: 132)
+    cpu = torch.device("cpu")
+    assert G.plan(64, 1, 16, cpu, tokens_per_tile=64) == (64, 32, 4)
+    assert G.plan(64, 1, 16, cpu, tokens_per_tile=128) == (128, 16, 4)
+    assert G.plan(1, 1, 16, cpu, num_splits=5, tokens_per_tile=64)[2] == 5  # 32 tiles: 7, 7, 7, 7, 4
+    k, v = [PagedCache.allocate(get_format("nvfp4"), 2, 128, 1, 128, device=DEVICE) for _ in range(2)]
+    q = torch.zeros(64, 16, 128, dtype=torch.bfloat16, device=DEVICE)
+    table = torch.zeros(64, 1, dtype=torch.int32, device=DEVICE)
+    ctx = torch.ones(64, dtype=torch.int32, device=DEVICE)
+    ids = torch.full((64, 1, 16), -1, dtype=torch.int32, device=DEVICE)
+    for bad in (32, 256, True):
+        with pytest.raises(KernelArgumentError, match="tokens per tile"):
+            G.plan(64, 1, 16, cpu, tokens_per_tile=bad)
+        with pytest.raises(KernelArgumentError, match="tokens per tile"):  # before any launch
+            SA.sparse_decode(q, k, v, table, ctx, ids, 128, gluon=True, gluon_tile=bad)
+    with pytest.raises(KernelArgumentError, match="fused_combine"):
+        SA.sparse_decode(q, k, v, table, ctx, ids, 128, gluon=True, fused_combine=1)
+    for given in ({"gluon_tile": 64}, {"fused_combine": False}):
+        for gluon in (None, False):
+            with pytest.raises(KernelArgumentError, match="pass gluon=True"):
+                SA.sparse_decode(q, k, v, table, ctx, ids, 128, gluon=gluon, **given)
+    seen = []
+    monkeypatch.setattr(G, "sparse_decode", lambda *a, **kw: seen.append(kw) or torch.zeros_like(q))
+    SA.sparse_decode(q, k, v, table, ctx, ids, 128)
+    SA.sparse_decode(q, k, v, table, ctx, ids, 128, gluon=True, gluon_tile=64, fused_combine=False)
+    assert seen == [{}, {"tokens_per_tile": 64, "fused_combine": False}]
 
 
 # --------------------------------------------------------------------------------------------- GPU, real sizes
@@ -450,28 +485,26 @@ def test_gpu_decode_gluon(fmt, heads):
 @pytest.mark.parametrize("heads", [(16, 1), (5, 1)], ids=["g16", "g5"])
 @pytest.mark.parametrize("tile", [128, 64])
 @pytest.mark.parametrize("fmt", ["nvfp4-rcp", "mxfp4-rceil"])
-def test_gpu_decode_gluon_each_tile(fmt, tile, heads, monkeypatch):
-    """The Gluon decode at both tile sizes (attn_gluon.TOKENS_PER_TILE: a page, or half a page) against the reference
-    and the portable kernel, at the page-edge contexts (short ones select fewer than 16 blocks: -1 slots), split
-    counts 1, 3 and the default."""
-    from kvtool.kernels import sparse_attn_gluon as attn_gluon
-
-    monkeypatch.setattr(attn_gluon, "TOKENS_PER_TILE", tile)
+def test_gpu_decode_gluon_each_tile(fmt, tile, heads):
+    """The Gluon decode at both tile sizes (gluon_tile: a page, or half a page) against the reference and the portable
+    kernel, at the page-edge contexts (short ones select fewer than 16 blocks: -1 slots), split counts 1, 3 and the
+    default."""
     hq, hkv = heads
     lens = [1, 63, 64, 65, 127, 128, 129, 4097, 150000]
     q, kc, vc, table, ctx, ids = make_decode(fmt, lens, hq, hkv, 128, 128, 128, 16, seed=25)
     ref = paged_sparse_decode_ref(q, kc, vc, table, ctx, ids, 128)
     port = sparse_decode(q, kc, vc, table, ctx, ids, 128, gluon=False, out_dtype=torch.float32)
     for splits in (None, 1, 3):
-        out = sparse_decode(q, kc, vc, table, ctx, ids, 128, num_splits=splits, gluon=True, out_dtype=torch.float32)
+        out = sparse_decode(q, kc, vc, table, ctx, ids, 128, num_splits=splits, gluon=True, gluon_tile=tile,
+                            out_dtype=torch.float32)
         check_close(out, ref, 2e-3)
         check_close(out, port, 2e-3)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_gpu_decode_gluon_fused_merge(fmt, monkeypatch):
-    """Split decodes merge in their last program (attn_gluon.FUSED_COMBINE): equal to the combine-kernel launch up
+def test_gpu_decode_gluon_fused_merge(fmt):
+    """Split decodes merge in their last program (fused_combine, the default): equal to the combine-kernel launch up
     to summation order, the arrival counters back at zero after every launch (so a second launch and CUDA-graph
     replays give the same output), rows with nothing visible still zeros, a GQA group of 5."""
     from kvtool.kernels import sparse_attn_gluon as attn_gluon
@@ -483,12 +516,10 @@ def test_gpu_decode_gluon_fused_merge(fmt, monkeypatch):
         ids[5] = -1
         ref = paged_sparse_decode_ref(q, kc, vc, table, ctx, ids, 128)
         for splits in (2, 3, 16):
-            monkeypatch.setattr(attn_gluon, "FUSED_COMBINE", False)
             two_launches = sparse_decode(q, kc, vc, table, ctx, ids, 128, num_splits=splits, gluon=True,
-                                         out_dtype=torch.float32)
-            monkeypatch.setattr(attn_gluon, "FUSED_COMBINE", True)
+                                         fused_combine=False, out_dtype=torch.float32)
             fused = sparse_decode(q, kc, vc, table, ctx, ids, 128, num_splits=splits, gluon=True,
-                                  out_dtype=torch.float32)
+                                  fused_combine=True, out_dtype=torch.float32)
             counters = attn_gluon.split_counters(q.device, len(lens) * hkv)
             assert int(counters.abs().sum()) == 0, "arrival counters not reset"
             check_close(fused, two_launches, 1e-5)
