@@ -45,11 +45,22 @@ INDENT = 2  # records: the header/value lines under a row's first cell
 
 class Console(RichConsole):
     """A rich Console whose `print(table)` of a rich Table goes through this renderer (`from_rich`), so modules that
-    build rich Tables (benchmarks, older commands) get the same width-aware layouts without a rewrite."""
+    build rich Tables (benchmarks, older commands) get the same width-aware layouts without a rewrite; and whose
+    `print(message)` of one string wraps it as `line` does (between clauses, continuations indented under the
+    message's own indent, no trailing blanks), not with rich's wrapping, which breaks "20.09x paged" at any space
+    and leaves a blank at the end of the line."""
 
     def print(self, *objects, **kwargs) -> None:
         if len(objects) == 1 and isinstance(objects[0], RichTable) and objects[0].show_header:  # not a layout grid
             print_table(from_rich(objects[0]), self)
+            return
+        if len(objects) == 1 and isinstance(objects[0], str) and "soft_wrap" not in kwargs:
+            markup = kwargs.pop("markup", None)
+            message = objects[0]
+            text = Text.from_markup(message) if (self._markup if markup is None else markup) else Text(message)
+            for part in text.split("\n", allow_blank=True):
+                for piece in _wrapped(part, width(self)):
+                    super().print(piece, soft_wrap=True, **kwargs)
             return
         super().print(*objects, **kwargs)
 
@@ -250,6 +261,22 @@ def clauses(text: str, limit: int, indent: str = "  ") -> list[str]:
     for piece in paragraph(re.sub(r"(?<![,;:]) ", NBSP, text), limit, indent=indent):
         plain = piece.replace(NBSP, " ")
         out += [plain] if len(piece) <= limit else paragraph(plain, limit, indent=indent)
+    return out
+
+
+def _wrapped(text: Text, limit: int) -> list[Text]:
+    """`text` wrapped as `clauses` wraps its plain text (continuations indented two more than its own first line),
+    each line keeping the styles of its characters."""
+    plain = text.plain
+    lead = " " * (len(plain) - len(plain.lstrip(" ")))
+    out, at = [], 0
+    for k, piece in enumerate(clauses(plain, limit, indent=lead + "  ")):
+        body = piece if k == 0 else piece[len(lead) + 2:]
+        start = plain.find(body, at)
+        if start < 0:  # textwrap changed the whitespace (a tab): the plain lines, unstyled
+            return [Text(p) for p in clauses(plain, limit, indent=lead + "  ")]
+        out.append(Text(piece[:len(piece) - len(body)]) + text[start:start + len(body)])
+        at = start + len(body)
     return out
 
 
