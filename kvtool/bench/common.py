@@ -169,6 +169,7 @@ def render_report(report: BenchReport, console=None) -> None:
         table.add_column(col, justify="right" if col in ("time (us)", "bytes", "GB/s", "of copy") else "left")
     for column in (table.columns[0], table.columns[-1]):
         column.optional = True  # the CLI's renderer may leave these out at a narrow width (kvtool.cli.render)
+    table.columns[0].group = True  # left out, it heads its rows instead: case names repeat in every group
     for r in report.rows:
         table.add_row(r.group, r.name, f"{r.time_us:.1f}", f"{r.bytes_moved:,}", f"{r.gbps:.0f}",
                       f"{100 * r.frac_copy:.1f} %", r.note)

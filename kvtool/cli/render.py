@@ -7,7 +7,9 @@ changes with the width is the layout, chosen per table:
    headers; numbers right-aligned. Plain text, so a pipe or a CI log gets the same table as a terminal (a terminal
    also gets bold headers and row styles).
 2. fewer columns: when that is wider than the width, columns declared `optional` are left out (last first) and a line
-   names them (`--json` has every field). A column with nothing but "" or "-" in it is always left out.
+   names them (`--json` has every field); an optional column declared `group` (rows in runs of one value: a
+   benchmark's "decode b64 x 150000") is not lost but printed as a heading line above each run. A column with
+   nothing but "" or "-" in it is always left out.
 3. records: when even that does not fit, each row becomes a block of `header  value` lines under the row's first
    cell: readable at any width, values still whole.
 
@@ -94,6 +96,7 @@ class Column:
     justify: str = "left"  # left | right
     optional: bool = False  # may be left out when the table is too wide
     wrap: bool = False  # prose (a note, a source): wrapped at spaces in the records layout
+    group: bool = False  # left out for width: its value becomes a heading line above each run of rows instead
 
     @property
     def label(self) -> str:
@@ -114,8 +117,9 @@ class Table:
     records: bool = False  # always the records layout (rows that are documents rather than lines)
     keep_empty: bool = False  # show a column whose every cell is empty or "-" (by default it carries nothing: left out)
 
-    def column(self, header: str, *, justify: str = "left", optional: bool = False, wrap: bool = False) -> "Table":
-        self.columns.append(Column(header, justify, optional, wrap))
+    def column(self, header: str, *, justify: str = "left", optional: bool = False, wrap: bool = False,
+               group: bool = False) -> "Table":
+        self.columns.append(Column(header, justify, optional, wrap, group))
         return self
 
     def row(self, *cells, style: str | None = None) -> "Table":
@@ -172,8 +176,9 @@ def render_lines(table: Table, limit: int) -> tuple[list[Text], str]:
     if layout == "records":
         out += _records(table, keep, limit)
     else:
-        out += _columns(table, keep, widths)
-        left_out = [table.columns[i].label for i in shown if i not in keep]
+        headings = [i for i in shown if i not in keep and table.columns[i].group]
+        out += _columns(table, keep, widths, headings)
+        left_out = [table.columns[i].label for i in shown if i not in keep and i not in headings]
         if left_out:
             out += [Text(s, style="dim") for s in paragraph(
                 f"(left out at {limit} columns: {', '.join(left_out)}; widen the terminal, set COLUMNS, or use "
@@ -183,7 +188,8 @@ def render_lines(table: Table, limit: int) -> tuple[list[Text], str]:
     return out, layout
 
 
-def _columns(table: Table, keep: list[int], widths: list[int]) -> list[Text]:
+def _columns(table: Table, keep: list[int], widths: list[int], headings: Sequence[int] = ()) -> list[Text]:
+    """The columns layout; each `headings` column's value, where it changes, as a line of its own (`value:`)."""
     cols = [table.columns[i] for i in keep]
     out = []
     head_lines = max(len(c.header.split("\n")) for c in cols) if cols else 0
@@ -196,9 +202,14 @@ def _columns(table: Table, keep: list[int], widths: list[int]) -> list[Text]:
         out.append(_join(parts, "bold"))
     rule = Text(" " * GAP).join(Text("-" * w) for w in widths)
     out.append(rule)
+    previous = None
     for r, (cells, style) in enumerate(zip(table.rows, table.styles)):
         if r in table.sections and r:
             out.append(rule.copy())
+        heading = " / ".join(cells[i].plain for i in headings if cells[i].plain.strip() not in ("", "-"))
+        if heading and heading != previous:
+            out.append(Text(f"{heading}:", style="bold"))
+        previous = heading
         split = [_split(cells[i]) for i in keep]
         for k in range(max(len(s) for s in split)):
             parts = []
@@ -305,12 +316,14 @@ def _text(value) -> Text:
 
 def from_rich(rich_table: RichTable) -> Table:
     """A rich Table (title, caption, columns with their justification, rows with styles and sections) as a Table.
-    A rich Column may carry `optional = True` (set as an attribute) to be left out first at a narrow width."""
+    A rich Column may carry `optional = True` (set as an attribute) to be left out first at a narrow width, and
+    `group = True` to become heading lines when it is left out."""
     title = _text(rich_table.title).plain or None
     table = Table(title, _text(rich_table.caption).plain or None)
     for col in rich_table.columns:  # a column may say `optional = True` (an attribute set on the rich Column)
         table.column(_text(col.header).plain, justify="right" if col.justify == "right" else "left",
-                     optional=bool(getattr(col, "optional", False)), wrap=col.overflow == "fold")
+                     optional=bool(getattr(col, "optional", False)), wrap=col.overflow == "fold",
+                     group=bool(getattr(col, "group", False)))
     cells = [list(col.cells) for col in rich_table.columns]
     for r, row in enumerate(rich_table.rows):
         table.row(*(_text(c[r]) if r < len(c) else Text("") for c in cells),

@@ -56,6 +56,28 @@ def test_layout_follows_the_width_and_values_stay_whole(limit, layout):
     assert text[-1] == "x: what x means" or "x: what x means" in " ".join(text)
 
 
+def test_a_group_column_left_out_for_width_heads_its_rows():
+    """A benchmark's case names repeat in every group ("triton score" at each batch x context): when the group column
+    does not fit, each group becomes a heading line, so no two rows read alike; other optional columns just go."""
+    t = Table()
+    t.column("group", optional=True, group=True)
+    t.column("case")
+    t.column("time (us)", justify="right")
+    t.column("note", optional=True)
+    for group in ("decode b64 x 150000", "prefill 32768"):
+        t.row(group, "triton score+topk mxfp4-rceil", "1234.5", "eager x 1 layer")
+        t.row(group, "torch eager mxfp4-rceil", "99.0", "")
+    text = [x.plain for x in render_lines(t, 50)[0]]
+    assert text == ["case                           time (us)", "-----------------------------  ---------",
+                    "decode b64 x 150000:",
+                    "triton score+topk mxfp4-rceil     1234.5", "torch eager mxfp4-rceil             99.0",
+                    "prefill 32768:",
+                    "triton score+topk mxfp4-rceil     1234.5", "torch eager mxfp4-rceil             99.0",
+                    "(left out at 50 columns: note; widen the terminal,", "set COLUMNS, or use --json)"]
+    assert render_lines(t, 200)[1] == "columns" and "decode b64 x 150000:" not in \
+        [x.plain for x in render_lines(t, 200)[0]]
+
+
 def test_columns_align_numbers_right_and_keep_multiline_cells():
     t = Table()
     t.column("k")
@@ -72,8 +94,10 @@ def test_rich_tables_printed_on_the_cli_consoles_go_through_the_renderer():
     rt.add_column("time (us)", justify="right")
     rt.add_row("nvfp4 (store)", "[green]12.5[/green]")
     rt.add_row("overall", "99.0", end_section=True)
+    rt.columns[0].group = True
     t = from_rich(rt)
     assert [c.header for c in t.columns] == ["case", "time (us)"] and t.legend == "a caption"
+    assert [c.group for c in t.columns] == [True, False]
     assert _cells(t) == ["nvfp4 (store)", "12.5", "overall", "99.0"]
     out = io.StringIO()
     Console(file=out, width=80).print(rt)
@@ -145,7 +169,8 @@ def _commands(d: Path, mx: Path, nv: Path) -> dict[str, list]:
         # The benchmarks at their smallest shapes: the kernel rows run in the interpreter (tests/conftest.py).
         "bench-codecs": ["bench", "codecs", "--size", "0.01"],
         "bench-quant": ["bench", "quant", "--device", "cpu", "--sizes", "1K", "--formats", "nvfp4,mxfp4"],
-        "bench-index": ["bench", "index", "--device", "cpu", "--batches", "1", "--contexts", "200", "--prefill", "",
+        # 1000 tokens: "decode b1 x 1000" leaves no room for the group column at 80, so it heads its rows
+        "bench-index": ["bench", "index", "--device", "cpu", "--batches", "1", "--contexts", "1000", "--prefill", "",
                         "--formats", "mxfp4"],
         "bench-attn": ["bench", "attn", "--device", "cpu", "--batches", "1", "--context", "256", "--formats", "fp8"],
         "bench-decode": ["bench", "decode", "--model", "tiny-llama", "--batch", "1", "--context", "40"],
