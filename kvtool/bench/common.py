@@ -161,16 +161,18 @@ def run_cases(title: str, cases: list[BenchCase], device: str, copy_gbps: float 
 def render_report(report: BenchReport, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     console = console or Console()
-    table = Table(title=f"{report.title} — {report.device}, torch {report.torch_version}, triton "
-                        f"{report.triton_version}, copy {report.copy_gbps:.0f} GB/s")
+    # Text, not str: a str is rich markup, where "bf16 [tokens, 1, 128]" is a style tag and vanishes
+    table = Table(title=Text(f"{report.title} — {report.device}, torch {report.torch_version}, triton "
+                             f"{report.triton_version}, copy {report.copy_gbps:.0f} GB/s"))
     for col in ("group", "case", "time (us)", "bytes", "GB/s", "of copy", "note"):
         table.add_column(col, justify="right" if col in ("time (us)", "bytes", "GB/s", "of copy") else "left")
     for column in (table.columns[0], table.columns[-1]):
         column.optional = True  # the CLI's renderer may leave these out at a narrow width (kvtool.cli.render)
     table.columns[0].group = True  # left out, it heads its rows instead: case names repeat in every group
     for r in report.rows:
-        table.add_row(r.group, r.name, f"{r.time_us:.1f}", f"{r.bytes_moved:,}", f"{r.gbps:.0f}",
-                      f"{100 * r.frac_copy:.1f} %", r.note)
+        table.add_row(Text(r.group), Text(r.name), f"{r.time_us:.1f}", f"{r.bytes_moved:,}", f"{r.gbps:.0f}",
+                      f"{100 * r.frac_copy:.1f} %", Text(r.note))
     console.print(table)

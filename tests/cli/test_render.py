@@ -119,6 +119,20 @@ def test_messages_printed_on_the_cli_consoles_wrap_between_clauses(monkeypatch):
         "goal: nvfp4-rcp score+topk <= 1.15x byte floor:", "  1.234 (target 1.15) met", "a [INST] b"]
 
 
+def test_a_benchmark_table_shows_brackets_as_they_are(monkeypatch):
+    """A bench report's title and names are text, not rich markup: `bench quant`'s "bf16 [tokens, 1, 128]" printed
+    as "bf16 ," (the brackets read as a style tag)."""
+    from kvtool.bench.common import BenchReport, BenchRow, render_report
+
+    monkeypatch.setenv("COLUMNS", "80")
+    report = BenchReport("quant: bf16 [tokens, 1, 128]", "CPU", "2", "3", "today", 10.0,
+                         [BenchRow("[g]", "store [x]", 1.0, 100, 0.1, 0.01, "[note]")])
+    out = io.StringIO()
+    render_report(report, Console(file=out, highlight=False))
+    assert "quant: bf16 [tokens, 1, 128] — CPU" in out.getvalue()
+    assert "[g]    store [x]" in out.getvalue() and "[note]" in out.getvalue()
+
+
 def test_print_table_on_a_plain_console_has_no_box_or_colour(monkeypatch):
     monkeypatch.setenv("COLUMNS", "80")
     out = io.StringIO()
