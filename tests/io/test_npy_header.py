@@ -10,8 +10,10 @@ import torch
 from kvtool.st_header import NPY_TORCH_DTYPES
 
 # Every numpy scalar type, as an .npy header's descr spells it (np.lib.format round-trips the dtype through its descr).
+# numpy's own types only: packages imported earlier in the process (ml_dtypes, through torchao) register theirs in
+# np.sctypeDict too, and their descrs ('<f1', '<c4') do not round-trip.
 DTYPES = sorted({np.lib.format.descr_to_dtype(np.lib.format.dtype_to_descr(np.dtype(t)))
-                 for t in set(np.sctypeDict.values())}, key=str)
+                 for t in set(np.sctypeDict.values()) if t.__module__ == "numpy"}, key=str)
 
 
 def _torch_dtype(dtype: np.dtype) -> torch.dtype | None:
