@@ -299,15 +299,15 @@ def test_gluon_dispatch_rules(monkeypatch):
     assert not SA._use_gluon(q, k, v, 128, None, {"num_warps": 2})  # a portable option keeps the portable kernel
     # a softmax scale <= 0 keeps the portable kernel (the fast path folds the scale in after the row maximum)
     monkeypatch.setattr(G, "sparse_decode", lambda *a, **kw: pytest.fail("the fast path took a scale <= 0"))
-    q64 = q[:64]
-    assert SA._use_gluon(q64, k, v, 128, None, {})  # the default launch would take the fast path here
-    ids = torch.full((64, 1, 16), -1, dtype=torch.int32)
-    table = torch.zeros(64, 1, dtype=torch.int32)
-    ctx = torch.ones(64, dtype=torch.int32)
-    out = SA.sparse_decode(q64, k, v, table, ctx, ids, 128, scale=-0.5)
+    q16 = q[:16]  # the smallest batch the default launch would take the fast path at
+    assert SA._use_gluon(q16, k, v, 128, None, {})
+    ids = torch.full((16, 1, 16), -1, dtype=torch.int32)
+    table = torch.zeros(16, 1, dtype=torch.int32)
+    ctx = torch.ones(16, dtype=torch.int32)
+    out = SA.sparse_decode(q16, k, v, table, ctx, ids, 128, scale=-0.5)
     assert torch.equal(out, torch.zeros_like(out))  # nothing selected: zeros, from the portable kernel
     with pytest.raises(KernelArgumentError, match="positive softmax scale"):
-        SA.sparse_decode(q64, k, v, table, ctx, ids, 128, scale=0.0, gluon=True)
+        SA.sparse_decode(q16, k, v, table, ctx, ids, 128, scale=0.0, gluon=True)
     assert SA._use_gluon(q[:8], k, v, 128, True, {})  # forced below the threshold
     with pytest.raises(KernelArgumentError, match="portable"):
         SA._use_gluon(q, k, v, 128, True, {"paired": True})
