@@ -182,7 +182,7 @@ def render_lines(table: Table, limit: int) -> tuple[list[Text], str]:
         if left_out:
             out += [Text(s, style="dim") for s in paragraph(
                 f"(left out at {limit} columns: {', '.join(left_out)}; widen the terminal, set COLUMNS, or use "
-                "--json)", limit)]
+                "--json)", limit, indent="  ")]
     if table.legend:  # one term a line ("\n"), continuation lines indented
         out += [Text(s, style="dim") for s in paragraph(table.legend, limit, indent="  ")]
     return out, layout

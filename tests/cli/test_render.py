@@ -73,7 +73,7 @@ def test_a_group_column_left_out_for_width_heads_its_rows():
                     "triton score+topk mxfp4-rceil     1234.5", "torch eager mxfp4-rceil             99.0",
                     "prefill 32768:",
                     "triton score+topk mxfp4-rceil     1234.5", "torch eager mxfp4-rceil             99.0",
-                    "(left out at 50 columns: note; widen the terminal,", "set COLUMNS, or use --json)"]
+                    "(left out at 50 columns: note; widen the terminal,", "  set COLUMNS, or use --json)"]
     assert render_lines(t, 200)[1] == "columns" and "decode b64 x 150000:" not in \
         [x.plain for x in render_lines(t, 200)[0]]
 
