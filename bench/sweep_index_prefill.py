@@ -1,10 +1,14 @@
-"""Launch variants of the portable index scorer in causal prefill (and batch-1 decode) beside vLLM's kernels.
+"""Launch variants of the portable index scorer in causal prefill and decode beside vLLM's kernels.
 
 Issue 32: kvtool's bf16 prefill score + top-k was 0.61x vLLM's at 32K x 4 heads. This times, on the same data as
-`kvtool bench index`, the default launch, fixed launch variants (query tile, blocks per program, warps, stages) and
-the split into block scores alone + the select pass, beside vLLM's score kernel alone and score + top-k. CUDA only.
+`kvtool bench index`, the default launch and fixed launch variants (query tile, blocks per program, warps, stages,
+query-major dots, decode once, the select pass's rows per program), the split into block scores alone + the select
+pass, beside vLLM's score kernel alone and score + top-k; decode variants (blocks per program, in-kernel top-k,
+query-major) at the batch x context of `--decode`. CUDA only.
 `PYTHONPATH=. KVTOOL_CACHE_DIR=.kvtool-cache python3 bench/sweep_index_prefill.py [--contexts 4096,32768]
-[--formats bf16,fp8,nvfp4]`; prints one line per case (us per call, CUDA-graph replay) and writes JSON to --json.
+[--formats bf16,fp8,nvfp4,mxfp4] [--decode 64x150000] [--variants "default,qm q32 w4 s3"]`; prints one line per case
+(us per call, CUDA-graph replay; prefill variants marked "(DIFFERS)" where their top-k is not the default's) and
+writes JSON to --json.
 """
 
 from __future__ import annotations

@@ -170,7 +170,8 @@ def _merge_packed_kernel(
 
 
 MAX_SELECT_BLOCKS = 16384  # widest block-score row select_from_block_scores takes (2M tokens at 128-token blocks)
-# Launch variants of the select pass (name -> packed, segment columns or 0 for whole rows, elements per thread).
+# Launch variants of the select pass (name -> packed, segment columns or 0 for whole rows, elements per thread[, rows
+# per program, default 1]).
 # "legacy": the first launch (rows of <= 2048 blocks two per program, 4 warps, 32 elements per thread, every step
 # re-scanning 32 elements). "flat": one row per program, 8 elements per thread. "packed": the same with one int64 max
 # per step (half the barriers). "splitN": N-column segments, one warp each (shuffles only, no barrier), then
