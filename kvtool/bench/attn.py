@@ -59,6 +59,7 @@ SWEEP = (
     ("paired=k", {"paired": "k"}), ("lazy_l=0 joint_max=0", {"lazy_l": False, "joint_max": False}),
     ("splits=8", {"num_splits": 8}), ("stages=4", {"num_stages": 4}),
     ("tile=32 maxnreg=128 splits=4", {"tile_tokens": 32, "num_warps": 2, "maxnreg": 128, "num_splits": 4}),
+    ("tile=128", {"tile_tokens": 128}),  # a page a tile, as vLLM's decode (not yet timed: docs/kernels/sparse_attn.md)
 )
 
 # Probes of the fixed cost per layer (sweep only): the default launch with only the first k selected blocks of every
