@@ -304,8 +304,11 @@ PREFILL_SELECT = {32: "packedR4", 64: "packedR2"}
 # once into a bf16 copy of the chunk's pages (`_decode_once`), which the bf16 scorer then reads; the fixed factors
 # (nvfp4 outer scale, fp8 tensor scale) stay out of the copy and multiply the fp32 scores, so every decoded value is
 # exact in bf16 (E2M1 x E4M3: <= 6 significant bits; E2M1 x 2**e and E4M3 values within bf16's range). The copy costs
-# 2 bytes per key element once (8 MB at 32K tokens, D = 128) instead of a key decode per query tile.
-DECODE_ONCE_MIN_QUERIES = 128
+# 2 bytes per key element once (8 MB at 32K tokens, D = 128) instead of a key decode per query tile. Measured faster
+# at 4096 and 32768 queries (128 and 1024 query tiles, compute-bound); with few query tiles the scorer is
+# bandwidth-bound and reads 2 bytes per key element per tile instead of 1 (fp8) or 1/2 (FP4), so below
+# DECODE_ONCE_MIN_QUERIES (32 tiles of 32 queries; not measured there) the keys are decoded in the kernel as before.
+DECODE_ONCE_MIN_QUERIES = 1024
 # Most blocks per program of the default context split; CUDA decode 16: at batch 64 on the H200 bf16 / fp8 keys took
 # 2230 / 1228 us per 4 layers at 150K with 16 against 2529 / 1342 with 32 (bf16 at 32K: 537 against 638).
 MAX_CHUNK_BLOCKS = 32

@@ -515,6 +515,27 @@ def test_prefill_decode_once(label):
                        K.prefill_topk(iq, cache, holed, cl, cfg, q_pos=pos, prefetch=False))
 
 
+def test_prefill_decode_once_default_rule(monkeypatch):
+    """Where a prefill launch decodes its keys once by default (on CUDA, simulated): FP4 and unit / tensor-scaled fp8
+    keys from DECODE_ONCE_MIN_QUERIES queries, unless a kernel variant option is given; never bf16 or fp8 row
+    scales; the option decides when given."""
+    monkeypatch.setattr(K, "_fp4_pair_default", lambda device: True)
+    n = K.DECODE_ONCE_MIN_QUERIES
+    dev = torch.device("cpu")
+    for label, fits in (("nvfp4", True), ("mxfp4", True), ("fp8", True), ("fp8-tensor", True), ("bf16", False),
+                        ("fp8-token", False)):
+        cache, _, _, _ = make_cache(label, [16], page=16)
+        assert K._decode_once_applies(cache, n, dev, {}) is fits, label
+        assert K._decode_once_applies(cache, n - 1, dev, {}) is False, label
+        assert K._decode_once_applies(cache, n, dev, {"num_warps": 4}) is False, label
+        assert K._decode_once_applies(cache, n, dev, {"decode_once": False}) is False, label
+        if fits:
+            assert K._decode_once_applies(cache, 2, dev, {"decode_once": True}) is True, label
+    monkeypatch.setattr(K, "_fp4_pair_default", lambda device: False)
+    cache, _, _, _ = make_cache("nvfp4", [16], page=16)
+    assert K._decode_once_applies(cache, n, dev, {}) is False  # not on CUDA: the kernel decodes
+
+
 def test_prefill_decode_once_refuses_keys_it_cannot_copy_exactly():
     """bf16 keys need no decode and fp8 row scales do not fit a bf16 copy exactly: decode_once=True is an error."""
     for label in ("bf16", "fp8-token"):
@@ -781,11 +802,10 @@ def test_gpu_prefill_q_major(label):
 @pytest.mark.gpu
 @pytest.mark.parametrize("label", ["fp8", "fp8-tensor", "nvfp4", "nvfp4-auto", "mxfp4", "mxfp4-floor"])
 def test_gpu_prefill_decode_once(label):
-    """The decode-once prefill (the CUDA default from DECODE_ONCE_MIN_QUERIES queries) at engine geometry: the
-    reference's ids; the same ids as the in-kernel decode (decode_once=False)."""
+    """The decode-once prefill (the CUDA default from DECODE_ONCE_MIN_QUERIES queries; forced here at 512) at
+    engine geometry, and the in-kernel decode beside it: the reference's ids."""
     cache, table, cl, iq, cfg, ref_ids, ref_scores, tol = engine_prefill(label, seed=82)
-    ids = K.prefill_topk(iq, cache, table, cl, cfg)
-    assert_ids_match(ids, ref_ids, ref_scores, tol)
+    assert_ids_match(K.prefill_topk(iq, cache, table, cl, cfg, decode_once=True), ref_ids, ref_scores, tol)
     assert_ids_match(K.prefill_topk(iq, cache, table, cl, cfg, decode_once=False), ref_ids, ref_scores, tol)
 
 
