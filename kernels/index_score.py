@@ -138,7 +138,7 @@ def _index_score_kernel(
     WP: tl.constexpr = 1,  # MODE_BLOCKS: write WP partial maxima per block (index_blocks), else the block max
     LEAN: tl.constexpr = False,  # leaner loop bookkeeping (`index_blocks.tile_step`)
     PAIR: tl.constexpr = False,  # two tiles per loop iteration (`index_blocks.pair_step`), then an odd tail tile
-    QM: tl.constexpr = False,  # query-major dots: Q [rows, D] x K^T, token maxima inside thread quads (`tiles.tile_dot`)
+    QM: tl.constexpr = False,  # query-major dots: Q [rows, D] x K^T, token maxima inside a thread quad (tile_dot)
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
