@@ -279,9 +279,10 @@ LEAN_DEFAULT = True
 # instead of 4), hence the 128-register cap; with it pairs measured faster for FP4 keys and slower for fp8 on the
 # H200 (`kvtool bench index --sweep`; SASS counts and times in docs/kernels/index_score.md).
 # So FP4 decode top-k launches of this kernel on CUDA (those the Gluon kernel
-# does not take, e.g. gluon=False) default to FP4_PAIR_LAUNCH; prefill keeps the autotuned launch (not timed).
-def _fp4_pair_default(device: torch.device) -> bool:
-    """FP4_PAIR_LAUNCH applies on CUDA devices (measured there; its register cap is a CUDA launch option)."""
+# does not take, e.g. gluon=False) default to FP4_PAIR_LAUNCH; prefill has its own launch (PREFILL_LAUNCH).
+def _cuda_defaults(device: torch.device) -> bool:
+    """Whether the launch defaults measured on CUDA (FP4_PAIR_LAUNCH, PREFILL_LAUNCH, decode once) apply: CUDA
+    devices, not ROCm or the interpreter (FP4_PAIR_LAUNCH's register cap is a CUDA launch option)."""
     return device.type == "cuda" and torch.version.cuda is not None
 
 
@@ -361,6 +362,12 @@ class _DecodedPages:
         return 2 * self.head_dim
 
 
+def _whole_tensor_factor(cache) -> float:
+    """The factor of a cache's scores that no element carries: the fp8 `tensor` scale or the nvfp4 outer scale (1
+    where the format has none)."""
+    return require_tensor_scale(cache) if cache.fmt.scale_element == "fp32-tensor" else cache_scales(cache)[1]
+
+
 def _decode_once_applies(cache, nq: int, device: torch.device, options: dict) -> bool:
     """Whether a prefill launch first decodes its pages to bf16 (DECODE_ONCE_MIN_QUERIES): option decode_once, else
     on CUDA for FP4 keys and fp8 keys without row scales, from that many queries, unless a variant option of the
@@ -374,7 +381,7 @@ def _decode_once_applies(cache, nq: int, device: torch.device, options: dict) ->
                                       f"{cache.fmt.label}")
         return bool(want)
     varied = any(options.get(k) is not None for k in (*PORTABLE_OPTIONS, "chunk_blocks", "gluon"))
-    return fits and not varied and nq >= DECODE_ONCE_MIN_QUERIES and _fp4_pair_default(device)
+    return fits and not varied and nq >= DECODE_ONCE_MIN_QUERIES and _cuda_defaults(device)
 
 
 @triton.jit
@@ -537,10 +544,10 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
         max_context = int(context_lens.max()) if mode != 2 and iq4.shape[0] else block_table.shape[1] * cache.page_size
     nb = triton.cdiv(max(max_context, 1), cfg.block_size)
     if iq4.shape[1] > 1 and _decode_once_applies(cache, iq4.shape[1], iq4.device, options):
-        own = require_tensor_scale(cache) if cache.fmt.scale_element == "fp32-tensor" else cache_scales(cache)[1]
         decoded, table = _decode_once(cache, block_table, max_context)
         rest = {k: v for k, v in options.items() if k != "decode_once"}
-        return _launch(iq4, decoded, table, context_lens, q_pos, cfg, mode, max_context, gscale=own, **rest)
+        return _launch(iq4, decoded, table, context_lens, q_pos, cfg, mode, max_context,
+                       gscale=_whole_tensor_factor(cache), **rest)
     if (mode == 1 or nb <= MAX_SELECT_BLOCKS) and _use_gluon(iq4, cache, cfg, q_pos, mode, options):
         parts, pos = index_gluon.decode_block_parts(iq4, cache, block_table, context_lens, cfg, nb,
                                                     options.get("chunk_blocks"), fill=mode == 1,
@@ -549,11 +556,11 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
             return parts[..., 0] if parts.shape[-1] == 1 else parts.amax(-1)
         return select_from_block_scores(parts, pos, cfg.block_size, cfg.topk, higher_id=cfg.tie_rule != "lower-id",
                                         variant=options.get("select"))
-    if (_fp4_pair_default(iq4.device) and cache.fmt.spec.payload_bits == 4 and mode == 2 and q_pos is None
+    if (_cuda_defaults(iq4.device) and cache.fmt.spec.payload_bits == 4 and mode == 2 and q_pos is None
             and iq4.shape[1] == 1 and not options.get("in_kernel_topk") and iq4.shape[-1] >= MIN_WORDS_DIM
             and not any(options.get(k) is not None for k in FP4_PAIR_LAUNCH)):
         options = {**FP4_PAIR_LAUNCH, **options}  # measured default (above); a register cap is CUDA-only
-    if _fp4_pair_default(iq4.device) and iq4.shape[1] > 1:  # measured on CUDA only
+    if _cuda_defaults(iq4.device) and iq4.shape[1] > 1:  # measured on CUDA only
         options = prefill_options(cache.fmt.spec.payload_bits, iq4.shape[2], nb, mode, options)
     iq4 = iq4 if iq4.stride(-1) == 1 else iq4.contiguous()
     pos = _positions(q_pos, iq4, context_lens)
@@ -619,7 +626,7 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
     ids = torch.empty((bsz, nq, hi, n_out) if kmode == 2 else (1,), dtype=torch.int32, device=iq4.device)
     if bsz * nq and n_out:
         if gscale is None:
-            gscale = require_tensor_scale(cache) if fmt.scale_element == "fp32-tensor" else cache_scales(cache)[1]
+            gscale = _whole_tensor_factor(cache)
         args = (iq4, cache.data, block_table, context_lens, pos, tile_pos, out, ids, float(gscale),
                 nq, hi, cache.num_pages, cache.page_bytes, n_qtiles, n_out,
                 iq4.stride(0), iq4.stride(1), iq4.stride(2), block_table.stride(0), pos.stride(0))

@@ -211,7 +211,7 @@ def capture(thunk: Callable[[], Any], target: Target) -> list[Launch]:
         real_sms = isc._num_sms
         p.setattr(isc, "torch", fake)
         p.setattr(isc, "_num_sms", lambda device: real_sms(cuda0))
-        p.setattr(isc, "_fp4_pair_default", lambda device: not target.rocm)
+        p.setattr(isc, "_cuda_defaults", lambda device: not target.rocm)
         p.setattr(mods["index_gluon"], "device_ok", lambda device: not target.rocm)  # the NVIDIA fast paths
         p.setattr(mods["sparse_attn_gluon"], "device_ok", lambda device: not target.rocm)
         p.setattr(mods["sparse_attn_gluon"], "num_sms", lambda device: target.sms)

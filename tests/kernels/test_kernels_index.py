@@ -519,7 +519,7 @@ def test_prefill_decode_once_default_rule(monkeypatch):
     """Where a prefill launch decodes its keys once by default (on CUDA, simulated): FP4 and unit / tensor-scaled fp8
     keys from DECODE_ONCE_MIN_QUERIES queries, unless a kernel variant option is given; never bf16 or fp8 row
     scales; the option decides when given."""
-    monkeypatch.setattr(K, "_fp4_pair_default", lambda device: True)
+    monkeypatch.setattr(K, "_cuda_defaults", lambda device: True)
     n = K.DECODE_ONCE_MIN_QUERIES
     dev = torch.device("cpu")
     for label, fits in (("nvfp4", True), ("mxfp4", True), ("fp8", True), ("fp8-tensor", True), ("bf16", False),
@@ -531,7 +531,7 @@ def test_prefill_decode_once_default_rule(monkeypatch):
         assert K._decode_once_applies(cache, n, dev, {"decode_once": False}) is False, label
         if fits:
             assert K._decode_once_applies(cache, 2, dev, {"decode_once": True}) is True, label
-    monkeypatch.setattr(K, "_fp4_pair_default", lambda device: False)
+    monkeypatch.setattr(K, "_cuda_defaults", lambda device: False)
     cache, _, _, _ = make_cache("nvfp4", [16], page=16)
     assert K._decode_once_applies(cache, n, dev, {}) is False  # not on CUDA: the kernel decodes
 
