@@ -59,7 +59,13 @@ SWEEP = (
     ("paired=k", {"paired": "k"}), ("lazy_l=0 joint_max=0", {"lazy_l": False, "joint_max": False}),
     ("splits=8", {"num_splits": 8}), ("stages=4", {"num_stages": 4}),
     ("tile=32 maxnreg=128 splits=4", {"tile_tokens": 32, "num_warps": 2, "maxnreg": 128, "num_splits": 4}),
-    ("tile=128", {"tile_tokens": 128}),  # a page a tile, as vLLM's decode (not yet timed: docs/kernels/sparse_attn.md)
+    # bf16 against vLLM's decode (a page a tile, one P.V dot, 256 programs; docs/kernels/sparse_attn.md)
+    ("tile=128", {"tile_tokens": 128}), ("tile=128 splits=4", {"tile_tokens": 128, "num_splits": 4}),
+    ("tile=128 stages=3", {"tile_tokens": 128, "num_stages": 3}), ("splits=4", {"num_splits": 4}),
+    ("precise_p=0", {"precise_p": False}), ("tile=128 precise_p=0", {"tile_tokens": 128, "precise_p": False}),
+    ("prefetch=1", {"prefetch": 1}), ("prefetch=2", {"prefetch": 2}),
+    ("prefetch=1 tile=128", {"prefetch": 1, "tile_tokens": 128}), ("prefetch=2 tile=128", {"prefetch": 2, "tile_tokens": 128}),
+    ("prefetch=1 stages=4", {"prefetch": 1, "num_stages": 4}),
 )
 
 # Probes of the fixed cost per layer (sweep only): the default launch with only the first k selected blocks of every

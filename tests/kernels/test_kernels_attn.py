@@ -631,10 +631,10 @@ def test_gpu_gluon_scores_jump_between_tiles(fmt):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "bf16"])
 def test_gpu_tiles_and_warps(fmt):
     """Tile sizes, warp counts (capped at tile / 8), the three loops and both E2M1 column orders on the H200, which
-    once gave garbage for E2M1 with 16-token tiles (now decoded 32 wide, half masked)."""
+    once gave garbage for E2M1 with 16-token tiles (now decoded 32 wide, half masked); bf16's loops and tiles too."""
     q, kc, vc, table, ctx, ids = make_decode(fmt, [5, 300, 1000, 4000], M3["hq"], M3["hkv"], M3["d"], M3["page"],
                                              M3["bs"], 8, seed=12)
     ref = paged_sparse_decode_ref(q, kc, vc, table, ctx, ids, 128)
