@@ -257,6 +257,13 @@ def run_attn_bench(batches=DEFAULT_BATCHES, formats=DEFAULT_FORMATS, context: in
                        for k, v, ids in zip(step.k, step.v, step.ids)]
                 cases.append(BenchCase(f"{impl.name} {label}", lambda fns=fns: [f() for f in fns], step.bytes, group,
                                        f"{how} x {layers} layers", cuda_graph=device.startswith("cuda")))
+                for keep in PROBE_KEEP if sweep else ():  # the engine's fixed cost, probed as kvtool's
+                    ids_k = step.probe_ids(keep)
+                    fns_k = [make(impl, step.q, k, v, step.table, step.ctx, ids, GEOMETRY["block_size"])
+                             for k, v, ids in zip(step.k, step.v, ids_k)]
+                    cases.append(BenchCase(f"{impl.name} {label} probe: {keep} of {GEOMETRY['topk']} blocks",
+                                           lambda fns=fns_k: [f() for f in fns], step.selection_bytes(ids_k), group,
+                                           f"{how} x {layers} layers", cuda_graph=device.startswith("cuda")))
                 pairs.append((group, f"triton {label}", f"{impl.name} {label}"))
             if peers:
                 cases.append(BenchCase(f"torch eager {label}", step.eager(), step.bytes, group,
