@@ -64,7 +64,8 @@ SWEEP = (
     ("tile=128 stages=3", {"tile_tokens": 128, "num_stages": 3}), ("splits=4", {"num_splits": 4}),
     ("precise_p=0", {"precise_p": False}), ("tile=128 precise_p=0", {"tile_tokens": 128, "precise_p": False}),
     ("prefetch=1", {"prefetch": 1}), ("prefetch=2", {"prefetch": 2}),
-    ("prefetch=1 tile=128", {"prefetch": 1, "tile_tokens": 128}), ("prefetch=2 tile=128", {"prefetch": 2, "tile_tokens": 128}),
+    ("prefetch=1 tile=128", {"prefetch": 1, "tile_tokens": 128}),
+    ("prefetch=2 tile=128", {"prefetch": 2, "tile_tokens": 128}),
     ("prefetch=1 stages=4", {"prefetch": 1, "num_stages": 4}),
 )
 
