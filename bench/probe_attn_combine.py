@@ -21,10 +21,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="16,64,256")
     ap.add_argument("--context", type=int, default=8000)
+    ap.add_argument("--warps", default="4", help="the combine's warps per program, one column each (comma list)")
     args = ap.parse_args()
     g, dev = GEOMETRY, "cuda"
     gen = torch.Generator().manual_seed(0)
-    print("batch | layers | splits | step us | combine alone us | combine share")
+    warps = [int(w) for w in args.warps.split(",")]
+    print(f"batch | layers | splits | step us | combine alone us, warps {' / '.join(map(str, warps))} | share")
     for batch in (int(b) for b in args.batches.split(",")):
         layers = layers_for(batch, args.context, "bf16", dev)
         step = _Step("bf16", batch, args.context, layers, dev, gen)
@@ -36,14 +38,17 @@ def main() -> None:
                for _ in range(layers)]
         outs = [torch.empty(n, g["head_dim"], dtype=torch.bfloat16, device=dev) for _ in range(layers)]
 
-        def combine():
+        def combine(w):
             for part, ml, out in zip(parts, mls, outs):
                 _combine_kernel[(n,)](part, ml, out, 1.0, splits, BLOCK_S=triton.next_power_of_2(splits),
-                                      D=g["head_dim"], num_warps=4)
+                                      D=g["head_dim"], num_warps=w)
 
-        t_step = time_fn(step.kernel(), dev, cuda_graph=True) * 1e6 if splits > 1 else float("nan")
-        t_comb = time_fn(combine, dev, cuda_graph=True) * 1e6 if splits > 1 else float("nan")
-        print(f"{batch} | {layers} | {splits} | {t_step:.1f} | {t_comb:.1f} | {t_comb / t_step:.1%}")
+        if splits < 2:
+            continue  # no merge
+        t_step = time_fn(step.kernel(), dev, cuda_graph=True) * 1e6
+        t_comb = [time_fn(lambda w=w: combine(w), dev, cuda_graph=True) * 1e6 for w in warps]
+        print(f"{batch} | {layers} | {splits} | {t_step:.1f} | {' / '.join(f'{t:.1f}' for t in t_comb)} | "
+              f"{t_comb[0] / t_step:.1%}")
 
 
 if __name__ == "__main__":
