@@ -81,8 +81,9 @@ LOG2E = 1.4426950408889634
 PAGED_FIELDS = ("fmt", "data", "page_size", "num_heads", "head_dim", "tensor_amax")
 E2M1_UNIT = 2.0**14  # e2m1_words_f16 returns value * 2**-14
 DEFAULT_TILE = 64  # tokens per tile on the GPU (launch_plan)
-# One warp per merge program: a program merges S <= 32 partial rows of D floats, and on the H200 one warp ran the
-# merge alone 1.05-2.1x faster than four at M3's decode shape (bench/probe_attn_combine.py, docs/kernels/sparse_attn.md)
+# One warp per merge program: a program merges one query head's S partial rows of D floats (S 2-32 at M3's decode
+# shape), too little for four warps; on the H200 one warp ran the merge alone 1.05-2.1x faster than four there
+# (bench/probe_attn_combine.py, docs/kernels/sparse_attn.md)
 COMBINE_WARPS = 1
 RESIDENT = 4  # programs per SM of the default quantized launch (2 warps: ~240 registers, 41 KB shared memory)
 # Lazy sums measured faster for the fp16-dot formats and slower for bf16 (its hi + lo P dots need the registers),
