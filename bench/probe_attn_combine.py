@@ -21,17 +21,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="16,64,256")
     ap.add_argument("--context", type=int, default=8000)
-    ap.add_argument("--warps", default="4", help="the combine's warps per program, one column each (comma list)")
+    ap.add_argument("--warps", default="4", help="warps per merge program to time, comma list (the share column: the first)")
     args = ap.parse_args()
     g, dev = GEOMETRY, "cuda"
     gen = torch.Generator().manual_seed(0)
     warps = [int(w) for w in args.warps.split(",")]
     print(f"batch | layers | splits | step us | combine alone us, warps {' / '.join(map(str, warps))} | share")
     for batch in (int(b) for b in args.batches.split(",")):
-        layers = layers_for(batch, args.context, "bf16", dev)
-        step = _Step("bf16", batch, args.context, layers, dev, gen)
         _, splits, _, _ = launch_plan(batch, g["num_kv_heads"], g["topk"], g["block_size"], g["page_size"],
                                       torch.device(dev))
+        if splits < 2:
+            continue  # one split: no merge
+        layers = layers_for(batch, args.context, "bf16", dev)
+        step = _Step("bf16", batch, args.context, layers, dev, gen)
         n = batch * g["num_q_heads"]
         parts = [torch.randn(n * splits, g["head_dim"], device=dev) for _ in range(layers)]
         mls = [torch.stack([torch.randn(n * splits, device=dev), torch.rand(n * splits, device=dev) + 0.5], -1)
@@ -43,8 +45,6 @@ def main() -> None:
                 _combine_kernel[(n,)](part, ml, out, 1.0, splits, BLOCK_S=triton.next_power_of_2(splits),
                                       D=g["head_dim"], num_warps=w)
 
-        if splits < 2:
-            continue  # no merge
         t_step = time_fn(step.kernel(), dev, cuda_graph=True) * 1e6
         t_comb = [time_fn(lambda w=w: combine(w), dev, cuda_graph=True) * 1e6 for w in warps]
         print(f"{batch} | {layers} | {splits} | {t_step:.1f} | {' / '.join(f'{t:.1f}' for t in t_comb)} | "

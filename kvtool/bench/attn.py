@@ -254,16 +254,18 @@ def run_attn_bench(batches=DEFAULT_BATCHES, formats=DEFAULT_FORMATS, context: in
                 if why or make is None:
                     skipped.append(f"{impl.name} {group} {label}: {why or 'no decode entry point'}")
                     continue
-                fns = [make(impl, step.q, k, v, step.table, step.ctx, ids, GEOMETRY["block_size"])
-                       for k, v, ids in zip(step.k, step.v, step.ids)]
-                cases.append(BenchCase(f"{impl.name} {label}", lambda fns=fns: [f() for f in fns], step.bytes, group,
+
+                def engine_step(ids_per_layer, impl=impl, make=make, step=step):
+                    fns = [make(impl, step.q, k, v, step.table, step.ctx, ids, GEOMETRY["block_size"])
+                           for k, v, ids in zip(step.k, step.v, ids_per_layer)]
+                    return lambda: [f() for f in fns]
+
+                cases.append(BenchCase(f"{impl.name} {label}", engine_step(step.ids), step.bytes, group,
                                        f"{how} x {layers} layers", cuda_graph=device.startswith("cuda")))
                 for keep in PROBE_KEEP if sweep else ():  # the engine's fixed cost, probed as kvtool's
-                    ids_k = step.probe_ids(keep)
-                    fns_k = [make(impl, step.q, k, v, step.table, step.ctx, ids, GEOMETRY["block_size"])
-                             for k, v, ids in zip(step.k, step.v, ids_k)]
+                    ids = step.probe_ids(keep)
                     cases.append(BenchCase(f"{impl.name} {label} probe: {keep} of {GEOMETRY['topk']} blocks",
-                                           lambda fns=fns_k: [f() for f in fns], step.selection_bytes(ids_k), group,
+                                           engine_step(ids), step.selection_bytes(ids), group,
                                            f"{how} x {layers} layers", cuda_graph=device.startswith("cuda")))
                 pairs.append((group, f"triton {label}", f"{impl.name} {label}"))
             if peers:
