@@ -16,11 +16,13 @@ loads the 16 bytes of each of its token rows that its mma.sync A-operand registe
 - the joins / permute / reshape from words to the [128, 128] tile only rename registers: `gl.convert_layout(...,
   assert_trivial=True)` proves at compile time that no data moves;
 - block scales: nvfp4 blocks 2 t, 2 t + 1 of a row (one fp16 factor per word, hardware E4M3 -> fp16, one HMUL2 per
-  register); mxfp4 post-scaled like the portable kernel's default (POST_SCALE): the query is block-diagonal (dot
-  column 4 b + h holds head h's elements of MX block b, 16 columns), so the undecorated E2M1 tile gives every
-  (token, block, head) partial score, each multiplied by its fp32 block factor 2**e and the 4 blocks summed;
+  register); mxfp4 post-scaled like the portable kernel's default (POST_SCALE): the query is block-diagonal (16
+  dot columns, one per head h and MX block b, in the order `mx_column`), so the undecorated E2M1 tile gives every
+  (token, block, head) partial score, each multiplied by its fp32 block factor 2**e and the 4 blocks summed
+  inside the thread (the column order puts a head's four blocks in one lane; a row's four E8M0 bytes are one
+  4-byte load);
 - the next tile's loads are issued before this tile's decode (register double buffer), as one inline-asm block
-  per tile (`_fetch`): four 16-byte loads and four 2-byte (nvfp4) or eight 1-byte (mxfp4) scale loads at constant
+  per tile (`_fetch`): four 16-byte loads and four 2-byte (nvfp4) or 4-byte (mxfp4) scale loads at constant
   offsets from one address, predicated on the page, with no zero fill of the destinations (Triton's masked loads
   compute an address per load and zero every destination register first: ~30 instructions a tile); a tile without
   a page leaves stale registers, whose scores `_emit` discards. Page-table entries are read a block earlier still;
@@ -115,12 +117,14 @@ if gluon is not None:
     # nvfp4 block-scale byte pairs [128, 4] (a row's blocks 2 t, 2 t + 1: one u16): the rows in registers as in W_L
     S8_L = gl.DistributedLinearLayout(reg_bases=_ROWS_REG, lane_bases=[[0, 1], [0, 2]] + _ROWS_LANE,
                                       warp_bases=_ROWS_WARP, block_bases=[], shape=[TOKENS, 4])
-    # mxfp4 post-scaled dot: its [128, 16] accumulator (column n = 4 block + head; MMA registers -> cols 1, 8, lanes
-    # -> cols 2, 4) seen as [128 tokens, 4 blocks, 4 heads], and the [128, 4] block factors as its slice
-    L3 = gl.DistributedLinearLayout(reg_bases=[[0, 0, 1], [8, 0, 0], [0, 2, 0], [64, 0, 0]],
-                                    lane_bases=[[0, 0, 2], [0, 1, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-                                    warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[TOKENS, 4, 4])
-    F_L = gl.SliceLayout(2, L3)
+    # mxfp4 post-scaled dot: its [128, 16] accumulator (column n = 8 (block // 2) + 2 head + block % 2: `mx_column`;
+    # MMA registers -> cols 1, 8, lanes -> cols 2, 4) seen as [128 tokens, block // 2, 4 heads, block % 2]: both
+    # block bits in registers, so that the sum over a head's four blocks stays in the thread (no lane shuffles)
+    L3 = gl.DistributedLinearLayout(reg_bases=[[0, 0, 0, 1], [8, 0, 0, 0], [0, 1, 0, 0], [64, 0, 0, 0]],
+                                    lane_bases=[[0, 0, 1, 0], [0, 0, 2, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
+                                    warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]], block_bases=[], shape=[TOKENS, 2, 4, 2])
+    F_L = gl.SliceLayout(2, L3)  # the block factors [128, block // 2, block % 2]: a row's four in its thread
+    ROW_L = gl.SliceLayout(1, gl.SliceLayout(2, F_L))  # [128] a value per token row (its four E8M0 bytes as a u32)
     Q_L = gl.BlockedLayout([1, HEADS_PAD], [32, 1], [NUM_WARPS, 1], [1, 0])  # the query, once per program
 
     TOK = gl.constexpr(TOKENS)
@@ -162,23 +166,39 @@ if gluon is not None:
 
     @gluon.jit
     def fold_blocks(x, E8M0: gl.constexpr, SUM: gl.constexpr):
-        """[128, NDOT] in MMA -> [128, heads]: mxfp4's post-scaled columns (4 block + head) summed (SUM) or maxed
-        over the blocks (for values equal across blocks: store offsets, column scales); nvfp4: unchanged."""
+        """[128, NDOT] in MMA -> [128, heads]: mxfp4's post-scaled columns (`mx_column`) summed (SUM) or maxed
+        over the blocks (for values equal across blocks: store offsets, column scales), inside the thread; nvfp4:
+        unchanged."""
         if E8M0:
-            x3 = gl.reshape(x, [TOK, 4, 4])
+            x4 = gl.reshape(x, [TOK, 2, 4, 2])
             if SUM:
-                return gl.sum(x3, axis=1)
+                return gl.sum(gl.sum(x4, axis=3), axis=1)
             else:
-                return gl.max(x3, axis=1)
+                return gl.max(gl.max(x4, axis=3), axis=1)
         else:
             return x
 
     @gluon.jit
+    def mx_column(head, block):
+        """mxfp4's dot column of (head, MX block): 8 (block // 2) + 2 head + block % 2, so that in the mma.sync
+        accumulator (lane 4 g + t holds columns 2 t, 2 t + 1, 8 + 2 t, 9 + 2 t of its rows) the four blocks of
+        head t sit in lane t's registers."""
+        return 8 * (block // 2) + 2 * head + block % 2
+
+    @gluon.jit
+    def mx_factors(sw):
+        """mxfp4: a row's four E8M0 block-scale bytes as one int32 [128] (ROW_L, block b in byte b) -> fp32 block
+        factors [128, block // 2, block % 2] (F_L; NaN for byte 255)."""
+        f01 = gl.join(e8m0_decode_any(sw), e8m0_decode_any(sw >> 8))
+        f23 = gl.join(e8m0_decode_any(sw >> 16), e8m0_decode_any(sw >> 24))
+        return gl.convert_layout(gl.permute(gl.join(f01, f23), (0, 2, 1)), F_L, assert_trivial=True)
+
+    @gluon.jit
     def mx_post_scale(acc, f):
-        """mxfp4: partial scores fp32 [128, 16] (MMA; column 4 block + head: the head's dot over that block's
-        elements) times the tokens' fp32 block factors f [128, 4] (F_L, E8M0 decoded, NaN for byte 255)."""
-        a3 = gl.convert_layout(gl.reshape(acc, [TOK, 4, 4]), L3, assert_trivial=True) * gl.expand_dims(f, 2)
-        return gl.convert_layout(gl.reshape(a3, [TOK, 16]), MMA, assert_trivial=True)
+        """mxfp4: partial scores fp32 [128, 16] (MMA; column `mx_column(head, block)`: the head's dot over that
+        block's elements) times the tokens' fp32 block factors f (`mx_factors`)."""
+        a4 = gl.convert_layout(gl.reshape(acc, [TOK, 2, 4, 2]), L3, assert_trivial=True) * gl.expand_dims(f, 2)
+        return gl.convert_layout(gl.reshape(a4, [TOK, 16]), MMA, assert_trivial=True)
 
     @gluon.jit
     def nv_factors(sb):
@@ -200,8 +220,8 @@ if gluon is not None:
     def _fetch(data_ptr, pg, blk, page_bytes, w_off, s_off, PAGE: gl.constexpr, PB: gl.constexpr, SB: gl.constexpr,
                E8M0: gl.constexpr):
         """Block blk's words int32 [128, 16] (W_L) and block scales (nvfp4: int32 [128, 4] (S8_L), each the u16 of
-        a row's blocks 2 i, 2 i + 1; mxfp4: the E8M0 bytes as int32 [128, 4] (F_L)) from page pg, by inline asm (PB
-        64, SB 8 / 4, 16-byte aligned: `applies`); nothing is loaded for page -1."""
+        a row's blocks 2 i, 2 i + 1; mxfp4: a row's four E8M0 bytes as one int32 [128] (ROW_L)) from page pg, by
+        inline asm (PB 64, SB 8 / 4, 16-byte aligned: `applies`); nothing is loaded for page -1."""
         base = gl.maximum(pg, 0).to(gl.int64) * page_bytes
         row0 = (blk * TOK) % PAGE  # the block's first token in its page
         tile = data_ptr + base  # the page's first byte: one 64-bit sum, the rest 32-bit offsets (6 fewer SASS)
@@ -223,16 +243,13 @@ if gluon is not None:
             is_pure=True, pack=16)
         sp = (tile + (row0 * SB + s_off)).to(gl.int64, bitcast=True)
         if E8M0:
-            # F_L's registers: rows r, r + 8 (4 bytes a row: +32), block b, b + 2 (+2), rows r + 64, r + 72 (+256)
+            # ROW_L's registers: the four scale bytes of rows r, r + 8 (4 bytes a row: +32), r + 64, r + 72 (+256)
             sb = gl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.b32 p, $16, 0;"
-                " @p ld.global.u8 $0, [$8]; @p ld.global.u8 $1, [$8+32];"
-                " @p ld.global.u8 $2, [$8+2]; @p ld.global.u8 $3, [$8+34];"
-                " @p ld.global.u8 $4, [$8+256]; @p ld.global.u8 $5, [$8+288];"
-                " @p ld.global.u8 $6, [$8+258]; @p ld.global.u8 $7, [$8+290]; }",
-                "=r,=r,=r,=r,=r,=r,=r,=r,l,l,l,l,l,l,l,l,r,r,r,r,r,r,r,r",
-                [sp, gl.full(s_off.shape, 0, gl.int32, layout=s_off.type.layout) + live], dtype=gl.int32,
-                is_pure=True, pack=8)
+                "{ .reg .pred p; setp.ne.b32 p, $8, 0;"
+                " @p ld.global.b32 $0, [$4]; @p ld.global.b32 $1, [$4+32];"
+                " @p ld.global.b32 $2, [$4+256]; @p ld.global.b32 $3, [$4+288]; }",
+                "=r,=r,=r,=r,l,l,l,l,r,r,r,r", [sp, gl.full(s_off.shape, 0, gl.int32, layout=s_off.type.layout) + live],
+                dtype=gl.int32, is_pure=True, pack=4)
         else:
             # S8_L's registers: the scale pairs of rows r, r + 8, r + 64, r + 72 (8 bytes a row: +64, +512, +576)
             sb = gl.inline_asm_elementwise(
@@ -246,22 +263,23 @@ if gluon is not None:
     @gluon.jit
     def _query_operand(q_ptr, b, stride_qb, stride_qh, gscale, HI: gl.constexpr, E8M0: gl.constexpr):
         """Request b's query as the dot's B operand in the tile's column order, times 2**a per head (max in
-        [2**14, 2**15)); mxfp4: block-diagonal (column n = 4 block + head holds the head's elements of that MX
-        block, 0 elsewhere). Also the partial maxima's column scales (2**-a times the outer scale, undoing the
+        [2**14, 2**15)); mxfp4: block-diagonal (column `mx_column(head, block)` holds the head's elements of that
+        MX block, 0 elsewhere). Also the partial maxima's column scales (2**-a times the outer scale, undoing the
         query's 2**a and the decode's 2**-14), put through the same reshapes and reductions as the scores."""
         NDOT: gl.constexpr = 16 if E8M0 else HP  # the dot's columns
-        HEADS: gl.constexpr = 4 if E8M0 else HP  # heads per block of columns
+        HEADS: gl.constexpr = 4 if E8M0 else HP
         c = gl.arange(0, DIMC, layout=gl.SliceLayout(1, Q_L))
         n = gl.arange(0, NDOT, layout=gl.SliceLayout(0, Q_L))
         el = gl.expand_dims(column_element(c), 1)
-        q = gl.load(q_ptr + b.to(gl.int64) * stride_qb + gl.expand_dims(n % HEADS, 0) * stride_qh + el,
-                    mask=gl.expand_dims(n % HEADS < HI, 0), other=0.0)
+        head = (n >> 1) % HEADS if E8M0 else n  # mx_column's inverse
+        q = gl.load(q_ptr + b.to(gl.int64) * stride_qb + gl.expand_dims(head, 0) * stride_qh + el,
+                    mask=gl.expand_dims(head < HI, 0), other=0.0)
         q = q.to(gl.float32)
         e = ((gl.max(gl.abs(q), axis=0).to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
         a = gl.minimum(gl.maximum(14 - e, -126), 126)
         q = q * gl.expand_dims(exp2_int(a), 0)
         if E8M0:
-            q = gl.where(el // 32 == gl.expand_dims(n // HEADS, 0), q, 0.0)
+            q = gl.where(mx_column(gl.expand_dims(head, 0), el // 32) == gl.expand_dims(n, 0), q, 0.0)
         qt = gl.convert_layout(q.to(gl.float16), B_L)
         colscale = gl.convert_layout(exp2_int(-a) * (gscale * 16384.0), gl.SliceLayout(0, MMA))
         p_scale = gl.expand_dims(colscale, 0) + gl.full([TOK, NDOT], 0.0, gl.float32, layout=MMA)
@@ -289,18 +307,20 @@ if gluon is not None:
         HEADS: gl.constexpr = 4 if E8M0 else HP
         tok = gl.arange(0, TOK, layout=gl.SliceLayout(1, MMA))
         col = gl.arange(0, NDOT, layout=gl.SliceLayout(0, MMA))
-        p_off = gl.expand_dims(col % HEADS, 0) * n_out + gl.expand_dims((tok // 16) % NW, 1)  # head, warp
+        head = (col >> 1) % HEADS if E8M0 else col  # mx_column's inverse
+        p_off = gl.expand_dims(head, 0) * n_out + gl.expand_dims((tok // 16) % NW, 1)  # head, warp
         p_off = _warp_parts(fold_blocks(p_off, E8M0, False), HEADS, False)
         return p_off, p_off < HI * n_out
 
     @gluon.jit
     def _tile_dot(words, sb, qt, lo3, sign8, E8M0: gl.constexpr):
         """One 128-token tile's token scores fp32 [128, NDOT] (MMA): the decoded words [128, 16] (W_L) times the
-        query operand; block scales sb: nvfp4 E4M3 bytes [128, 8] (S16_L), mxfp4 E8M0 bytes [128, 4] (F_L)."""
+        query operand; block scales sb: nvfp4 E4M3 byte pairs [128, 4] (S8_L), mxfp4 a row's E8M0 bytes [128]
+        (ROW_L)."""
         NDOT: gl.constexpr = 16 if E8M0 else HP
         zero = gl.full([TOK, NDOT], 0.0, gl.float32, layout=MMA)
         if E8M0:  # undecorated E2M1 x the block-diagonal query, then the fp32 block factors
-            acc = mx_post_scale(mma_v2(decode_tile(words, words, lo3, sign8, False), qt, zero), e8m0_decode_any(sb))
+            acc = mx_post_scale(mma_v2(decode_tile(words, words, lo3, sign8, False), qt, zero), mx_factors(sb))
         else:
             acc = mma_v2(decode_tile(words, nv_factors(sb), lo3, sign8, True), qt, zero)
         return acc
@@ -384,13 +404,12 @@ if gluon is not None:
         # per-tile offsets inside a page
         tr = gl.arange(0, TOK, layout=gl.SliceLayout(1, W_L))
         w_off = gl.expand_dims(tr, 1) * (PB // 4) + gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, W_L)), 0)
-        if E8M0:  # the [128, 4] block factors of mx_post_scale
-            sr = gl.arange(0, TOK, layout=gl.SliceLayout(1, F_L))
-            sc = gl.arange(0, 4, layout=gl.SliceLayout(0, F_L))
+        if E8M0:  # a row's four E8M0 bytes (mx_factors)
+            s_off = PAGE * PB + gl.arange(0, TOK, layout=ROW_L) * SB
         else:
             sr = gl.arange(0, TOK, layout=gl.SliceLayout(1, S8_L))
             sc = 2 * gl.arange(0, 4, layout=gl.SliceLayout(0, S8_L))
-        s_off = PAGE * PB + gl.expand_dims(sr, 1) * SB + gl.expand_dims(sc, 0)
+            s_off = PAGE * PB + gl.expand_dims(sr, 1) * SB + gl.expand_dims(sc, 0)
         p_off, p_mask = _part_offsets(n_out, HI, E8M0)
         HEADS: gl.constexpr = 4 if E8M0 else HP
         if SMEM:
@@ -489,7 +508,7 @@ def split_grid(nb: int, ch: int, tail_blocks: int) -> tuple[int, int]:
 
 def decode_block_parts(iq4: torch.Tensor, cache, block_table: torch.Tensor, context_lens: torch.Tensor, cfg,
                        nb: int, chunk_blocks: int | None = None, fill: bool = True,
-                       tail_blocks: int | None = None
+                       tail_blocks: int | None = None, max_registers: int | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """iq4 bf16 [B, 1, Hi, 128] decode queries -> (fp32 [B, 1, Hi, nb, P] partial block maxima (their max is the
     block score with the forced blocks applied; -inf past each row's valid blocks; P = 1, the block scores, where
@@ -498,7 +517,8 @@ def decode_block_parts(iq4: torch.Tensor, cache, block_table: torch.Tensor, cont
     small torch kernels). Inputs as checked by `index_score._check`; `applies` and `device_ok` hold.
     chunk_blocks: blocks per program (default `chunk_blocks_for`). fill=False leaves the blocks past each row's
     valid ones unwritten (the select pass reads only valid blocks). tail_blocks: each row's last blocks that go to
-    splits of chunk // TAIL_DIV blocks (default `tail_blocks_for`, none when chunk_blocks is given)."""
+    splits of chunk // TAIL_DIV blocks (default `tail_blocks_for`, none when chunk_blocks is given). max_registers:
+    the register cap (default MAXNREG by block-scale element)."""
     bsz, _, hi, _ = iq4.shape
     if chunk_blocks:
         ch = chunk_blocks
@@ -519,7 +539,7 @@ def decode_block_parts(iq4: torch.Tensor, cache, block_table: torch.Tensor, cont
         tail_blocks = tail_blocks_for(bsz, nb, ch, num_sms(iq4.device)) if chunk_blocks is None else 0
     n_front, n_splits = split_grid(nb, ch, tail_blocks)
     grid = (bsz, n_splits)
-    cap = MAXNREG[cache.fmt.scale_element]
+    cap = max_registers or MAXNREG[cache.fmt.scale_element]
     decode_block_parts_kernel[grid](
         q, cache.data, block_table, context_lens, out, pos, float(gscale), cache.num_pages, cache.page_bytes,
         nb * parts, ch, 0x07070707, -0x7F7F7F80, q.stride(0), q.stride(1), block_table.stride(0),

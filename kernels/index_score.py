@@ -251,7 +251,7 @@ LAUNCH_OPTIONS = ("chunk_blocks", "q_tile", "prefetch", "num_warps", "num_stages
                   "max_registers", "gluon", "tail_blocks", "q_major", "decode_once")
 # launch options that pick a variant of the portable kernel: any of them given turns the Gluon fast path off
 PORTABLE_OPTIONS = ("q_tile", "prefetch", "num_warps", "num_stages", "fp4_words", "in_kernel_topk",
-                    "post_scale", "warp_partials", "lean", "tile_pairs", "max_registers", "q_major")
+                    "post_scale", "warp_partials", "lean", "tile_pairs", "q_major")
 
 # Two-pass top-k: the scorer writes per-warp partial block maxima (`index_blocks.part_nanmax`; no cross-warp reduction
 # in its loop, fewer barriers) and the select pass maxes them. Default for E2M1 keys that scale in the decode (nvfp4,
@@ -380,7 +380,7 @@ def _decode_once_applies(cache, nq: int, device: torch.device, options: dict) ->
             raise KernelArgumentError(f"index scorer: decode_once takes FP4 or unit / tensor-scaled fp8 keys, not "
                                       f"{cache.fmt.label}")
         return bool(want)
-    varied = any(options.get(k) is not None for k in (*PORTABLE_OPTIONS, "chunk_blocks", "gluon"))
+    varied = any(options.get(k) is not None for k in (*PORTABLE_OPTIONS, "chunk_blocks", "gluon", "max_registers"))
     return fits and not varied and nq >= DECODE_ONCE_MIN_QUERIES and _cuda_defaults(device)
 
 
@@ -532,7 +532,8 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
     POST_SCALE_DEFAULT_ROWS), warp_partials (two-pass top-k: per-warp partial block maxima, see
     the comment above the launchers), select (the select pass's launch variant, `topk.SELECT_VARIANTS`), tile_pairs
     (two tiles per loop iteration, `index_blocks.pair_step`; FP4 top-k on CUDA: FP4_PAIR_LAUNCH), and prefetch /
-    num_warps / num_stages / max_registers (a fixed launch instead of the autotuned one; max_registers: CUDA's maxnreg),
+    num_warps / num_stages (a fixed launch instead of the autotuned one), max_registers (CUDA's maxnreg: the
+    portable kernel's fixed launch, or the Gluon scorer's cap instead of `index_gluon.MAXNREG`),
     tail_blocks (the Gluon scorer's short final splits, `index_gluon.tail_blocks_for`; 0: none), q_major (query-major
     dots, `index_tiles.tile_dot`), decode_once (prefill: decode the keys to bf16 first, `_decode_once_applies`).
     gscale: the whole-tensor factor of the scores when `cache` is such a decoded copy (else the cache's own)."""
@@ -551,7 +552,8 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
     if (mode == 1 or nb <= MAX_SELECT_BLOCKS) and _use_gluon(iq4, cache, cfg, q_pos, mode, options):
         parts, pos = index_gluon.decode_block_parts(iq4, cache, block_table, context_lens, cfg, nb,
                                                     options.get("chunk_blocks"), fill=mode == 1,
-                                                    tail_blocks=options.get("tail_blocks"))
+                                                    tail_blocks=options.get("tail_blocks"),
+                                                    max_registers=options.get("max_registers"))
         if mode == 1:  # block scores already (one part), or the warps' partials: NaN-propagating max
             return parts[..., 0] if parts.shape[-1] == 1 else parts.amax(-1)
         return select_from_block_scores(parts, pos, cfg.block_size, cfg.topk, higher_id=cfg.tie_rule != "lower-id",

@@ -80,6 +80,9 @@ SWEEP = (
     ("gluon ch16", {"gluon": True, "chunk_blocks": 16}, ("nvfp4", "mxfp4")),
     ("gluon ch32", {"gluon": True, "chunk_blocks": 32}, ("nvfp4", "mxfp4")),
     ("gluon ch64", {"gluon": True, "chunk_blocks": 64}, ("nvfp4", "mxfp4")),
+    # register caps of the Gluon kernel (its default: index_gluon.MAXNREG): 96 gives 5 programs per SM, 80 six
+    ("gluon r96", {"gluon": True, "max_registers": 96}, ("nvfp4", "mxfp4")),
+    ("gluon r80", {"gluon": True, "max_registers": 80}, ("mxfp4",)),
 )
 FP4_ONLY = ("post_scale",)
 
