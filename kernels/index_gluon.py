@@ -129,6 +129,7 @@ if gluon is not None:
 
     TOK = gl.constexpr(TOKENS)
     SMEM_BLOCKS = gl.constexpr(CHUNK_BLOCKS)  # block rows of the shared-memory block scores (the largest split)
+    QS_L = gl.SwizzledSharedLayout(8, 1, 8, [0, 1])
     SMEM_L = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])  # rank 2: .index(block) gives a [NW, heads] view
     DIMC = gl.constexpr(DIM)
     HP = gl.constexpr(HEADS_PAD)
@@ -261,8 +262,10 @@ if gluon is not None:
         return words, sb
 
     @gluon.jit
-    def _query_operand(q_ptr, b, stride_qb, stride_qh, gscale, HI: gl.constexpr, E8M0: gl.constexpr):
-        """Request b's query as the dot's B operand in the tile's column order, times 2**a per head (max in
+    def _query_operand(q_ptr, b, stride_qb, stride_qh, gscale, HI: gl.constexpr, E8M0: gl.constexpr,
+                       QSMEM: gl.constexpr):
+        """Request b's query as the dot's B operand (in registers, or QSMEM: in shared memory) in the tile's column
+        order, times 2**a per head (max in
         [2**14, 2**15)); mxfp4: block-diagonal (column `mx_column(head, block)` holds the head's elements of that
         MX block, 0 elsewhere). Also the partial maxima's column scales (2**-a times the outer scale, undoing the
         query's 2**a and the decode's 2**-14), put through the same reshapes and reductions as the scores."""
@@ -280,7 +283,10 @@ if gluon is not None:
         q = q * gl.expand_dims(exp2_int(a), 0)
         if E8M0:
             q = gl.where(mx_column(gl.expand_dims(head, 0), el // 32) == gl.expand_dims(n, 0), q, 0.0)
-        qt = gl.convert_layout(q.to(gl.float16), B_L)
+        if QSMEM:  # read back by every tile (`_tile_dot`): 8 (nvfp4) / 16 (mxfp4) registers a thread fewer
+            qt = gl.allocate_shared_memory(gl.float16, [DIMC, NDOT], QS_L, q.to(gl.float16))
+        else:
+            qt = gl.convert_layout(q.to(gl.float16), B_L)
         colscale = gl.convert_layout(exp2_int(-a) * (gscale * 16384.0), gl.SliceLayout(0, MMA))
         p_scale = gl.expand_dims(colscale, 0) + gl.full([TOK, NDOT], 0.0, gl.float32, layout=MMA)
         return qt, _warp_parts(fold_blocks(p_scale, E8M0, False), HEADS, False)
@@ -313,16 +319,24 @@ if gluon is not None:
         return p_off, p_off < HI * n_out
 
     @gluon.jit
-    def _tile_dot(words, sb, qt, lo3, sign8, E8M0: gl.constexpr):
+    def _query_b(qt, QSMEM: gl.constexpr):
+        if QSMEM:
+            return qt.load(B_L)
+        else:
+            return qt
+
+    @gluon.jit
+    def _tile_dot(words, sb, qt, lo3, sign8, E8M0: gl.constexpr, QSMEM: gl.constexpr):
         """One 128-token tile's token scores fp32 [128, NDOT] (MMA): the decoded words [128, 16] (W_L) times the
         query operand; block scales sb: nvfp4 E4M3 byte pairs [128, 4] (S8_L), mxfp4 a row's E8M0 bytes [128]
         (ROW_L)."""
         NDOT: gl.constexpr = 16 if E8M0 else HP
         zero = gl.full([TOK, NDOT], 0.0, gl.float32, layout=MMA)
         if E8M0:  # undecorated E2M1 x the block-diagonal query, then the fp32 block factors
-            acc = mx_post_scale(mma_v2(decode_tile(words, words, lo3, sign8, False), qt, zero), mx_factors(sb))
+            acc = mx_post_scale(mma_v2(decode_tile(words, words, lo3, sign8, False), _query_b(qt, QSMEM), zero),
+                                mx_factors(sb))
         else:
-            acc = mma_v2(decode_tile(words, nv_factors(sb), lo3, sign8, True), qt, zero)
+            acc = mma_v2(decode_tile(words, nv_factors(sb), lo3, sign8, True), _query_b(qt, QSMEM), zero)
         return acc
 
     @gluon.jit
@@ -386,6 +400,7 @@ if gluon is not None:
         INIT: gl.constexpr,  # forced init blocks
         LOCAL: gl.constexpr,  # forced local blocks
         SMEM: gl.constexpr = False,  # block scores (the warps' partials maxed in shared memory; ch <= SMEM_BLOCKS)
+        QSMEM: gl.constexpr = True,  # the query operand in shared memory (else in registers)
         n_front=0,  # splits before the tail (last in the signature: elsewhere ptxas took 111 registers, not 93)
         TAIL_DIV: gl.constexpr = 4,  # the tail's splits take ch // TAIL_DIV blocks
     ):
@@ -400,7 +415,7 @@ if gluon is not None:
         gl.assume(blk0 >= 0)  # without these the loop's values left the uniform datapath: 93 -> 114 registers
         n_blk = gl.minimum(valid - blk0, gl.where(split < n_front, ch, tail_ch))
         gl.assume(n_blk <= ch)
-        qt, p_scale = _query_operand(q_ptr, b, stride_qb, stride_qh, gscale, HI, E8M0)
+        qt, p_scale = _query_operand(q_ptr, b, stride_qb, stride_qh, gscale, HI, E8M0, QSMEM)
         # per-tile offsets inside a page
         tr = gl.arange(0, TOK, layout=gl.SliceLayout(1, W_L))
         w_off = gl.expand_dims(tr, 1) * (PB // 4) + gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, W_L)), 0)
@@ -429,12 +444,12 @@ if gluon is not None:
         for blk in range(blk0, full_end):
             pg2 = _page(bt_row, blk + 2, end, num_pages, PAGE)
             words_n, sb_n = _fetch(data_ptr, pg1, blk + 1, page_bytes, w_off, s_off, PAGE, PB, SB, E8M0)
-            acc = _tile_dot(words, sb, qt, lo3, sign8, E8M0)
+            acc = _tile_dot(words, sb, qt, lo3, sign8, E8M0, QSMEM)
             _emit(acc, blk, ctx, valid, pg, out_row, p_off, p_mask, p_scale, smem, blk0, E8M0, INIT, LOCAL, False,
                   SMEM)
             pg, pg1, words, sb = pg1, pg2, words_n, sb_n
         if full_end < end:  # already loaded
-            acc = _tile_dot(words, sb, qt, lo3, sign8, E8M0)
+            acc = _tile_dot(words, sb, qt, lo3, sign8, E8M0, QSMEM)
             _emit(acc, full_end, ctx, valid, pg, out_row, p_off, p_mask, p_scale, smem, blk0, E8M0, INIT, LOCAL,
                   True, SMEM)
         if SMEM:
@@ -445,6 +460,10 @@ if gluon is not None:
 # 128 gives 4 per SM and was faster; nvfp4 takes 85-93 uncapped (5 per SM; a cap of 80, 6 per SM, lost at every shape
 # but one). Numbers: docs/kernels/index_gluon.md.
 MAXNREG = {"e4m3": None, "e8m0": 128}
+# The query operand (B of every tile's dot, [128, 8 or 16] fp16) in shared memory, read by ldmatrix each tile, rather
+# than held in registers: 16 / 32 registers a thread of the query's 16 / 32 become 4 / 8 LDSM a tile. Offline sm_90
+# (Triton 3.6.0): nvfp4 85 -> 75 registers (5 -> 6 programs per SM), mxfp4 114 -> 89 (4 -> 5).
+QUERY_SMEM = True
 
 
 def device_ok(device: torch.device) -> bool:
@@ -508,8 +527,8 @@ def split_grid(nb: int, ch: int, tail_blocks: int) -> tuple[int, int]:
 
 def decode_block_parts(iq4: torch.Tensor, cache, block_table: torch.Tensor, context_lens: torch.Tensor, cfg,
                        nb: int, chunk_blocks: int | None = None, fill: bool = True,
-                       tail_blocks: int | None = None, max_registers: int | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       tail_blocks: int | None = None, max_registers: int | None = None,
+                       query_smem: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """iq4 bf16 [B, 1, Hi, 128] decode queries -> (fp32 [B, 1, Hi, nb, P] partial block maxima (their max is the
     block score with the forced blocks applied; -inf past each row's valid blocks; P = 1, the block scores, where
     the splits fit SMEM_BLOCKS, else NUM_WARPS), int32 [B, 1] query
@@ -518,7 +537,8 @@ def decode_block_parts(iq4: torch.Tensor, cache, block_table: torch.Tensor, cont
     chunk_blocks: blocks per program (default `chunk_blocks_for`). fill=False leaves the blocks past each row's
     valid ones unwritten (the select pass reads only valid blocks). tail_blocks: each row's last blocks that go to
     splits of chunk // TAIL_DIV blocks (default `tail_blocks_for`, none when chunk_blocks is given). max_registers:
-    the register cap (default MAXNREG by block-scale element)."""
+    the register cap (default MAXNREG by block-scale element). query_smem: the query operand in shared memory,
+    read by every tile, or in registers (default QUERY_SMEM)."""
     bsz, _, hi, _ = iq4.shape
     if chunk_blocks:
         ch = chunk_blocks
@@ -545,5 +565,5 @@ def decode_block_parts(iq4: torch.Tensor, cache, block_table: torch.Tensor, cont
         nb * parts, ch, 0x07070707, -0x7F7F7F80, q.stride(0), q.stride(1), block_table.stride(0),
         HI=hi, PAGE=cache.page_size, PB=cache.payload_bytes, SB=cache.scale_bytes,
         E8M0=cache.fmt.scale_element == "e8m0", INIT=cfg.init_blocks, LOCAL=cfg.local_blocks,
-        SMEM=smem, n_front=n_front, TAIL_DIV=TAIL_DIV, num_warps=NUM_WARPS, **({"maxnreg": cap} if cap else {}))
+        SMEM=smem, QSMEM=QUERY_SMEM if query_smem is None else bool(query_smem), n_front=n_front, TAIL_DIV=TAIL_DIV, num_warps=NUM_WARPS, **({"maxnreg": cap} if cap else {}))
     return out.view(bsz, 1, hi, nb, parts), pos
