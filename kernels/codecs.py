@@ -28,7 +28,7 @@ __all__ = [
     "RECIPE_UNROUNDED", "RULE_CEIL", "RULE_EVEN", "RULE_FLOOR", "RULE_RCEIL", "amax_div6", "bf16_decode", "bf16_encode",
     "e2m1_decode_f16", "e2m1_decode_f32", "e2m1_encode", "e2m1_pair", "e2m1_pairs", "e2m1_words", "e2m1_words_bf16",
     "e2m1_words_f16", "e2m1_words_paired", "e4m3_decode", "e4m3_decode_any", "e4m3_decode_f16", "e4m3_decode_to",
-    "e4m3_encode", "e8m0_decode", "e8m0_decode_any", "e8m0_tile_factors", "e8m0_word_factors", "exp2_int", "fp4_bytes",
+    "e4m3_encode", "e8m0_decode", "e8m0_decode_any", "e8m0_from_field", "e8m0_tile_factors", "e8m0_word_factors", "exp2_int", "fp4_bytes",
     "fp4_quantize_blocks", "fp4_quarter", "fp4_scaled_words", "fp8_encode_scaled", "fp8_row_scale", "mx_exponent",
     "mx_rceil_exponent", "mxfp4_quantize_block", "mxfp4_quantize_block_fast", "mxfp4_scale_block",
     "nvfp4_quantize_block", "nvfp4_quantize_block_fast", "nvfp4_scale_block", "nvfp4_scaled", "pack_nibble_words",
@@ -559,6 +559,18 @@ def e8m0_decode_any(byte):
     exp2_int and a NaN select took ~8 a byte in the Gluon index scorer's loop)."""
     b = byte.to(tl.int32) & 0xFF
     return ((b << 23) | tl.where(((b + 1) & 0xFE) == 0, 0x400000, 0)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e8m0_from_field(bits):
+    """e8m0_decode_any of a byte already in place: int32 bits holding the byte in the fp32 exponent field (bits
+    23-30) and zeros elsewhere -> fp32 2**(byte - 127), 2**-127 for byte 0, NaN for byte 255, in two ops and no
+    select (e8m0_decode_any of a byte inside a wider word takes about eight): an integer max with 2**-127's bits
+    (byte 0's 0.0 becomes 2**-127; the bits of non-negative floats order as the floats), then y * 0 + y turns byte
+    255's inf into NaN and leaves every finite y. Needs subnormals kept (no flush to zero), as the multiplies by
+    2**-127 do anyway."""
+    y = tl.maximum(bits, 0x400000).to(tl.float32, bitcast=True)
+    return tl.fma(y, 0.0, y)
 
 
 # ------------------------------------------------------------------------ store engineer: cheaper block-scale steps

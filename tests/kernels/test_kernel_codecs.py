@@ -43,7 +43,7 @@ BLOCK = 1024
 
 # OP codes of _unary_kernel (one constexpr-parameterized kernel, not one kernel per helper).
 E2M1_ENCODE, E2M1_DECODE_F16, E2M1_DECODE_F32, E4M3_ENCODE, E4M3_DECODE, E8M0_DECODE, EXP2_INT, MX_EXPONENT, \
-    FP8_ENCODE_SCALED, FP8_ROW_SCALE, E8M0_DECODE_ANY = range(11)
+    FP8_ENCODE_SCALED, FP8_ROW_SCALE, E8M0_DECODE_ANY, E8M0_FROM_FIELD = range(12)
 
 
 @triton.jit
@@ -72,8 +72,10 @@ def _unary_kernel(x_ptr, s_ptr, out_ptr, n,  # input, second input (scale) or du
         y = kc.fp8_encode_scaled(x, tl.load(s_ptr + offs, mask=mask, other=1.0))
     elif OP == 9:
         y = kc.fp8_row_scale(x, RULE >= 1, RULE == 2)  # RULE: 0 plain, 1 DeepSeek floor, 2 floor + pow2
-    else:
+    elif OP == 10:
         y = kc.e8m0_decode_any(x)
+    else:
+        y = kc.e8m0_from_field(x)
     tl.store(out_ptr + offs, y, mask=mask)
 
 
@@ -198,6 +200,13 @@ def check_elementwise(device: str, n: int) -> None:
         checks.append((f"fp8_row_scale[{mode}]", run_unary(FP8_ROW_SCALE, amax, torch.float32, mode),
                        fc.fp8_row_scale(amax, ds, pow2)))
     bad = [f"{name}: {first_diff(k, t)}" for name, k, t in checks if not same_bits(k, t)]
+    # every byte in the exponent field (the Gluon index scorer's mx_factors): the same values, NaN for byte 255
+    # (y * 0 + y makes the device's NaN, whose bits are not e8m0_decode's)
+    got = run_unary(E8M0_FROM_FIELD, bytes256.int() << 23, torch.float32).cpu()
+    want = e8m0_decode(bytes256).cpu()
+    nan = torch.isnan(want)
+    if not (torch.equal(torch.isnan(got), nan) and same_bits(got[~nan], want[~nan])):
+        bad.append(f"e8m0_from_field: {first_diff(got[~nan], want[~nan])}, NaN at {torch.isnan(got).nonzero().tolist()}")
     assert not bad, "\n".join(bad)
 
 

@@ -878,6 +878,29 @@ def test_gpu_decode_gluon(label, page):
     assert_scores_match(got, port, tolerance(iq, cache, table, cl))
 
 
+@pytest.mark.parametrize("gluon", [pytest.param(True, marks=pytest.mark.gpu), False], ids=["gluon", "portable"])
+def test_decode_mxfp4_scale_bytes_at_the_ends(gluon):
+    """mxfp4 E8M0 block-scale bytes at the ends of their range, read by the FP4 decode scorers (the Gluon kernel's
+    `mx_factors` decodes each byte in place, `kc.e8m0_from_field`): bytes 0 (2**-127), 1, 2 and 126 rotated over a
+    row's four blocks, a NaN byte 255, and a request whose every key has scale byte 0 or 1, so that its accumulation
+    bound is tiny and a factor of 0 for byte 0 would be far outside it."""
+    ctx = [300, 129]
+    cache, table, cl, slots = make_cache("mxfp4", ctx, page=128, seed=94)
+    plane = cache.scale_plane()
+
+    def set_bytes(b, tok, values):
+        s = int(slots[b][tok])
+        plane[s // cache.page_size, 0, s % cache.page_size, :] = torch.tensor(values, dtype=torch.uint8)
+
+    for t in range(128):
+        set_bytes(0, t, [(0, 1, 2, 126)[(t + j) % 4] for j in range(4)])
+    set_bytes(0, 130, [255, 127, 127, 127])
+    for t in range(129):
+        set_bytes(1, t, [1, 1, 1, 1] if t == 128 else [0, 0, 0, 0])
+    iq = queries(len(ctx), 4, 128, seed=95)
+    check_decode(cache, table, cl, iq, IndexerConfig(topk=2), tuned=True, gluon=gluon)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [1, 3, 8])
 def test_gpu_decode_gluon_heads(heads):
