@@ -40,7 +40,7 @@ from kvtool.paged import PagedCache
 
 __all__ = [
     "DEFAULT_BATCHES", "DEFAULT_CONTEXTS", "DEFAULT_FORMATS", "DEFAULT_PREFILL", "FP4_ONLY", "GEOMETRY",
-    "L2_TARGET_BYTES", "MAX_LAYERS", "SWEEP", "eager_decode_topk", "eager_prefill_topk", "layers_for", "peer_impls",
+    "L2_TARGET_BYTES", "MAX_LAYERS", "SWEEP", "SWEEP_SHAPES", "eager_decode_topk", "eager_prefill_topk", "layers_for", "peer_impls",
     "peer_ratios", "render_goals", "render_peers", "run_index_bench"
 ]
 
@@ -77,6 +77,10 @@ SWEEP = (
     # the FP4 default on CUDA is the Gluon kernel (kernels/index_gluon.py): the portable kernel's default beside it,
     # and the Gluon kernel at fixed blocks per program (its default: index_gluon.chunk_blocks_for)
     ("portable", {"gluon": False}, ("nvfp4", "mxfp4")),
+    # blocks per program of the portable kernel's context split (its CUDA decode default: at most
+    # index_score.CUDA_DECODE_MAX_CHUNK_BLOCKS, 16)
+    ("ch4", {"chunk_blocks": 4}, ("bf16", "fp8")),
+    ("ch8", {"chunk_blocks": 8}, ("bf16", "fp8")),
     ("gluon ch16", {"gluon": True, "chunk_blocks": 16}, ("nvfp4", "mxfp4")),
     ("gluon ch32", {"gluon": True, "chunk_blocks": 32}, ("nvfp4", "mxfp4")),
     ("gluon ch64", {"gluon": True, "chunk_blocks": 64}, ("nvfp4", "mxfp4")),
@@ -87,6 +91,7 @@ SWEEP = (
     ("gluon r72", {"gluon": True, "max_registers": 72}, ("nvfp4", "mxfp4")),
 )
 FP4_ONLY = ("post_scale",)
+SWEEP_SHAPES = ((64, 32_768), (64, 150_000))  # (batch, context) of the decode rows that get the SWEEP variants
 
 
 def _sweep_applies(options: dict, fmt, families=None) -> bool:
@@ -296,7 +301,7 @@ def run_index_bench(batches=DEFAULT_BATCHES, contexts=DEFAULT_CONTEXTS, prefill=
                                            cuda_graph=on_cuda))
                     cases.append(BenchCase(f"triton score+topk {label}", step.topk(), step.bytes_topk, group, note,
                                            cuda_graph=on_cuda))
-                    for vname, options, families in SWEEP if sweep and (batch, context) == (64, 150_000) else ():
+                    for vname, options, families in SWEEP if sweep and (batch, context) in SWEEP_SHAPES else ():
                         if not _sweep_applies(options, step.fmt, families):
                             continue
                         cases.append(BenchCase(f"triton score+topk {label} {vname}", step.topk(**options),
