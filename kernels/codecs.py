@@ -28,8 +28,9 @@ __all__ = [
     "RECIPE_UNROUNDED", "RULE_CEIL", "RULE_EVEN", "RULE_FLOOR", "RULE_RCEIL", "amax_div6", "bf16_decode", "bf16_encode",
     "e2m1_decode_f16", "e2m1_decode_f32", "e2m1_encode", "e2m1_pair", "e2m1_pairs", "e2m1_words", "e2m1_words_bf16",
     "e2m1_words_f16", "e2m1_words_paired", "e4m3_decode", "e4m3_decode_any", "e4m3_decode_f16", "e4m3_decode_to",
-    "e4m3_encode", "e8m0_decode", "e8m0_decode_any", "e8m0_from_field", "e8m0_tile_factors", "e8m0_word_factors", "exp2_int", "fp4_bytes",
-    "fp4_quantize_blocks", "fp4_quarter", "fp4_scaled_words", "fp8_encode_scaled", "fp8_row_scale", "mx_exponent",
+    "e4m3_encode", "e8m0_decode", "e8m0_decode_any", "e8m0_from_field", "e8m0_tile_factors", "e8m0_word_factors",
+    "exp2_int", "fp4_bytes", "fp4_quantize_blocks", "fp4_quarter", "fp4_scaled_words", "fp8_encode_scaled",
+    "fp8_row_scale", "mx_exponent",
     "mx_rceil_exponent", "mxfp4_quantize_block", "mxfp4_quantize_block_fast", "mxfp4_scale_block",
     "nvfp4_quantize_block", "nvfp4_quantize_block_fast", "nvfp4_scale_block", "nvfp4_scaled", "pack_nibble_words",
     "pack_nibbles", "paired_cols", "pow2_f16", "rcp_table", "unpack_nibbles", "zero_add"

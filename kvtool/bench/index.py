@@ -40,8 +40,8 @@ from kvtool.paged import PagedCache
 
 __all__ = [
     "DEFAULT_BATCHES", "DEFAULT_CONTEXTS", "DEFAULT_FORMATS", "DEFAULT_PREFILL", "FP4_ONLY", "GEOMETRY",
-    "L2_TARGET_BYTES", "MAX_LAYERS", "SWEEP", "SWEEP_SHAPES", "eager_decode_topk", "eager_prefill_topk", "layers_for", "peer_impls",
-    "peer_ratios", "render_goals", "render_peers", "run_index_bench"
+    "L2_TARGET_BYTES", "MAX_LAYERS", "SWEEP", "SWEEP_SHAPES", "eager_decode_topk", "eager_prefill_topk", "layers_for",
+    "peer_impls", "peer_ratios", "render_goals", "render_peers", "run_index_bench"
 ]
 
 GEOMETRY = {"index_heads": 4, "head_dim": 128, "page_size": 128}
@@ -87,6 +87,7 @@ SWEEP = (
     # the Gluon kernel's query operand in registers (its default: index_gluon.QUERY_SMEM) and register caps (its
     # default: index_gluon.MAXNREG; 96 / 80 / 72 registers a thread: 5 / 6 / 7 programs per SM)
     ("gluon query in registers", {"gluon": True, "query_smem": False}, ("nvfp4", "mxfp4")),
+    ("gluon rows in shared memory", {"gluon": True, "register_rows": False}, ("nvfp4", "mxfp4")),
     ("gluon r80", {"gluon": True, "max_registers": 80}, ("mxfp4",)),
     ("gluon r72", {"gluon": True, "max_registers": 72}, ("nvfp4", "mxfp4")),
 )

@@ -206,7 +206,8 @@ def check_elementwise(device: str, n: int) -> None:
     want = e8m0_decode(bytes256).cpu()
     nan = torch.isnan(want)
     if not (torch.equal(torch.isnan(got), nan) and same_bits(got[~nan], want[~nan])):
-        bad.append(f"e8m0_from_field: {first_diff(got[~nan], want[~nan])}, NaN at {torch.isnan(got).nonzero().tolist()}")
+        nan_at = torch.isnan(got).nonzero().tolist()
+        bad.append(f"e8m0_from_field: {first_diff(got[~nan], want[~nan])}, NaN at {nan_at}")
     assert not bad, "\n".join(bad)
 
 
