@@ -127,19 +127,6 @@ if gluon is not None:
     ROW_L = gl.SliceLayout(1, gl.SliceLayout(2, F_L))  # [128] a value per token row (its four E8M0 bytes as a u32)
     Q_L = gl.BlockedLayout([1, HEADS_PAD], [32, 1], [NUM_WARPS, 1], [1, 0])  # the query, once per program
 
-    # the program's block rows of partial maxima in registers ([SMEM_BLOCKS blocks, NW warps, heads]; REG_ROWS): the
-    # warps and heads as `_warp_parts` leaves them (a warp's partials on its lanes t: mxfp4 one head a lane, nvfp4
-    # heads 2 t, 2 t + 1), the blocks on registers and the lanes of a row group, so that a tile's partials are
-    # selected into their block row with no data movement and no shared memory in the loop
-    _ROWS_WARP3 = [[0, 1, 0], [0, 2, 0]]
-    _ROWS_BLK_LANES = [[4, 0, 0], [8, 0, 0], [16, 0, 0]]
-    ROWS_MX = gl.DistributedLinearLayout(reg_bases=[[1, 0, 0], [2, 0, 0]],
-                                         lane_bases=[[0, 0, 1], [0, 0, 2]] + _ROWS_BLK_LANES, warp_bases=_ROWS_WARP3,
-                                         block_bases=[], shape=[CHUNK_BLOCKS, NUM_WARPS, MX_HEADS])
-    ROWS_NV = gl.DistributedLinearLayout(reg_bases=[[0, 0, 1], [1, 0, 0], [2, 0, 0]],
-                                         lane_bases=[[0, 0, 2], [0, 0, 4]] + _ROWS_BLK_LANES, warp_bases=_ROWS_WARP3,
-                                         block_bases=[], shape=[CHUNK_BLOCKS, NUM_WARPS, HEADS_PAD])
-
     TOK = gl.constexpr(TOKENS)
     SMEM_BLOCKS = gl.constexpr(CHUNK_BLOCKS)  # block rows of the shared-memory block scores (the largest split)
     QS_L = gl.SwizzledSharedLayout(8, 1, 8, [0, 1])
@@ -354,14 +341,12 @@ if gluon is not None:
         return acc
 
     @gluon.jit
-    def _emit(acc, blk, ctx, valid, pg, out_row, p_off, p_mask, p_scale, smem, rows, blk0, E8M0: gl.constexpr,
-              INIT: gl.constexpr, LOCAL: gl.constexpr, MASK: gl.constexpr, SMEM: gl.constexpr,
-              REG_ROWS: gl.constexpr):
+    def _emit(acc, blk, ctx, valid, pg, out_row, p_off, p_mask, p_scale, smem, blk0, E8M0: gl.constexpr,
+              INIT: gl.constexpr, LOCAL: gl.constexpr, MASK: gl.constexpr, SMEM: gl.constexpr):
         """Store block blk's NW partial maxima per head from its token scores acc (MMA): tokens at or past ctx and
         a tile without a page (pg -1) score -inf, NaN wins, the column scales multiply, forced init / local
         blocks get 1e30 / 1e29. MASK=False: the caller knows that every token is before ctx (only a missing page
-        is handled, on the partial maxima). Returns rows: with SMEM and REG_ROWS the program's block rows in
-        registers (ROWS_MX / ROWS_NV) with this block's row set, else rows unchanged."""
+        is handled, on the partial maxima)."""
         HEADS: gl.constexpr = 4 if E8M0 else HP
         if MASK:
             if (blk * TOK + TOK > ctx) | (pg < 0):  # a tile with tokens past the context or without a page
@@ -378,31 +363,19 @@ if gluon is not None:
         elif blk < INIT:
             part = p_scale * 0.0 + 1e30
         if SMEM:  # the program's block rows, maxed over the warps at its end (`_block_scores`)
-            if REG_ROWS:
-                RL: gl.constexpr = ROWS_MX if E8M0 else ROWS_NV
-                j = gl.arange(0, SMEM_BLOCKS, layout=gl.SliceLayout(1, gl.SliceLayout(2, RL)))
-                p3 = gl.expand_dims(gl.convert_layout(part, gl.SliceLayout(0, RL), assert_trivial=True), 0)
-                rows = gl.where(gl.expand_dims(gl.expand_dims(j, 1), 2) == blk - blk0, p3, rows)
-            else:
-                smem.index(blk - blk0).store(part)
+            smem.index(blk - blk0).store(part)
         else:
             gl.store(out_row + blk * NW + p_off, part, mask=p_mask)
-        return rows
 
     @gluon.jit
-    def _block_scores(smem, rows, out_row, blk0, n_blk, n_out, HI: gl.constexpr, E8M0: gl.constexpr,
-                      REG_ROWS: gl.constexpr):
-        """The program's block scores: its blocks' NW partial maxima per head (shared memory, or REG_ROWS: the
-        register rows of `_emit`; [SMEM_BLOCKS, NW, heads]) maxed (NaN wins) and stored at out_row[head * n_out +
-        block] for its n_blk blocks."""
+    def _block_scores(smem, out_row, blk0, n_blk, n_out, HI: gl.constexpr, E8M0: gl.constexpr):
+        """The program's block scores: its blocks' NW partial maxima per head (shared memory, [SMEM_BLOCKS, NW,
+        heads]) maxed (NaN wins) and stored at out_row[head * n_out + block] for its n_blk blocks."""
         HEADS: gl.constexpr = 4 if E8M0 else HP
-        if REG_ROWS:
-            x = gl.reduce(rows, 1, nanmax)  # over the warps: the one shared-memory exchange of the program
-        else:
-            R_L: gl.constexpr = gl.BlockedLayout([NW, 1], [32 // HEADS, HEADS], [NW, 1], [1, 0])  # a block's parts
-            gl.thread_barrier()
-            x = smem._reinterpret(gl.float32, [SMEM_BLOCKS * NW, HEADS], SMEM_L).load(R_L)
-            x = gl.reduce(gl.reshape(x, [SMEM_BLOCKS, NW, HEADS]), 1, nanmax)
+        R_L: gl.constexpr = gl.BlockedLayout([NW, 1], [32 // HEADS, HEADS], [NW, 1], [1, 0])  # a block's parts a thread
+        gl.thread_barrier()
+        x = smem._reinterpret(gl.float32, [SMEM_BLOCKS * NW, HEADS], SMEM_L).load(R_L)
+        x = gl.reduce(gl.reshape(x, [SMEM_BLOCKS, NW, HEADS]), 1, nanmax)
         i = gl.arange(0, SMEM_BLOCKS, layout=gl.SliceLayout(1, x.type.layout))
         h = gl.arange(0, HEADS, layout=gl.SliceLayout(0, x.type.layout))
         offs = gl.expand_dims(h, 0) * n_out + blk0 + gl.expand_dims(i, 1)
@@ -427,8 +400,7 @@ if gluon is not None:
         E8M0: gl.constexpr,  # mxfp4 (E8M0 scales of 32 elements), else nvfp4 (E4M3 of 16)
         INIT: gl.constexpr,  # forced init blocks
         LOCAL: gl.constexpr,  # forced local blocks
-        SMEM: gl.constexpr = False,  # block scores (the warps' partials maxed in the program; ch <= SMEM_BLOCKS)
-        REG_ROWS: gl.constexpr = True,  # SMEM: the block rows in registers (else in shared memory)
+        SMEM: gl.constexpr = False,  # block scores (the warps' partials maxed in shared memory; ch <= SMEM_BLOCKS)
         QSMEM: gl.constexpr = True,  # the query operand in shared memory (else in registers)
         n_front=0,  # splits before the tail (last in the signature: elsewhere ptxas took 111 registers, not 93)
         TAIL_DIV: gl.constexpr = 4,  # the tail's splits take ch // TAIL_DIV blocks
@@ -456,14 +428,10 @@ if gluon is not None:
             s_off = PAGE * PB + gl.expand_dims(sr, 1) * SB + gl.expand_dims(sc, 0)
         p_off, p_mask = _part_offsets(n_out, HI, E8M0)
         HEADS: gl.constexpr = 4 if E8M0 else HP
-        if SMEM and not REG_ROWS:
+        if SMEM:
             smem = gl.allocate_shared_memory(gl.float32, [SMEM_BLOCKS, NW, HEADS], SMEM_L)
         else:
             smem = p_scale  # (unused)
-        if SMEM and REG_ROWS:
-            rows = gl.full([SMEM_BLOCKS, NW, HEADS], float("-inf"), gl.float32, layout=ROWS_MX if E8M0 else ROWS_NV)
-        else:
-            rows = p_scale  # (unused)
         out_row = out_ptr + (b * HI).to(gl.int64) * n_out
         bt_row = bt_ptr + b.to(gl.int64) * stride_bt
         end = blk0 + n_blk
@@ -478,15 +446,15 @@ if gluon is not None:
             pg2 = _page(bt_row, blk + 2, end, num_pages, PAGE)
             words_n, sb_n = _fetch(data_ptr, pg1, blk + 1, page_bytes, w_off, s_off, PAGE, PB, SB, E8M0)
             acc = _tile_dot(words, sb, qt, lo3, sign8, E8M0, QSMEM)
-            rows = _emit(acc, blk, ctx, valid, pg, out_row, p_off, p_mask, p_scale, smem, rows, blk0, E8M0, INIT,
-                         LOCAL, False, SMEM, REG_ROWS)
+            _emit(acc, blk, ctx, valid, pg, out_row, p_off, p_mask, p_scale, smem, blk0, E8M0, INIT, LOCAL, False,
+                  SMEM)
             pg, pg1, words, sb = pg1, pg2, words_n, sb_n
         if full_end < end:  # already loaded
             acc = _tile_dot(words, sb, qt, lo3, sign8, E8M0, QSMEM)
-            rows = _emit(acc, full_end, ctx, valid, pg, out_row, p_off, p_mask, p_scale, smem, rows, blk0, E8M0,
-                         INIT, LOCAL, True, SMEM, REG_ROWS)
+            _emit(acc, full_end, ctx, valid, pg, out_row, p_off, p_mask, p_scale, smem, blk0, E8M0, INIT, LOCAL,
+                  True, SMEM)
         if SMEM:
-            _block_scores(smem, rows, out_row, blk0, n_blk, n_out, HI, E8M0, REG_ROWS)
+            _block_scores(smem, out_row, blk0, n_blk, n_out, HI, E8M0)
 
 
 # register caps by block-scale element: mxfp4's kernel takes 140-168 registers uncapped (3 programs per SM), a cap of
@@ -497,10 +465,6 @@ MAXNREG = {"e4m3": None, "e8m0": 128}
 # than held in registers: 16 / 32 registers a thread of the query's 16 / 32 become 4 / 8 LDSM a tile. Offline sm_90
 # (Triton 3.6.0): nvfp4 85 -> 75 registers (5 -> 6 programs per SM), mxfp4 114 -> 89 (4 -> 5).
 QUERY_SMEM = True
-# A program's block rows of partial maxima (blocks of at most CHUNK_BLOCKS a program) in registers, selected in per tile
-# (`_emit`, REG_ROWS), rather than stored to shared memory per tile: Triton puts a barrier before each such store, so
-# the four warps met once a tile. Offline sm_90: no barrier or shared-memory store left in the loop.
-REGISTER_ROWS = True
 
 
 def device_ok(device: torch.device) -> bool:
@@ -565,8 +529,7 @@ def split_grid(nb: int, ch: int, tail_blocks: int) -> tuple[int, int]:
 def decode_block_parts(iq4: torch.Tensor, cache, block_table: torch.Tensor, context_lens: torch.Tensor, cfg,
                        nb: int, chunk_blocks: int | None = None, fill: bool = True,
                        tail_blocks: int | None = None, max_registers: int | None = None,
-                       query_smem: bool | None = None, register_rows: bool | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       query_smem: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """iq4 bf16 [B, 1, Hi, 128] decode queries -> (fp32 [B, 1, Hi, nb, P] partial block maxima (their max is the
     block score with the forced blocks applied; -inf past each row's valid blocks; P = 1, the block scores, where
     the splits fit SMEM_BLOCKS, else NUM_WARPS), int32 [B, 1] query
@@ -576,8 +539,7 @@ def decode_block_parts(iq4: torch.Tensor, cache, block_table: torch.Tensor, cont
     valid ones unwritten (the select pass reads only valid blocks). tail_blocks: each row's last blocks that go to
     splits of chunk // TAIL_DIV blocks (default `tail_blocks_for`, none when chunk_blocks is given). max_registers:
     the register cap (default MAXNREG by block-scale element). query_smem: the query operand in shared memory,
-    read by every tile, or in registers (default QUERY_SMEM). register_rows: a program's block rows in registers
-    or in shared memory (default REGISTER_ROWS)."""
+    read by every tile, or in registers (default QUERY_SMEM)."""
     bsz, _, hi, _ = iq4.shape
     if chunk_blocks:
         ch = chunk_blocks
@@ -604,7 +566,5 @@ def decode_block_parts(iq4: torch.Tensor, cache, block_table: torch.Tensor, cont
         nb * parts, ch, 0x07070707, -0x7F7F7F80, q.stride(0), q.stride(1), block_table.stride(0),
         HI=hi, PAGE=cache.page_size, PB=cache.payload_bytes, SB=cache.scale_bytes,
         E8M0=cache.fmt.scale_element == "e8m0", INIT=cfg.init_blocks, LOCAL=cfg.local_blocks,
-        SMEM=smem, REG_ROWS=REGISTER_ROWS if register_rows is None else bool(register_rows),
-        QSMEM=QUERY_SMEM if query_smem is None else bool(query_smem), n_front=n_front, TAIL_DIV=TAIL_DIV,
-        num_warps=NUM_WARPS, **({"maxnreg": cap} if cap else {}))
+        SMEM=smem, QSMEM=QUERY_SMEM if query_smem is None else bool(query_smem), n_front=n_front, TAIL_DIV=TAIL_DIV, num_warps=NUM_WARPS, **({"maxnreg": cap} if cap else {}))
     return out.view(bsz, 1, hi, nb, parts), pos
