@@ -41,10 +41,11 @@ local blocks get 1e30 / 1e29. Exactness: the same exact fp16 products as index_s
 in fp16, the query times 2**a), fp32 accumulation in another order.
 
 Probes of the loop on the H200 put it mostly bound by its loads (near the byte floor for nvfp4; the current times
-and the probes: docs/kernels/index_gluon.md), which is why the tile loads are one
-inline-asm block, the page lookups run a block ahead and only the partial last block masks its tokens. Every step,
+and the probes: docs/kernels/index_gluon.md), which is why the tile loads are one inline-asm block, the page lookups
+run a block ahead and only the partial last block masks its tokens. mxfp4 issues about 1.17x nvfp4's instructions
+a tile (twice the dot columns, the post-scale) at the same issue rate, hence its 1.3x the byte floor. Every step,
 its numbers, and the variants tried and dropped (TMA ring, L2 prefetch, register triple buffer, two blocks an
-iteration, a PDL select pass): docs/kernels/index_gluon.md.
+iteration, a PDL select pass, lower register caps, block rows in registers): docs/kernels/index_gluon.md.
 
 Where it runs: CUDA devices with the hardware E4M3 conversion (capability >= 8.9) and Gluon; decode (one query per
 request), head dim 128, 128-token blocks within pages of a multiple of 128 tokens, at most 8 (nvfp4) or 4 (mxfp4)
@@ -457,13 +458,14 @@ if gluon is not None:
             _block_scores(smem, out_row, blk0, n_blk, n_out, HI, E8M0)
 
 
-# register caps by block-scale element: mxfp4's kernel takes 140-168 registers uncapped (3 programs per SM), a cap of
-# 128 gives 4 per SM and was faster; nvfp4 takes 85-93 uncapped (5 per SM; a cap of 80, 6 per SM, lost at every shape
-# but one). Numbers: docs/kernels/index_gluon.md.
+# register caps by block-scale element: mxfp4's kernel took 140-168 registers uncapped (3 programs per SM), and a cap
+# of 128 (4 per SM) was faster; with the query in shared memory it takes 100 uncapped and 87 under the cap (offline
+# sm_90: 4 / 5 programs per SM). nvfp4 takes 75 uncapped (6 per SM); lower caps for either (more programs per SM) were
+# no faster. Numbers: docs/kernels/index_gluon.md.
 MAXNREG = {"e4m3": None, "e8m0": 128}
 # The query operand (B of every tile's dot, [128, 8 or 16] fp16) in shared memory, read by ldmatrix each tile, rather
-# than held in registers: 16 / 32 registers a thread of the query's 16 / 32 become 4 / 8 LDSM a tile. Offline sm_90
-# (Triton 3.6.0): nvfp4 85 -> 75 registers (5 -> 6 programs per SM), mxfp4 114 -> 89 (4 -> 5).
+# than held in registers: 16 / 32 registers a thread of the query's 16 / 32 become 4 / 8 LDSM a tile (offline sm_90:
+# nvfp4 85 -> 75 registers, mxfp4 114 -> 89). Measured 2-5 % faster on the H200 (docs/kernels/index_gluon.md).
 QUERY_SMEM = True
 
 
