@@ -130,7 +130,7 @@ if gluon is not None:
 
     TOK = gl.constexpr(TOKENS)
     SMEM_BLOCKS = gl.constexpr(CHUNK_BLOCKS)  # block rows of the shared-memory block scores (the largest split)
-    QS_L = gl.SwizzledSharedLayout(8, 1, 8, [0, 1])
+    QS_L = gl.SwizzledSharedLayout(8, 1, 8, [0, 1])  # the query operand [128, NDOT], K contiguous: ldmatrix rows
     SMEM_L = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])  # rank 2: .index(block) gives a [NW, heads] view
     DIMC = gl.constexpr(DIM)
     HP = gl.constexpr(HEADS_PAD)
@@ -267,8 +267,7 @@ if gluon is not None:
     def _query_operand(q_ptr, b, stride_qb, stride_qh, gscale, HI: gl.constexpr, E8M0: gl.constexpr,
                        QSMEM: gl.constexpr):
         """Request b's query as the dot's B operand (in registers, or QSMEM: in shared memory) in the tile's column
-        order, times 2**a per head (max in
-        [2**14, 2**15)); mxfp4: block-diagonal (column `mx_column(head, block)` holds the head's elements of that
+        order, times 2**a per head (max in [2**14, 2**15)); mxfp4: block-diagonal (column `mx_column(head, block)` holds the head's elements of that
         MX block, 0 elsewhere). Also the partial maxima's column scales (2**-a times the outer scale, undoing the
         query's 2**a and the decode's 2**-14), put through the same reshapes and reductions as the scores."""
         NDOT: gl.constexpr = 16 if E8M0 else HP  # the dot's columns
@@ -285,7 +284,7 @@ if gluon is not None:
         q = q * gl.expand_dims(exp2_int(a), 0)
         if E8M0:
             q = gl.where(mx_column(gl.expand_dims(head, 0), el // 32) == gl.expand_dims(n, 0), q, 0.0)
-        if QSMEM:  # read back by every tile (`_tile_dot`): 8 (nvfp4) / 16 (mxfp4) registers a thread fewer
+        if QSMEM:  # read back by every tile (`_query_b`): 16 (nvfp4) / 32 (mxfp4) registers a thread fewer
             qt = gl.allocate_shared_memory(gl.float16, [DIMC, NDOT], QS_L, q.to(gl.float16))
         else:
             qt = gl.convert_layout(q.to(gl.float16), B_L)
@@ -322,6 +321,7 @@ if gluon is not None:
 
     @gluon.jit
     def _query_b(qt, QSMEM: gl.constexpr):
+        """The query operand in B_L for one tile's dot: loaded from shared memory (ldmatrix) with QSMEM."""
         if QSMEM:
             return qt.load(B_L)
         else:
@@ -493,7 +493,8 @@ def applies(iq4: torch.Tensor, cache, cfg, q_pos, scales=("e4m3", "e8m0")) -> bo
 
 def aligned_16(cache) -> bool:
     """The tile loads are 16-byte vector loads at fixed offsets from each tile's first word (`_fetch`): the cache
-    base and the page size in bytes must be multiples of 16 (nvfp4's scale pairs: of 2)."""
+    base and the page size in bytes must be multiples of 16 (the scale loads, 2 bytes a row nvfp4 and 4 mxfp4, are
+    then aligned too)."""
     return cache.data.data_ptr() % 16 == 0 and cache.page_bytes % 16 == 0
 
 
