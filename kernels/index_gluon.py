@@ -267,10 +267,9 @@ if gluon is not None:
     def _query_operand(q_ptr, b, stride_qb, stride_qh, gscale, HI: gl.constexpr, E8M0: gl.constexpr,
                        QSMEM: gl.constexpr):
         """Request b's query as the dot's B operand (in registers, or QSMEM: in shared memory) in the tile's column
-        order, times 2**a per head (max in [2**14, 2**15)); mxfp4: block-diagonal (column `mx_column(head, block)`
-        holds the head's elements of that MX block, 0 elsewhere). Also the partial maxima's column scales (2**-a
-        times the outer scale, undoing the query's 2**a and the decode's 2**-14), put through the same reshapes and
-        reductions as the scores."""
+        order, times 2**a per head (max in [2**14, 2**15)); mxfp4: block-diagonal (column `mx_column(head, block)` holds the head's elements of that
+        MX block, 0 elsewhere). Also the partial maxima's column scales (2**-a times the outer scale, undoing the
+        query's 2**a and the decode's 2**-14), put through the same reshapes and reductions as the scores."""
         NDOT: gl.constexpr = 16 if E8M0 else HP  # the dot's columns
         HEADS: gl.constexpr = 4 if E8M0 else HP
         c = gl.arange(0, DIMC, layout=gl.SliceLayout(1, Q_L))
@@ -404,7 +403,6 @@ if gluon is not None:
         LOCAL: gl.constexpr,  # forced local blocks
         SMEM: gl.constexpr = False,  # block scores (the warps' partials maxed in shared memory; ch <= SMEM_BLOCKS)
         QSMEM: gl.constexpr = True,  # the query operand in shared memory (else in registers)
-        PAIRS: gl.constexpr = False,  # the whole blocks two an iteration
         n_front=0,  # splits before the tail (last in the signature: elsewhere ptxas took 111 registers, not 93)
         TAIL_DIV: gl.constexpr = 4,  # the tail's splits take ch // TAIL_DIV blocks
     ):
@@ -445,23 +443,7 @@ if gluon is not None:
         pg1 = _page(bt_row, blk0 + 1, end, num_pages, PAGE)
         # the blocks wholly before ctx without the token mask, then the row's partial last block (one at most)
         full_end = gl.maximum(gl.minimum(end, ctx // TOK), blk0)
-        pair_end = blk0
-        if PAIRS:  # two blocks an iteration, the register buffers taking turns: none is copied into the other at the
-            # end of an iteration (the one-block loop below carries the next block's registers over with ~20 moves)
-            pair_end = blk0 + (full_end - blk0) // 2 * 2
-        for blk in range(blk0, pair_end, 2):
-            pg2 = _page(bt_row, blk + 2, end, num_pages, PAGE)
-            words_b, sb_b = _fetch(data_ptr, pg1, blk + 1, page_bytes, w_off, s_off, PAGE, PB, SB, E8M0)
-            acc = _tile_dot(words, sb, qt, lo3, sign8, E8M0, QSMEM)
-            _emit(acc, blk, ctx, valid, pg, out_row, p_off, p_mask, p_scale, smem, blk0, E8M0, INIT, LOCAL, False,
-                  SMEM)
-            pg3 = _page(bt_row, blk + 3, end, num_pages, PAGE)
-            words, sb = _fetch(data_ptr, pg2, blk + 2, page_bytes, w_off, s_off, PAGE, PB, SB, E8M0)
-            acc = _tile_dot(words_b, sb_b, qt, lo3, sign8, E8M0, QSMEM)
-            _emit(acc, blk + 1, ctx, valid, pg1, out_row, p_off, p_mask, p_scale, smem, blk0, E8M0, INIT, LOCAL,
-                  False, SMEM)
-            pg, pg1 = pg2, pg3
-        for blk in range(pair_end, full_end):  # one block an iteration (PAIRS: the odd last whole block, if any)
+        for blk in range(blk0, full_end):
             pg2 = _page(bt_row, blk + 2, end, num_pages, PAGE)
             words_n, sb_n = _fetch(data_ptr, pg1, blk + 1, page_bytes, w_off, s_off, PAGE, PB, SB, E8M0)
             acc = _tile_dot(words, sb, qt, lo3, sign8, E8M0, QSMEM)
@@ -485,10 +467,6 @@ MAXNREG = {"e4m3": None, "e8m0": 128}
 # than held in registers: 16 / 32 registers a thread of the query's 16 / 32 become 4 / 8 LDSM a tile (offline sm_90:
 # nvfp4 85 -> 75 registers, mxfp4 114 -> 89). Measured 2-5 % faster on the H200 (docs/kernels/index_gluon.md).
 QUERY_SMEM = True
-# The loop over a program's whole blocks two blocks an iteration (PAIRS), by block-scale element: the one-block loop
-# ends each iteration copying the next block's 20 registers into the current buffer; offline sm_90, a tile's SASS
-# mxfp4 383 -> 364.5 at 96 registers (5 programs per SM still), nvfp4 348 -> 333 but 75 -> 101 registers (6 -> 4).
-BLOCK_PAIRS = {"e4m3": False, "e8m0": True}
 
 
 def device_ok(device: torch.device) -> bool:
@@ -554,8 +532,7 @@ def split_grid(nb: int, ch: int, tail_blocks: int) -> tuple[int, int]:
 def decode_block_parts(iq4: torch.Tensor, cache, block_table: torch.Tensor, context_lens: torch.Tensor, cfg,
                        nb: int, chunk_blocks: int | None = None, fill: bool = True,
                        tail_blocks: int | None = None, max_registers: int | None = None,
-                       query_smem: bool | None = None, block_pairs: bool | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       query_smem: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """iq4 bf16 [B, 1, Hi, 128] decode queries -> (fp32 [B, 1, Hi, nb, P] partial block maxima (their max is the
     block score with the forced blocks applied; -inf past each row's valid blocks; P = 1, the block scores, where
     the splits fit SMEM_BLOCKS, else NUM_WARPS), int32 [B, 1] query
@@ -565,8 +542,7 @@ def decode_block_parts(iq4: torch.Tensor, cache, block_table: torch.Tensor, cont
     valid ones unwritten (the select pass reads only valid blocks). tail_blocks: each row's last blocks that go to
     splits of chunk // TAIL_DIV blocks (default `tail_blocks_for`, none when chunk_blocks is given). max_registers:
     the register cap (default MAXNREG by block-scale element). query_smem: the query operand in shared memory,
-    read by every tile, or in registers (default QUERY_SMEM). block_pairs: two whole blocks a loop iteration
-    (default BLOCK_PAIRS by block-scale element)."""
+    read by every tile, or in registers (default QUERY_SMEM)."""
     bsz, _, hi, _ = iq4.shape
     if chunk_blocks:
         ch = chunk_blocks
@@ -593,7 +569,5 @@ def decode_block_parts(iq4: torch.Tensor, cache, block_table: torch.Tensor, cont
         nb * parts, ch, 0x07070707, -0x7F7F7F80, q.stride(0), q.stride(1), block_table.stride(0),
         HI=hi, PAGE=cache.page_size, PB=cache.payload_bytes, SB=cache.scale_bytes,
         E8M0=cache.fmt.scale_element == "e8m0", INIT=cfg.init_blocks, LOCAL=cfg.local_blocks,
-        SMEM=smem, QSMEM=QUERY_SMEM if query_smem is None else bool(query_smem),
-        PAIRS=BLOCK_PAIRS[cache.fmt.scale_element] if block_pairs is None else bool(block_pairs), n_front=n_front,
-        TAIL_DIV=TAIL_DIV, num_warps=NUM_WARPS, **({"maxnreg": cap} if cap else {}))
+        SMEM=smem, QSMEM=QUERY_SMEM if query_smem is None else bool(query_smem), n_front=n_front, TAIL_DIV=TAIL_DIV, num_warps=NUM_WARPS, **({"maxnreg": cap} if cap else {}))
     return out.view(bsz, 1, hi, nb, parts), pos

@@ -248,8 +248,7 @@ _tuned_kernel = triton.autotune(
 )(_index_score_kernel)
 LAUNCH_OPTIONS = ("chunk_blocks", "q_tile", "prefetch", "num_warps", "num_stages", "fp4_words",
                   "in_kernel_topk", "post_scale", "warp_partials", "select", "lean", "tile_pairs",
-                  "max_registers", "gluon", "tail_blocks", "q_major", "decode_once", "query_smem",
-                  "block_pairs")
+                  "max_registers", "gluon", "tail_blocks", "q_major", "decode_once", "query_smem")
 # launch options that pick a variant of the portable kernel: any of them given turns the Gluon fast path off
 PORTABLE_OPTIONS = ("q_tile", "prefetch", "num_warps", "num_stages", "fp4_words", "in_kernel_topk",
                     "post_scale", "warp_partials", "lean", "tile_pairs", "q_major")
@@ -536,8 +535,7 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
     num_warps / num_stages (a fixed launch instead of the autotuned one), max_registers (CUDA's maxnreg: the
     portable kernel's fixed launch, or the Gluon scorer's cap instead of `index_gluon.MAXNREG`),
     tail_blocks (the Gluon scorer's short final splits, `index_gluon.tail_blocks_for`; 0: none), query_smem (the
-    Gluon scorer's query operand in shared memory or registers, `index_gluon.QUERY_SMEM`), block_pairs (its loop
-    two blocks an iteration, `index_gluon.BLOCK_PAIRS`), q_major (query-major
+    Gluon scorer's query operand in shared memory or registers, `index_gluon.QUERY_SMEM`), q_major (query-major
     dots, `index_tiles.tile_dot`), decode_once (prefill: decode the keys to bf16 first, `_decode_once_applies`).
     gscale: the whole-tensor factor of the scores when `cache` is such a decoded copy (else the cache's own)."""
     bad = set(options) - set(LAUNCH_OPTIONS)
@@ -557,8 +555,7 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
                                                     options.get("chunk_blocks"), fill=mode == 1,
                                                     tail_blocks=options.get("tail_blocks"),
                                                     max_registers=options.get("max_registers"),
-                                                    query_smem=options.get("query_smem"),
-                                                    block_pairs=options.get("block_pairs"))
+                                                    query_smem=options.get("query_smem"))
         if mode == 1:  # block scores already (one part), or the warps' partials: NaN-propagating max
             return parts[..., 0] if parts.shape[-1] == 1 else parts.amax(-1)
         return select_from_block_scores(parts, pos, cfg.block_size, cfg.topk, higher_id=cfg.tie_rule != "lower-id",

@@ -87,9 +87,6 @@ SWEEP = (
     # the Gluon kernel's query operand in registers (its default: index_gluon.QUERY_SMEM) and register caps (its
     # default: index_gluon.MAXNREG; 96 / 80 / 72 registers a thread: 5 / 6 / 7 programs per SM)
     ("gluon query in registers", {"gluon": True, "query_smem": False}, ("nvfp4", "mxfp4")),
-    # its whole blocks two a loop iteration or one (its default: index_gluon.BLOCK_PAIRS; one row repeats it)
-    ("gluon block pairs", {"gluon": True, "block_pairs": True}, ("nvfp4", "mxfp4")),
-    ("gluon single blocks", {"gluon": True, "block_pairs": False}, ("nvfp4", "mxfp4")),
     ("gluon r80", {"gluon": True, "max_registers": 80}, ("mxfp4",)),
     ("gluon r72", {"gluon": True, "max_registers": 72}, ("nvfp4", "mxfp4")),
 )
