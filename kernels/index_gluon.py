@@ -42,8 +42,9 @@ in fp16, the query times 2**a), fp32 accumulation in another order.
 
 Probes of the loop on the H200 put it mostly bound by its loads (near the byte floor for nvfp4; the current times
 and the probes: docs/kernels/index_gluon.md), which is why the tile loads are one inline-asm block, the page lookups
-run a block ahead and only the partial last block masks its tokens. mxfp4 issues about 1.17x nvfp4's instructions
-a tile (twice the dot columns, the post-scale) at the same issue rate, hence its 1.3x the byte floor. Every step,
+run a block ahead and only the partial last block masks its tokens. mxfp4 executes about 1.17x nvfp4's
+instructions a tile (twice the dot columns, the post-scale after the dot), about the ratio of their times: 1.3x its
+byte floor against nvfp4's 1.1x. Every step,
 its numbers, and the variants tried and dropped (TMA ring, L2 prefetch, register triple buffer, two blocks an
 iteration, a PDL select pass, lower register caps, block rows in registers): docs/kernels/index_gluon.md.
 
