@@ -85,7 +85,7 @@ SWEEP = (
     ("gluon ch32", {"gluon": True, "chunk_blocks": 32}, ("nvfp4", "mxfp4")),
     ("gluon ch64", {"gluon": True, "chunk_blocks": 64}, ("nvfp4", "mxfp4")),
     # the Gluon kernel's query operand in registers (its default: index_gluon.QUERY_SMEM) and register caps (its
-    # default: index_gluon.MAXNREG; 96 / 80 / 72 registers a thread: 5 / 6 / 7 programs per SM)
+    # default: index_gluon.MAXNREG; 80 / 72 registers a thread: 6 / 7 programs per SM)
     ("gluon query in registers", {"gluon": True, "query_smem": False}, ("nvfp4", "mxfp4")),
     ("gluon r80", {"gluon": True, "max_registers": 80}, ("mxfp4",)),
     ("gluon r72", {"gluon": True, "max_registers": 72}, ("nvfp4", "mxfp4")),
