@@ -1,0 +1,45 @@
+"""The committed bench scripts that run without a GPU: `bench/sass_index_gluon.py` (offline sm_90 SASS of the Gluon
+index scorer, in a child process without TRITON_INTERPRET, as kernel_capture's workers) and the argument checks of
+`bench/sweep_index_rows.py` (its rows run only at the GPU sweep shapes)."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _run(args, interpret: bool = False):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_sass_index_gluon_reports_the_kernel_and_its_loop(fmt, tmp_path):
+    out = tmp_path / "k.sass"
+    r = _run(["bench/sass_index_gluon.py", fmt, "--sass", str(out)])
+    assert r.returncode == 0, r.stderr[-2000:]
+    head = re.match(rf"{fmt}: (\d+) instructions, REG:(\d+) STACK:\d+ LOCAL:\d+, spill instructions \d+", r.stdout)
+    assert head, r.stdout
+    loops = [int(n) for n in re.findall(r"^loop [0-9a-f]+-[0-9a-f]+: (\d+) instructions", r.stdout, re.M)]
+    # the main loop (one 128-token tile: the E2M1 decode alone is ~176 instructions) is in the kernel's SASS
+    assert loops and 176 < max(loops) < int(head.group(1)), r.stdout
+    assert "HMMA" in out.read_text()
+
+
+def test_sass_index_gluon_refuses_the_interpreter():
+    r = _run(["bench/sass_index_gluon.py", "nvfp4"], interpret=True)
+    assert r.returncode != 0 and "TRITON_INTERPRET" in r.stderr
+
+
+def test_sweep_index_rows_rejects_unknown_rows():
+    r = _run(["bench/sweep_index_rows.py", "ch8,no such row", "--", "--device", "cpu"], interpret=True)
+    assert r.returncode != 0 and "unknown sweep rows ['no such row']" in r.stderr
+    r = _run(["bench/sweep_index_rows.py", "ch8"], interpret=True)  # no "--": the usage
+    assert r.returncode != 0 and "sweep_index_rows.py" in r.stderr
