@@ -9,7 +9,8 @@ export PYTHONPATH=. KVTOOL_CACHE_DIR=${KVTOOL_CACHE_DIR:-.kvtool-cache} PYTHONUN
 OUT="${OUT:-bench/out}"; mkdir -p "$OUT"
 export OUT
 for stage in ${STAGES:-tests-index-decode tests-store}; do
-  (SHARDS=${SHARDS:-8} SHARD_TIMEOUT=${SHARD_TIMEOUT:-280} bash bench/gpu_run.sh "$stage" 2>&1 | grep -v "^==\|^\[" | tail -14) &
+  (SHARDS=${SHARDS:-8} SHARD_TIMEOUT=${SHARD_TIMEOUT:-280} bash bench/gpu_run.sh "$stage" 2>&1 \
+    | grep -v "^==\|^\[" | tail -14) &
 done
 wait
 timeout 200 python3 -m kvtool bench index --device cuda --batches 64 --contexts 32768,150000 --prefill 4096,32768 \

@@ -268,9 +268,10 @@ if gluon is not None:
     def _query_operand(q_ptr, b, stride_qb, stride_qh, gscale, HI: gl.constexpr, E8M0: gl.constexpr,
                        QSMEM: gl.constexpr):
         """Request b's query as the dot's B operand (in registers, or QSMEM: in shared memory) in the tile's column
-        order, times 2**a per head (max in [2**14, 2**15)); mxfp4: block-diagonal (column `mx_column(head, block)` holds the head's elements of that
-        MX block, 0 elsewhere). Also the partial maxima's column scales (2**-a times the outer scale, undoing the
-        query's 2**a and the decode's 2**-14), put through the same reshapes and reductions as the scores."""
+        order, times 2**a per head (max in [2**14, 2**15)); mxfp4: block-diagonal (column `mx_column(head, block)`
+        holds the head's elements of that MX block, 0 elsewhere). Also the partial maxima's column scales (2**-a
+        times the outer scale, undoing the query's 2**a and the decode's 2**-14), put through the same reshapes and
+        reductions as the scores."""
         NDOT: gl.constexpr = 16 if E8M0 else HP  # the dot's columns
         HEADS: gl.constexpr = 4 if E8M0 else HP
         c = gl.arange(0, DIMC, layout=gl.SliceLayout(1, Q_L))
@@ -570,5 +571,6 @@ def decode_block_parts(iq4: torch.Tensor, cache, block_table: torch.Tensor, cont
         nb * parts, ch, 0x07070707, -0x7F7F7F80, q.stride(0), q.stride(1), block_table.stride(0),
         HI=hi, PAGE=cache.page_size, PB=cache.payload_bytes, SB=cache.scale_bytes,
         E8M0=cache.fmt.scale_element == "e8m0", INIT=cfg.init_blocks, LOCAL=cfg.local_blocks,
-        SMEM=smem, QSMEM=QUERY_SMEM if query_smem is None else bool(query_smem), n_front=n_front, TAIL_DIV=TAIL_DIV, num_warps=NUM_WARPS, **({"maxnreg": cap} if cap else {}))
+        SMEM=smem, QSMEM=QUERY_SMEM if query_smem is None else bool(query_smem), n_front=n_front, TAIL_DIV=TAIL_DIV,
+        num_warps=NUM_WARPS, **({"maxnreg": cap} if cap else {}))
     return out.view(bsz, 1, hi, nb, parts), pos
