@@ -135,6 +135,7 @@ if gluon is not None:
     SMEM_L = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])  # rank 2: .index(block) gives a [NW, heads] view
     DIMC = gl.constexpr(DIM)
     HP = gl.constexpr(HEADS_PAD)
+    MXH = gl.constexpr(MX_HEADS)
     e2m1_pairs = gluon.jit(kc.e2m1_pairs.fn)
     exp2_int = gluon.jit(kc.exp2_int.fn)
     nanmax = gluon.jit(ib.nanmax.fn)
@@ -187,6 +188,14 @@ if gluon is not None:
         accumulator (lane 4 g + t holds columns 2 t, 2 t + 1, 8 + 2 t, 9 + 2 t of its rows) the four blocks of
         head t sit in lane t's registers."""
         return 8 * (block // 2) + 2 * head + block % 2
+
+    @gluon.jit
+    def column_head(n, E8M0: gl.constexpr):
+        """The index head of dot column n: mxfp4 `mx_column`'s inverse, nvfp4 the column itself."""
+        if E8M0:
+            return (n >> 1) % MXH
+        else:
+            return n
 
     @gluon.jit
     def mx_factors(sw):
@@ -277,7 +286,7 @@ if gluon is not None:
         c = gl.arange(0, DIMC, layout=gl.SliceLayout(1, Q_L))
         n = gl.arange(0, NDOT, layout=gl.SliceLayout(0, Q_L))
         el = gl.expand_dims(column_element(c), 1)
-        head = (n >> 1) % HEADS if E8M0 else n  # mx_column's inverse
+        head = column_head(n, E8M0)
         q = gl.load(q_ptr + b.to(gl.int64) * stride_qb + gl.expand_dims(head, 0) * stride_qh + el,
                     mask=gl.expand_dims(head < HI, 0), other=0.0)
         q = q.to(gl.float32)
@@ -316,7 +325,7 @@ if gluon is not None:
         HEADS: gl.constexpr = 4 if E8M0 else HP
         tok = gl.arange(0, TOK, layout=gl.SliceLayout(1, MMA))
         col = gl.arange(0, NDOT, layout=gl.SliceLayout(0, MMA))
-        head = (col >> 1) % HEADS if E8M0 else col  # mx_column's inverse
+        head = column_head(col, E8M0)
         p_off = gl.expand_dims(head, 0) * n_out + gl.expand_dims((tok // 16) % NW, 1)  # head, warp
         p_off = _warp_parts(fold_blocks(p_off, E8M0, False), HEADS, False)
         return p_off, p_off < HI * n_out
