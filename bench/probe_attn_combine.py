@@ -21,7 +21,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="16,64,256")
     ap.add_argument("--context", type=int, default=8000)
-    ap.add_argument("--warps", default="4", help="warps per merge program to time, comma list (the share column: the first)")
+    ap.add_argument("--warps", default="4",
+                    help="warps per merge program to time, comma list (the share column: the first)")
     args = ap.parse_args()
     g, dev = GEOMETRY, "cuda"
     gen = torch.Generator().manual_seed(0)

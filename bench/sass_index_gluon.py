@@ -28,9 +28,6 @@ INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(
 def compile_sass(fmt: str, chunk: int | None, maxnreg: int | None) -> tuple[str, str]:
     """(SASS text, resource usage text) of the scorer's default launch for format `fmt`."""
     import triton
-    from triton.compiler import make_backend
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import create_function_from_signature
 
     import kernel_capture as kcap
     import test_kernel_compile as cases
@@ -39,15 +36,7 @@ def compile_sass(fmt: str, chunk: int | None, maxnreg: int | None) -> tuple[str,
     options = {"chunk_blocks": chunk} if chunk else {}
     launches = kcap.capture(cases._index_decode(fmt, "decode_topk", gluon=True, **options)(), target)
     launch = next(ln for ln in launches if ln.name.endswith("decode_block_parts_kernel"))
-    backend = make_backend(target.gpu_target())
-    kern = launch.kernel
-    kw = {**launch.kwargs, **launch.options, "debug": False, "instrumentation_mode": ""}
-    if maxnreg:
-        kw["maxnreg"] = maxnreg
-    bound, spec, opts = create_function_from_signature(kern.signature, kern.params, backend)(*launch.args, **kw)
-    opts, signature, constexprs, attrs = kern._pack_args(backend, kw, bound, spec, opts)
-    comp = triton.compile(GluonASTSource(kern, signature, constexprs, attrs), target=target.gpu_target(),
-                          options=opts.__dict__)
+    comp = kcap.compile_kernel(launch, target, **({"maxnreg": maxnreg} if maxnreg else {}))
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(comp.asm["cubin"])

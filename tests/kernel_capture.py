@@ -248,8 +248,9 @@ def _variants(launch: Launch):
         yield label, kw
 
 
-def compile_launch(launch: Launch, target: Target) -> list[Compiled]:
-    """Compile every variant of `launch` for `target` (memoized on the specialization) -> one Compiled each."""
+def _specialize(kern, args: tuple, kw: dict, target: Target):
+    """Triton's binder on a launch's arguments for `target`: (key, compile thunk). The key names the specialization
+    (memo key); the thunk compiles it and returns Triton's CompiledKernel."""
     import triton
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
@@ -257,25 +258,38 @@ def compile_launch(launch: Launch, target: Target) -> list[Compiled]:
     if target.name not in _BACKENDS:
         _BACKENDS[target.name] = make_backend(target.gpu_target())
     backend = _BACKENDS[target.name]
-    kern = launch.kernel
+    kw = {**kw, "debug": False, "instrumentation_mode": ""}
+    binder = create_function_from_signature(kern.signature, kern.params, backend)
+    bound, spec, options = binder(*args, **kw)
+    options, signature, constexprs, attrs = kern._pack_args(backend, kw, bound, spec, options)
+    key = repr((target.name, kern.fn.__module__, kern.fn.__name__, sorted(signature.items()),
+                sorted(constexprs.items()), sorted(attrs.items()), sorted(options.__dict__.items())))
+
+    def build():
+        source = ASTSource
+        if getattr(kern, "is_gluon", lambda: False)():  # Gluon kernels (kernels/index_gluon.py)
+            from triton.experimental.gluon._runtime import GluonASTSource as source
+        return triton.compile(source(kern, signature, constexprs, attrs), target=target.gpu_target(),
+                              options=options.__dict__)
+    return key, build
+
+
+def compile_kernel(launch: Launch, target: Target, **overrides):
+    """Triton's CompiledKernel of a plain (not autotuned) `launch` for `target`, with keyword overrides (such as
+    maxnreg): its asm dict holds the cubin / hsaco (bench/sass_index_gluon.py reads the SASS from it)."""
+    (_, kw), = _variants(launch)
+    return _specialize(launch.kernel, launch.args, {**kw, **overrides}, target)[1]()
+
+
+def compile_launch(launch: Launch, target: Target) -> list[Compiled]:
+    """Compile every variant of `launch` for `target` (memoized on the specialization) -> one Compiled each."""
     out = []
     for label, kw in _variants(launch):
-        kw["debug"] = False
-        kw["instrumentation_mode"] = ""
-        binder = create_function_from_signature(kern.signature, kern.params, backend)
-        bound, spec, options = binder(*launch.args, **kw)
-        options, signature, constexprs, attrs = kern._pack_args(backend, kw, bound, spec, options)
-        key = repr((target.name, kern.fn.__module__, kern.fn.__name__, sorted(signature.items()),
-                    sorted(constexprs.items()), sorted(attrs.items()), sorted(options.__dict__.items())))
+        key, build = _specialize(launch.kernel, launch.args, kw, target)
         t0 = time.perf_counter()
         hit = key in _MEMO
         if not hit:
-            source = ASTSource
-            if getattr(kern, "is_gluon", lambda: False)():  # Gluon kernels (kernels/index_gluon.py)
-                from triton.experimental.gluon._runtime import GluonASTSource as source
-            comp = triton.compile(source(kern, signature, constexprs, attrs), target=target.gpu_target(),
-                                  options=options.__dict__)
-            _MEMO[key] = len(comp.asm.get(target.binary) or b"")
+            _MEMO[key] = len(build().asm.get(target.binary) or b"")
         out.append(Compiled(launch.name, label, _MEMO[key], hit, time.perf_counter() - t0))
     return out
 
