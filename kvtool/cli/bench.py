@@ -210,8 +210,9 @@ def bench_index(
     peer: Annotated[str, typer.Option("--peer", help="Engine kernels timed beside kvtool's, same data and method "
                                                      "(vllm; comma separated), with the ratio per case.")] = "",
     sweep: Annotated[bool, typer.Option("--sweep", help="Also time fixed launch variants (chunk, prefetch / "
-                                                        "pipelining, warps, portable fp8) at 64 x 32K and "
-                                                        "64 x 150K.")] = False,
+                                                        "pipelining, warps, portable fp8, the Gluon scorer's "
+                                                        "query and register cap) at 64 x 32K and 64 x 150K.")]
+    = False,
     device: DeviceOpt = "cuda",
     as_json: JsonOpt = False,
 ) -> None:
