@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 32's GPU check in one device call: GPU test stages of bench/gpu_run.sh run at once (STAGES, default the decode
 # index tests and the store tests), then the index benchmark beside vLLM (decode batch 64 at 32K / 150K, causal
-# prefill 4K / 32K, every format), then, where SWEEP_ROWS names `kvtool bench index --sweep` rows, those rows alone at
-# 64 x 32K and 64 x 150K (bench/sweep_index_rows.py; SWEEP_FORMATS, default bf16,nvfp4,mxfp4).
+# prefill 4K / 32K: PREFILL, '' for none; every format or FORMATS), then, where SWEEP_ROWS names `kvtool bench index
+# --sweep` rows, those rows alone at 64 x 32K and 64 x 150K (bench/sweep_index_rows.py; SWEEP_FORMATS, default
+# bf16,nvfp4,mxfp4).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. KVTOOL_CACHE_DIR=${KVTOOL_CACHE_DIR:-.kvtool-cache} PYTHONUNBUFFERED=1
@@ -13,8 +14,8 @@ for stage in ${STAGES:-tests-index-decode tests-store}; do
     | grep -v "^==\|^\[" | tail -14) &
 done
 wait
-timeout 200 python3 -m kvtool bench index --device cuda --batches 64 --contexts 32768,150000 --prefill 4096,32768 \
-  --formats bf16,fp8,nvfp4,mxfp4 --peer vllm --no-peers > "$OUT/index_peer.txt" 2>&1; echo "index rc=$?"
+timeout 200 python3 -m kvtool bench index --device cuda --batches 64 --contexts 32768,150000 \
+  --prefill "${PREFILL-4096,32768}" --formats "${FORMATS:-bf16,fp8,nvfp4,mxfp4}" --peer vllm --no-peers > "$OUT/index_peer.txt" 2>&1; echo "index rc=$?"
 grep -iE "^ *(decode|prefill|b64|goal)|vllm|floor" "$OUT/index_peer.txt" | tail -40
 if [ -n "${SWEEP_ROWS:-}" ]; then
   COLUMNS=160 timeout "${SWEEP_TIMEOUT:-170}" python3 bench/sweep_index_rows.py "$SWEEP_ROWS" -- --device cuda \

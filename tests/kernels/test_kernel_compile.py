@@ -102,12 +102,12 @@ def _index_inputs(name, batch: int, context: int):
     return cfg, cache, table, ctx
 
 
-def _index_decode(name, entry: str, **options):
-    """batch 64 x 150K tokens (the benchmark's decode shape)."""
+def _index_decode(name, entry: str, context: int = 150_000, **options):
+    """batch 64 x 150K tokens (the benchmark's decode shape), or another context."""
     def make():
         from kvtool.kernels import index_score as IS
 
-        cfg, cache, table, ctx = _index_inputs(name, 64, 150_000)
+        cfg, cache, table, ctx = _index_inputs(name, 64, context)
         iq = torch.randn(64, INDEX["heads"], D).to(torch.bfloat16)
         fn = getattr(IS, entry)
         return lambda: fn(iq, cache, table, ctx, cfg, **options)
@@ -172,6 +172,8 @@ for _f in STORE_FORMATS:
 for _f in SCORE_FORMATS:
     CASES[f"index-decode-topk/{_f}"] = _index_decode(_f, "decode_topk")
     CASES[f"index-decode-blocks/{_f}"] = _index_decode(_f, "decode_block_scores")
+    if _f in ("bf16", "fp8"):  # 256-block rows: the selection fused into the scorer (index_score.fused_select)
+        CASES[f"index-decode-topk-fused/{_f}"] = _index_decode(_f, "decode_topk", context=32_768)
     CASES[f"index-prefill-topk/{_f}"] = _index_prefill(_f)
     CASES[f"attn-decode-splits/{_f}"] = _attn_decode(_f, 64)
     CASES[f"attn-decode-nosplit/{_f}"] = _attn_decode(_f, 544)
@@ -207,6 +209,7 @@ EXPECT = {
     "gather-bf16": {"dequant._dequant_kernel"}, "dequantize-fp32": {"dequant._dequant_kernel"},
     "index-decode-topk": {SCORER, "topk._select_kernel"},
     "index-decode-blocks": {SCORER},
+    "index-decode-topk-fused": {SCORER},
     "index-prefill-topk": {SCORER, "topk._select_kernel"},
     # (the Gluon kernel merges its splits itself: the combine launch is the portable kernel's)
     "attn-decode-splits": {ATTN_DECODE},
@@ -228,7 +231,8 @@ NATIVE_FP8 = {"cuda:90": {"store": True, "dequant": True, "index_score": True, "
               "hip:gfx950": {"store": False, "dequant": False, "index_score": False, "sparse_attn": False}}
 
 # what each group must not launch: the one-split attention launches have no combine pass
-ABSENT = {"attn-decode-nosplit": {"sparse_attn._combine_kernel"}, "attn-prefill": {"sparse_attn._combine_kernel"}}
+ABSENT = {"attn-decode-nosplit": {"sparse_attn._combine_kernel"}, "attn-prefill": {"sparse_attn._combine_kernel"},
+          "index-decode-topk-fused": {"topk._select_kernel"}}
 
 
 @pytest.fixture(scope="module")
