@@ -11,11 +11,10 @@ import triton
 import triton.language as tl
 
 from kvtool.kernels import index_tiles as tiles
-from kvtool.kernels.topk import select_rows
 
 __all__ = [
     "INIT_SCORE", "LOCAL_SCORE", "MODE_BLOCKS", "MODE_TOKENS", "MODE_TOPK", "NAN_RANK", "col_nanmax", "finish_block",
-    "fused_select", "nanmax", "pair_step", "part_nanmax", "tile_step", "write_forced"
+    "nanmax", "pair_step", "part_nanmax", "tile_step", "write_forced"
 ]
 
 MODE_TOKENS = tl.constexpr(0)  # write token scores [rows, S]
@@ -120,42 +119,6 @@ def write_forced(blk0, n_iter, valid, out_ptr, out_row, row_ok, INIT: tl.constex
                      tl.full([WP, valid.shape[0]], val, tl.float32), mask=ok[None, :])
         else:
             tl.store(out_ptr + out_row + blk, tl.full(valid.shape, val, tl.float32), mask=ok)
-
-
-@triton.jit
-def fused_select(pid, b, tile_pos, Q, HI, n_qtiles, n_out, pos_ptr, stride_pos, ctr_ptr, score_ptr, sel_ptr,
-                 BS: tl.constexpr, QT: tl.constexpr, HIP: tl.constexpr, NC: tl.constexpr, TOPK: tl.constexpr,
-                 HIGHER_ID: tl.constexpr, POS_CTX: tl.constexpr):
-    """MODE_BLOCKS with the selection fused in: the last of a query tile's programs (its context splits) to finish
-    picks the top-k of the tile's rows from the block scores all of them wrote (`topk.select_rows`, the select
-    pass's step), so there is no second launch and each tile's selection overlaps other tiles' scoring.
-    Arrival: a CTA barrier (every thread's block-score stores ordered before the atomic, which one thread issues),
-    then one acq_rel atomic add at GPU scope on the tile's count: its release publishes this program's scores, and
-    the last arrival's acquire sees every other program's. The last program resets the count to 0 (the next launch
-    finds it zero: `index_score.arrival_counters`) and reads the scores at L2 (.cg), never from a stale L1 line. Rows
-    read only their valid blocks (pos // BS + 1), every one of which some program wrote. tile_pos: the tile's
-    position with POS_CTX (decode: every row at ctx - 1), else the rows' positions are read from pos_ptr."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(ctr_ptr + pid, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(1) - 1:
-        tl.store(ctr_ptr + pid, 0)
-        R: tl.constexpr = QT * HIP
-        rr = tl.arange(0, R)
-        qi = (pid % n_qtiles) * QT + rr // HIP
-        h = rr % HIP
-        ok = (qi < Q) & (h < HI)
-        if POS_CTX:
-            pos = tl.where(ok, tile_pos, -1)
-        else:
-            pos = tl.load(pos_ptr + b * stride_pos + qi, mask=ok, other=-1)
-        valid = tl.where(pos >= 0, pos // BS + 1, 0)
-        c = tl.arange(0, NC)
-        row = ((b * Q + qi) * HI + h).to(tl.int64)
-        live = ok[:, None] & (c[None, :] < valid[:, None])
-        keys = tl.load(score_ptr + row[:, None] * n_out + c[None, :], mask=live, other=float("-inf"),
-                       cache_modifier=".cg")
-        ids = tl.broadcast_to(c[None, :], [R, NC])
-        select_rows(keys, ids, live, sel_ptr + row * TOPK, ok, TOPK, HIGHER_ID)
 
 
 @triton.jit

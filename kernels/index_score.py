@@ -85,7 +85,7 @@ from kvtool.formats.registry import get_format
 from kvtool.kernels import index_gluon
 from kvtool.kernels.dequant import launch_dequant
 from kvtool.kernels import index_tiles as tiles
-from kvtool.kernels.index_blocks import MODE_BLOCKS, MODE_TOPK, fused_select, pair_step, tile_step, write_forced
+from kvtool.kernels.index_blocks import MODE_BLOCKS, MODE_TOPK, pair_step, tile_step, write_forced
 from kvtool.kernels.platform import INTERPRET  # the interpreter dots in fp32
 from kvtool.kernels.store import cache_scales, native_fp8, require_tensor_scale
 from kvtool.kernels.topk import MAX_SELECT_BLOCKS, merge_candidates, pick_next, select_from_block_scores
@@ -107,8 +107,7 @@ def _index_score_kernel(
     pos_ptr,  # int32 [B, Q] query positions (-1 = padding row); POS_CTX: [B, 1], written here
     tile_pos_ptr,  # int32 [B * n_qtiles]: max position of each program's query tile
     out_ptr,  # fp32 [B, Q, Hi, n_out]: token scores, block scores or candidate keys
-    id_ptr,  # int32 [B, Q, Hi, n_out]: candidate ids (MODE_TOPK only); SELECT_NC: int32 [B, Q, Hi, TOPK] the top-k
-    ctr_ptr,  # int32 [B * n_qtiles]: SELECT_NC only, the arrival counts (zero before, left zero: `arrival_counters`)
+    id_ptr,  # int32 [B, Q, Hi, n_out]: candidate ids (MODE_TOPK only)
     gscale,  # fp32 whole-tensor factor: fp8 `tensor` scale or nvfp4 outer scale (else 1)
     Q, HI, num_pages, page_bytes, n_qtiles, n_out,  # sizes
     stride_qb, stride_qq, stride_qh, stride_bt, stride_pos,  # strides in elements
@@ -141,8 +140,6 @@ def _index_score_kernel(
     PAIR: tl.constexpr = False,  # two tiles per loop iteration (`index_blocks.pair_step`), then an odd tail tile
     QM: tl.constexpr = False,  # query-major dots: Q [rows, D] x K^T, token maxima inside a thread quad (tile_dot)
     POS_CTX: tl.constexpr = False,  # every row's position is ctx - 1 (decode); also stored at pos_ptr + b (split 0)
-    SELECT_NC: tl.constexpr = 0,  # MODE_BLOCKS: the top-k selection fused in (the tile's last program), NB <= this
-    TOPK: tl.constexpr = 0,  # SELECT_NC: ids per row
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -231,9 +228,6 @@ def _index_score_kernel(
                     PREFETCH, QT == 1, FP4_WORDS, POST_SCALE, NSBP, DOT_F32, WP, LEAN, QM)
     if LEAN and MODE == MODE_BLOCKS:
         write_forced(blk0, n_iter, valid, out_ptr, out_row, row_ok, INIT, LOCAL, WP)
-    if SELECT_NC > 0:
-        fused_select(pid, b, tile_pos, Q, HI, n_qtiles, n_out, pos_ptr, stride_pos, ctr_ptr, out_ptr, id_ptr, BS,
-                     QT, HIP, SELECT_NC, TOPK, HIGHER_ID, POS_CTX)
     if MODE == MODE_TOPK:
         ids = tl.broadcast_to((blk0 + col)[None, :], [MP, CH])
         avail = (col[None, :] < n_iter) & (ids < valid[:, None])
@@ -262,34 +256,10 @@ _tuned_kernel = triton.autotune(
 )(_index_score_kernel)
 LAUNCH_OPTIONS = ("chunk_blocks", "q_tile", "prefetch", "num_warps", "num_stages", "fp4_words",
                   "in_kernel_topk", "post_scale", "warp_partials", "select", "lean", "tile_pairs",
-                  "max_registers", "gluon", "tail_blocks", "q_major", "decode_once", "query_smem", "fused_select")
+                  "max_registers", "gluon", "tail_blocks", "q_major", "decode_once", "query_smem")
 # launch options that pick a variant of the portable kernel: any of them given turns the Gluon fast path off
 PORTABLE_OPTIONS = ("q_tile", "prefetch", "num_warps", "num_stages", "fp4_words", "in_kernel_topk",
-                    "post_scale", "warp_partials", "lean", "tile_pairs", "q_major", "fused_select")
-
-# Fused select (launch option fused_select; kernel SELECT_NC, `index_blocks.fused_select`): the two-pass top-k's
-# select pass run inside the scorer by each query tile's last program to finish, found by an arrival count per tile.
-# It removes the select launch and overlaps each request's selection with other requests' scoring; only the last
-# request's selection is exposed. Default for decode block scores written whole (WP = 1: bf16, fp8, post-scaled
-# mxfp4 on the portable kernel) where a tile's rows x columns (a power of two) are at most FUSED_SELECT_ELEMENTS,
-# i.e. 16 int64 ranks per thread of a 4-warp program (4 heads: up to 512 blocks, 64K tokens at 128-token blocks);
-# wider rows keep the select pass (its own programs, one warp a row).
-FUSED_SELECT_ELEMENTS = 2048
-_ARRIVALS: dict = {}
-
-
-def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    """int32 [>= n] zeros for the fused select's arrival counts, one buffer per (device, stream) reused by every
-    launch: each launch leaves its counts zero again (the last program of a tile resets its count), so launches in
-    stream order, CUDA-graph replays among them, share it; kernels running at once on two streams get two buffers.
-    A buffer first needed during graph capture is made there (the graph zeroes it on each replay) and kept."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device.type, device.index, stream)
-    buf = _ARRIVALS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _ARRIVALS[key] = buf
-    return buf
+                    "post_scale", "warp_partials", "lean", "tile_pairs", "q_major")
 
 # Two-pass top-k: the scorer writes per-warp partial block maxima (`index_blocks.part_nanmax`; no cross-warp reduction
 # in its loop, fewer barriers) and the select pass maxes them. Default for E2M1 keys that scale in the decode (nvfp4,
@@ -542,11 +512,10 @@ def _check(iq4: torch.Tensor, cache, block_table: torch.Tensor, context_lens: to
 
 
 def _positions(q_pos, iq4: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
-    """int32 [B, Q] positions (-1 = padding): given, or the last Q positions of each context."""
+    """int32 [B, Q] positions (-1 = padding): given, or the last Q positions of each context (decode, one query per
+    request, takes them from the context lengths inside the kernel instead: POS_CTX)."""
     b, nq = iq4.shape[:2]
-    if q_pos is None:  # int32 throughout: few small kernels (each one costs ~2 us in a decode step's graph)
-        if nq == 1:
-            return (context_lens - 1).clamp_(min=-1)[:, None]
+    if q_pos is None:  # int32 throughout: few small kernels
         pos = context_lens[:, None] + torch.arange(-nq, 0, device=iq4.device, dtype=torch.int32)[None, :]
         return pos.clamp_(min=-1)
     q_pos = torch.as_tensor(q_pos, device=iq4.device)
@@ -572,8 +541,7 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
     (two tiles per loop iteration, `index_blocks.pair_step`; FP4 top-k on CUDA: FP4_PAIR_LAUNCH), and prefetch /
     num_warps / num_stages (a fixed launch instead of the autotuned one), max_registers (CUDA's maxnreg: the
     portable kernel's fixed launch, or the Gluon scorer's cap instead of `index_gluon.MAXNREG`),
-    fused_select (the two-pass top-k's selection inside the scorer: FUSED_SELECT_ELEMENTS; False: the select
-    pass), tail_blocks (the Gluon scorer's short final splits, `index_gluon.tail_blocks_for`; 0: none), query_smem (the
+    tail_blocks (the Gluon scorer's short final splits, `index_gluon.tail_blocks_for`; 0: none), query_smem (the
     Gluon scorer's query operand in shared memory or registers, `index_gluon.QUERY_SMEM`), q_major (query-major
     dots, `index_tiles.tile_dot`), decode_once (prefill: decode the keys to bf16 first, `_decode_once_applies`).
     gscale: the whole-tensor factor of the scores when `cache` is such a decoded copy (else the cache's own)."""
@@ -664,23 +632,15 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
         wp = min(options.get("num_warps") or warps, tile_t // 16)
         wp = 1 << (wp.bit_length() - 1)
     n_out = {0: max_context, 1: nb * wp, 2: splits * kc_}[kmode]
-    select_nc = _fused_select_columns(options, two_pass, wp, nq, qt * hip, nb)
     if two_pass:  # the select pass reads only each row's valid blocks, every one of which a program writes
         out = torch.empty((bsz, nq, hi, n_out), dtype=torch.float32, device=iq4.device)
     else:  # block / token scores: -inf past the valid ones
         out = torch.full((bsz, nq, hi, n_out), float("-inf"), dtype=torch.float32, device=iq4.device)
-    if select_nc:
-        ids = torch.empty((bsz, nq, hi, cfg.topk), dtype=torch.int32, device=iq4.device)
-        ctr = arrival_counters(iq4.device, bsz * n_qtiles)
-    else:
-        ids = torch.empty((bsz, nq, hi, n_out) if kmode == 2 else (1,), dtype=torch.int32, device=iq4.device)
-        ctr = ids
-    if pos_ctx and not (bsz * nq and n_out):
-        pos.fill_(-1)
+    ids = torch.empty((bsz, nq, hi, n_out) if kmode == 2 else (1,), dtype=torch.int32, device=iq4.device)
     if bsz * nq and n_out:
         if gscale is None:
             gscale = _whole_tensor_factor(cache)
-        args = (iq4, cache.data, block_table, context_lens, pos, tile_pos, out, ids, ctr, float(gscale),
+        args = (iq4, cache.data, block_table, context_lens, pos, tile_pos, out, ids, float(gscale),
                 nq, hi, cache.num_pages, cache.page_bytes, n_qtiles, n_out,
                 iq4.stride(0), iq4.stride(1), iq4.stride(2), block_table.stride(0), pos.stride(0))
         consts = dict(D=d, PAGE=cache.page_size, PB=cache.payload_bytes, SB=cache.scale_bytes,
@@ -692,7 +652,7 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
                       FP4_WORDS=words, POST_SCALE=post, NSBP=nsbp, DOT_F32=INTERPRET, WP=wp,
                       LEAN=kmode == 1 and (LEAN_DEFAULT if options.get("lean") is None else bool(options["lean"])),
                       PAIR=bool(options.get("tile_pairs", False)), QM=bool(options.get("q_major", False)),
-                      POS_CTX=pos_ctx, SELECT_NC=select_nc, TOPK=cfg.topk if select_nc else 0)
+                      POS_CTX=pos_ctx)
         grid = (bsz * n_qtiles, splits)
         fixed = [k for k in ("prefetch", "num_warps", "num_stages", "max_registers") if options.get(k) is not None]
         if fixed or INTERPRET or warps < 4:
@@ -706,31 +666,11 @@ def _launch(iq4, cache, block_table, context_lens, q_pos, cfg, mode: int, max_co
             _tuned_kernel[grid](*args, **consts)
     if mode != 2:
         return out
-    if select_nc:
-        return ids
     if two_pass:
         parts = out.view(bsz, nq, hi, nb, wp) if wp > 1 else out
         return select_from_block_scores(parts, pos, bs, cfg.topk, higher_id=cfg.tie_rule != "lower-id",
                                         variant=options.get("select"))
     return merge_candidates(out, ids, cfg.topk, higher_id=cfg.tie_rule != "lower-id")
-
-
-def _fused_select_columns(options: dict, two_pass: bool, wp: int, nq: int, rows: int, nb: int) -> int:
-    """SELECT_NC of a launch: the block-score row width of the fused select (`FUSED_SELECT_ELEMENTS`), 0 for the
-    select pass. Option fused_select=True forces it wherever it can run (any query count), False turns it off; a
-    select variant or in_kernel_topk given keeps the pass they name."""
-    want = options.get("fused_select")
-    nc = triton.next_power_of_2(max(nb, 2))
-    fits = two_pass and wp == 1 and rows * nc <= FUSED_SELECT_ELEMENTS
-    if want:
-        if not fits or options.get("select") is not None:
-            raise KernelArgumentError(f"index scorer: fused_select needs a two-pass top-k launch with whole block "
-                                      f"scores (no warp partials, no select variant) and at most "
-                                      f"{FUSED_SELECT_ELEMENTS} rows x blocks per program, got {rows} x {nc}")
-        return nc
-    if want is None and fits and nq == 1 and options.get("select") is None:
-        return nc
-    return 0
 
 
 def _decode_q(iq: torch.Tensor) -> torch.Tensor:

@@ -94,6 +94,11 @@ DEFAULT_JOINT = True  # E8M0 V factors through the softmax max (see _attend)
 # keeps num_stages - 2 tiles' K/V copies in flight while one is computed; 3 stages measured best on the H200 (more
 # cost shared memory and programs per SM; docs/kernels/sparse_attn.md)
 DEFAULT_STAGES = {2: 1, 1: 3, 0: 2}
+# Programmatic dependent launch of the portable kernel and its combine (see _launch): option pdl -> kernel PDL mode.
+# Grids of at most PDL_EARLY_MAX_PROGRAMS programs per SM release the next launch at their start, larger ones after
+# their loop (as vLLM's decode kernel does).
+PDL_MODES = {False: 0, "early": 1, "late": 2}
+PDL_EARLY_MAX_PROGRAMS = 1
 
 
 # ------------------------------------------------------------------------------------------- host-side helpers
@@ -199,10 +204,12 @@ def _sparse_attn_kernel(
                            # order too), 2 K only (q in that order), 0 neither
     LAZY_L: tl.constexpr,  # softmax denominators as per-column partial sums, reduced after the loop (see _attend)
     JOINT: tl.constexpr,  # E8M0 V factors through one joint max with the softmax max (see _attend)
-    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (see _launch)
+    PDL: tl.constexpr = 0,  # programmatic dependent launch (see _launch): 0 none; 1 the next launch released at the
+                            # start; 2 released after the loop (PDL_EARLY_MAX_PROGRAMS)
 ):
-    if PDL:  # wait for the kernels before, then release the next launch, ahead of any global access (every input
-        gdc_wait()  # may come from the kernel before)
+    if PDL:  # wait for the kernels before ahead of any global access (every input may come from the kernel before)
+        gdc_wait()
+    if PDL == 1:
         gdc_launch_dependents()
     row = tl.program_id(0)
     h = tl.program_id(1)
@@ -283,6 +290,8 @@ def _sparse_attn_kernel(
                                           SCALE, QBLOCK, NATIVE_FP8, FP32_DOT, F16, P_SPLIT, PAIRED, LAZY_L,
                                           JOINT)
 
+    if PDL == 2:  # the dependents' own wait still covers this program's stores below (it waits for completion)
+        gdc_launch_dependents()
     if LAZY_L:
         l_i = tl.sum(l_i, axis=1)
     if JOINT:  # acc from mv_i's reference to m_i's (2**(mv - m) <= 2**127: e_v <= 127)
@@ -414,7 +423,7 @@ def uses_fp16_dots(fmt) -> bool:
 
 def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_splits, decode, ctx, req, pos,
             tile_tokens, num_warps, num_stages, native_fp8, out_dtype, precise_p, prefetch, paired, maxnreg, lazy_l,
-            joint_max):
+            joint_max, pdl=None):
     rows, hq, d = q.shape
     hkv, topk = k_cache.num_heads, block_ids.shape[-1]
     fmt = k_cache.fmt
@@ -448,11 +457,19 @@ def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_
     if maxnreg is None:
         maxnreg = 128 if f16 and warps == 4 else 0
     launch_opts = {"maxnreg": int(maxnreg)} if maxnreg and q.device.type == "cuda" and torch.version.cuda else {}
-    # programmatic dependent launch (platform.LAUNCH_PDL) only for grids of at most one program per SM: there it
-    # saves about a microsecond a layer (H200); beside a full machine of these programs the
-    # early-resident dependents (the combine pass, the next layer) cost time (docs/kernels/sparse_attn.md)
-    pdl = not interp and pdl_ok(q.device) and \
-        rows * hkv * splits <= torch.cuda.get_device_properties(q.device).multi_processor_count
+    # programmatic dependent launch (platform.LAUNCH_PDL): grids of at most PDL_EARLY_MAX_PROGRAMS programs per SM
+    # release the next launch at their start (about a microsecond a layer saved, H200); larger decode grids release
+    # it after their loop, since dependents resident early beside a full machine of these programs cost time
+    # (docs/kernels/sparse_attn.md); larger prefill grids launch without it; option pdl: "early", "late" or False
+    if pdl is not None and pdl not in PDL_MODES:
+        raise KernelArgumentError(f"pdl must be 'early', 'late', False or None, got {pdl!r}")
+    if interp or not pdl_ok(q.device):
+        pdl = 0
+    elif pdl is None:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        pdl = 1 if rows * hkv * splits <= PDL_EARLY_MAX_PROGRAMS * sms else 2 if decode else 0
+    else:
+        pdl = PDL_MODES[pdl]
     if pdl:
         launch_opts["launch_pdl"] = True
     if e2m1 and any(
@@ -496,7 +513,7 @@ def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_
     )
     if splits > 1:
         _combine_kernel[(rows * hq,)](part, ml, out, v_scalar, splits,
-                                      BLOCK_S=triton.next_power_of_2(splits), D=d, PDL=pdl, num_warps=COMBINE_WARPS,
+                                      BLOCK_S=triton.next_power_of_2(splits), D=d, PDL=pdl > 0, num_warps=COMBINE_WARPS,
                                       **({"launch_pdl": True} if pdl else {}))
     return out
 
@@ -552,7 +569,7 @@ def sparse_decode(q: torch.Tensor, k_cache, v_cache, block_table: torch.Tensor,
                   prefetch: int | bool | None = None, paired: bool | str | None = None,
                   maxnreg: int | None = None, lazy_l: bool | None = None,
                   joint_max: bool | None = None, gluon: bool | None = None, gluon_tile: int | None = None,
-                  fused_combine: bool | None = None) -> torch.Tensor:
+                  fused_combine: bool | None = None, pdl: str | bool | None = None) -> torch.Tensor:
     """One decode step of sparse attention for B requests.
 
     q bf16 [B, Hq, D] (the token at position context_lens[b] - 1, already stored in the caches); k_cache / v_cache:
@@ -570,7 +587,9 @@ def sparse_decode(q: torch.Tensor, k_cache, v_cache, block_table: torch.Tensor,
     0 = none); warps (default 2 or 4) and splits: see `launch_plan`; paired: E2M1 decoded in PAIRED order (fewer
     integer ops, but slower on the H200; default off), True for K and V, "k" for K only, see
     `kc.e2m1_words_paired`; lazy_l: softmax denominators as per-column sums reduced after the loop (default on for
-    quantized formats); joint_max: E8M0 V factors through the softmax max (default on), see `_attend`). gluon: the
+    quantized formats); joint_max: E8M0 V factors through the softmax max (default on), see `_attend`; pdl:
+    programmatic dependent launch releasing the next launch "early" (at the start) or "late" (after the loop), or
+    False: none; default by grid size, PDL_EARLY_MAX_PROGRAMS). gluon: the
     NVIDIA fast path forced (True), refused (False) or where it applies (None, see `_use_gluon`); with gluon=True,
     gluon_tile (its tokens per tile, 64 or 128) and fused_combine (the split merge in the decode's last program, or
     the combine kernel) tune it (defaults: `attn_gluon.plan`, `attn_gluon.sparse_decode`). No host synchronization,
@@ -583,7 +602,7 @@ def sparse_decode(q: torch.Tensor, k_cache, v_cache, block_table: torch.Tensor,
     _check_int("block_ids", block_ids, (b, k_cache.num_heads, block_ids.shape[-1]), q.device)
     portable = {"tile_tokens": tile_tokens, "num_warps": num_warps, "num_stages": num_stages, "native_fp8": native_fp8,
                 "precise_p": precise_p, "prefetch": prefetch, "paired": paired, "maxnreg": maxnreg, "lazy_l": lazy_l,
-                "joint_max": joint_max}
+                "joint_max": joint_max, "pdl": pdl}
     fast = {k: v for k, v in {"tokens_per_tile": gluon_tile, "fused_combine": fused_combine}.items() if v is not None}
     if fast and gluon is not True:
         raise KernelArgumentError("sparse_decode: gluon_tile and fused_combine tune the Gluon path: pass gluon=True")
@@ -598,7 +617,7 @@ def sparse_decode(q: torch.Tensor, k_cache, v_cache, block_table: torch.Tensor,
                                         _combine_kernel, **fast)
     return _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_splits, True, context_lens,
                    context_lens, context_lens, tile_tokens, num_warps, num_stages, native_fp8, out_dtype,
-                   precise_p, prefetch, paired, maxnreg, lazy_l, joint_max)
+                   precise_p, prefetch, paired, maxnreg, lazy_l, joint_max, pdl)
 
 
 def sparse_prefill(q: torch.Tensor, k_cache, v_cache, block_table: torch.Tensor,

@@ -103,20 +103,6 @@ def packed_id(best, HIGHER_ID: tl.constexpr):
 
 
 @triton.jit
-def select_rows(keys, ids, avail, out_ptrs, row_ok, TOPK: tl.constexpr, HIGHER_ID: tl.constexpr):
-    """The packed selection of rows of block scores: keys fp32 [R, N] (NaN allowed: ranked as NAN_RANK), ids int32
-    [R, N] (>= 0, unique per row), avail bool [R, N] -> the TOPK ids of each row in rank order, -1 padded, stored at
-    out_ptrs [R] + 0 .. TOPK - 1 where row_ok [R]. One int64 max reduction per step (`packed_rank`); the ids are
-    unique, so clearing the entries equal to the step's max removes exactly the pick."""
-    keys = tl.where(keys != keys, NAN_RANK, keys)
-    packed = packed_rank(keys, ids, avail, HIGHER_ID)
-    for j in tl.static_range(TOPK):
-        best = tl.max(packed, axis=1)
-        tl.store(out_ptrs + j, packed_id(best, HIGHER_ID), mask=row_ok)
-        packed = tl.where(packed == best[:, None], INT64_MIN, packed)
-
-
-@triton.jit
 def _select_kernel(
     score_ptr,  # fp32 [rows, NB]: block scores, forced blocks applied (MODE_BLOCKS of kernels/index_score.py)
     pos_ptr,  # int32 [rows // HI]: the query position of each row group (-1 = padding)
@@ -154,7 +140,11 @@ def _select_kernel(
             tl.store(out_ptr + base + j, best, mask=row_ok)
             packed = tl.where(packed == best[:, None], INT64_MIN, packed)  # ids are unique: removes exactly the pick
     elif PACKED:
-        select_rows(keys, ids, avail, out_ptr + r.to(tl.int64) * TOPK, row_ok, TOPK, HIGHER_ID)
+        packed = packed_rank(keys, ids, avail, HIGHER_ID)
+        for j in tl.static_range(TOPK):
+            best = tl.max(packed, axis=1)
+            tl.store(out_ptr + r.to(tl.int64) * TOPK + j, packed_id(best, HIGHER_ID), mask=row_ok)
+            packed = tl.where(packed == best[:, None], INT64_MIN, packed)
     else:
         for j in tl.static_range(TOPK):
             _, best_id, avail = pick_next(keys, ids, avail, HIGHER_ID)

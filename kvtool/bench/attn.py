@@ -67,6 +67,9 @@ SWEEP = (
     ("prefetch=1 tile=128", {"prefetch": 1, "tile_tokens": 128}),
     ("prefetch=2 tile=128", {"prefetch": 2, "tile_tokens": 128}),
     ("prefetch=1 stages=4", {"prefetch": 1, "num_stages": 4}),
+    # programmatic dependent launch of large decode grids (default: the next launch released after the loop,
+    # sparse_attn.PDL_EARLY_MAX_PROGRAMS) off, or released at the start as small grids do
+    ("pdl=0", {"pdl": False}), ("pdl=early", {"pdl": "early"}),
 )
 
 # Probes of the fixed cost per layer (sweep only): the default launch with only the first k selected blocks of every

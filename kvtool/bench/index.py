@@ -81,8 +81,6 @@ SWEEP = (
     # index_score.CUDA_DECODE_MAX_CHUNK_BLOCKS, 16)
     ("ch4", {"chunk_blocks": 4}, ("bf16", "fp8")),
     ("ch8", {"chunk_blocks": 8}, ("bf16", "fp8")),
-    # the select pass after the scorer instead of the fused select (index_score.FUSED_SELECT_ELEMENTS)
-    ("select pass", {"fused_select": False}, ("bf16", "fp8")),
     ("gluon ch16", {"gluon": True, "chunk_blocks": 16}, ("nvfp4", "mxfp4")),
     ("gluon ch32", {"gluon": True, "chunk_blocks": 32}, ("nvfp4", "mxfp4")),
     ("gluon ch64", {"gluon": True, "chunk_blocks": 64}, ("nvfp4", "mxfp4")),

@@ -1,6 +1,6 @@
 """The committed bench scripts that run without a GPU: `bench/sass_index_gluon.py` (offline sm_90 SASS of the Gluon
 index scorer, in a child process without TRITON_INTERPRET, as kernel_capture's workers) and the argument checks of
-`bench/sweep_index_rows.py` (its rows run only at the GPU sweep shapes)."""
+`bench/sweep_rows.py` (its rows run only at the GPU sweep shapes)."""
 
 import os
 import re
@@ -38,8 +38,11 @@ def test_sass_index_gluon_refuses_the_interpreter():
     assert r.returncode != 0 and "TRITON_INTERPRET" in r.stderr
 
 
-def test_sweep_index_rows_rejects_unknown_rows():
-    r = _run(["bench/sweep_index_rows.py", "ch8,no such row", "--", "--device", "cpu"], interpret=True)
+def test_sweep_rows_rejects_unknown_rows():
+    r = _run(["bench/sweep_rows.py", "index", "ch8,no such row", "--", "--device", "cpu"], interpret=True)
     assert r.returncode != 0 and "unknown sweep rows ['no such row']" in r.stderr
-    r = _run(["bench/sweep_index_rows.py", "ch8"], interpret=True)  # no "--": the usage
-    assert r.returncode != 0 and "sweep_index_rows.py" in r.stderr
+    r = _run(["bench/sweep_rows.py", "attn", "pdl=0,ch8", "--", "--device", "cpu"], interpret=True)
+    assert r.returncode != 0 and "unknown sweep rows ['ch8']" in r.stderr
+    for args in (["index", "ch8"], ["nothing", "ch8", "--"]):  # no "--", an unknown bench: the usage
+        r = _run(["bench/sweep_rows.py", *args], interpret=True)
+        assert r.returncode != 0 and "sweep_rows.py" in r.stderr

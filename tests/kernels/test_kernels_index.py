@@ -322,76 +322,6 @@ def test_decode_warp_partials(label):
         assert_ids_match(ids, ref_ids[:, 0], ref_scores[:, 0], tol)
 
 
-def _no_select_pass(monkeypatch):
-    """Fail if the scorer launches the separate select pass (the fused select must have run instead)."""
-    def refuse(*a, **k):
-        raise AssertionError("the select pass ran: the fused select was expected")
-    monkeypatch.setattr(K, "select_from_block_scores", refuse)
-
-
-@pytest.mark.parametrize("tie_rule", ["higher-id", "lower-id"])
-@pytest.mark.parametrize("label", ["bf16", "fp8", "fp8-token", "mxfp4"])
-def test_decode_fused_select(label, tie_rule, monkeypatch):
-    """The selection fused into the scorer (default for decode with whole block scores) against the reference and
-    bit for bit against the select pass on the same scores: ragged contexts with an empty row, 1- and 2-block
-    programs (every split's arrival counts), forced blocks, NaN keys (bf16) and an all-zero query (total ties);
-    the arrival counts are left zero after every launch."""
-    ctx = [1, 33, 0, 129, 300, 64, 17]
-    cache, table, cl, slots = make_cache(label, ctx, page=16, seed=40)
-    if label == "bf16":
-        for tok in (20, 200):  # a NaN token in block 1 of request 1 (block 16) and block 12 of request 4
-            b = 1 if tok == 20 else 4
-            page, off = int(slots[b][tok]) // 16, int(slots[b][tok]) % 16
-            cache.payload_plane()[page, 0, off].view(torch.bfloat16)[9] = math.nan
-    iq = queries(len(ctx), 4, 128, seed=41)
-    iq[5] = 0
-    cfg = IndexerConfig(block_size=16, topk=5, init_blocks=1, local_blocks=2, tie_rule=tie_rule)
-    for chunk in (1, 2, 32):
-        want = K.decode_topk(iq, cache, table, cl, cfg, chunk_blocks=chunk, prefetch=False, fused_select=False)
-        with monkeypatch.context() as m:
-            _no_select_pass(m)
-            got = check_decode(cache, table, cl, iq, cfg, chunk_blocks=chunk)
-        assert torch.equal(got.cpu(), want.cpu()), f"chunk {chunk}"
-        assert not K.arrival_counters(iq.device, len(ctx)).any(), "arrival counts left non-zero"
-
-
-def test_fused_select_forced_where_not_default_and_refused_where_it_cannot_run(monkeypatch):
-    """fused_select=True also runs prefill tiles (several queries, positions read from q_pos, padding rows);
-    it is refused with warp partials, a select variant, rows too wide for it, or the block-score launch; and the
-    default leaves rows wider than FUSED_SELECT_ELEMENTS to the select pass, which then reads the positions the
-    scorer wrote (POS_CTX)."""
-    ctx = [200, 0, 90]
-    cache, table, cl, _ = make_cache("bf16", ctx, page=16, seed=42)
-    cfg = IndexerConfig(block_size=16, topk=4, init_blocks=1, local_blocks=1)
-    iq = queries(3, 4, 128, seed=43, q=5)
-    q_pos = torch.tensor([[3, 50, 100, 199, -1], [-1] * 5, [0, 1, 2, 88, 89]], dtype=torch.int32, device=DEVICE)
-    ref_ids, ref_scores = paged_reference(iq, cache, table, cl, cfg, q_pos=q_pos)
-    with monkeypatch.context() as m:
-        _no_select_pass(m)
-        ids = K.prefill_topk(iq, cache, table, cl, cfg, q_pos=q_pos, q_tile=2, prefetch=False, fused_select=True)
-    want = K.prefill_topk(iq, cache, table, cl, cfg, q_pos=q_pos, q_tile=2, prefetch=False)
-    assert torch.equal(ids.cpu(), want.cpu())
-    assert_ids_match(ids, ref_ids, ref_scores, tolerance(iq, cache, table, cl))
-    dq = queries(3, 4, 128, seed=44)
-    for bad in ({"select": "packed"}, {"chunk_blocks": 2, "in_kernel_topk": True}):
-        with pytest.raises(KernelArgumentError, match="fused_select"):
-            K.decode_topk(dq, cache, table, cl, cfg, prefetch=False, fused_select=True, **bad)
-    wide, wtable, wcl, _ = make_cache("bf16", ctx, page=64, seed=45)  # 64-token tiles: 4 warp partials a block
-    with pytest.raises(KernelArgumentError, match="fused_select"):
-        K.decode_topk(dq, wide, wtable, wcl, IndexerConfig(block_size=64, topk=2), prefetch=False,
-                      warp_partials=True, fused_select=True)
-    with pytest.raises(KernelArgumentError, match="fused_select"):
-        K.decode_block_scores(dq, cache, table, cl, cfg, prefetch=False, fused_select=True)
-    monkeypatch.setattr(K, "FUSED_SELECT_ELEMENTS", 16)  # 4 heads x 16 blocks of a 256-token table: too wide
-    with pytest.raises(KernelArgumentError, match="fused_select"):
-        K.decode_topk(dq, cache, table, cl, cfg, prefetch=False, fused_select=True)
-    calls = []
-    real = K.select_from_block_scores
-    monkeypatch.setattr(K, "select_from_block_scores", lambda *a, **k: calls.append(1) or real(*a, **k))
-    check_decode(cache, table, cl, dq, cfg)
-    assert calls, "rows wider than FUSED_SELECT_ELEMENTS must go to the select pass"
-
-
 def test_decode_minus_inf_blocks_are_selected_when_valid():
     """Blocks whose every score is -inf still count as valid: with fewer finite blocks than k they are selected, in
     the tie order, before any invalid block."""
@@ -804,36 +734,30 @@ def test_gpu_prefill_lean(label):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("label", ["bf16", "fp8", "fp8-token"])
-def test_gpu_decode_fused_select_races_and_graphs(label):
-    """The fused select at the benchmark's shape (batch 64, contexts up to 64K: 512-block rows, the widest it takes
-    by default): bit for bit the select pass's ids over 20 eager launches (a lost or early arrival would select from
-    unwritten scores) and over replays of a CUDA graph captured on a fresh stream (its own arrival counts), against
-    the reference once; the counts are left zero."""
-    ctx = [int(x) for x in torch.randint(1, 65_536, (64,), generator=torch.Generator().manual_seed(70))]
+@pytest.mark.parametrize("label", ["bf16", "fp8", "nvfp4", "mxfp4"])
+def test_gpu_decode_topk_graph_replay(label):
+    """Decode top-k captured in a CUDA graph, as engines run it (positions from the context lengths inside the
+    scorer, POS_CTX): replays equal the eager ids after the context lengths change in place, and the eager ids match
+    the reference, at batch 64 with ragged contexts up to 64K and an empty row."""
+    gen = torch.Generator().manual_seed(70)
+    ctx = [int(x) for x in torch.randint(1, 65_536, (64,), generator=gen)]
     ctx[3], ctx[9] = 0, 65_536
     cache, table, cl, _ = make_cache(label, ctx, page=128, seed=71)
     iq = queries(64, 4, 128, seed=72)
     cfg = IndexerConfig()
-    want = K.decode_topk(iq, cache, table, cl, cfg, fused_select=False)
     ref_ids, ref_scores = paged_reference(iq[:, None], cache, table, cl, cfg)
-    got = K.decode_topk(iq, cache, table, cl, cfg, fused_select=True)
-    assert_ids_match(got, ref_ids[:, 0], ref_scores[:, 0], tolerance(iq, cache, table, cl))
-    for _ in range(20):
-        assert torch.equal(K.decode_topk(iq, cache, table, cl, cfg), want)
-    out = []
+    assert_ids_match(K.decode_topk(iq, cache, table, cl, cfg), ref_ids[:, 0], ref_scores[:, 0],
+                     tolerance(iq, cache, table, cl))
+    lens = cl.clone()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(3):
-            out.append(K.decode_topk(iq, cache, table, cl, cfg))
-    for _ in range(10):
-        for o in out:
-            o.fill_(-7)
+        out = K.decode_topk(iq, cache, table, lens, cfg)
+    shorter = torch.clamp(cl - torch.randint(0, 3000, (64,), generator=gen).to(cl), min=0)
+    for now in (cl, shorter, cl):
+        lens.copy_(now)
+        out.fill_(-7)
         graph.replay()
-        torch.cuda.synchronize()
-        assert all(torch.equal(o, want) for o in out)
-    for counts in K._ARRIVALS.values():
-        assert not counts.any()
+        assert torch.equal(out, K.decode_topk(iq, cache, table, now, cfg))
 
 
 @pytest.mark.gpu
