@@ -31,9 +31,10 @@ def cuda_at_least(device: torch.device, capability: tuple[int, int]) -> bool:
 # kernel before retires (its tail and the launch gap overlap) and wait in `griddepcontrol.wait` before their first
 # global access: every input may come from the kernel before (the store of this step's token, the indexer's
 # selection), so nothing is read earlier. A launch without the attribute makes both instructions no-ops. Used by the
-# Gluon sparse decode and by the portable sparse-attention kernel for grids of at most one program per SM (its rule:
-# `sparse_attn._launch`; measurements: docs/kernels/sparse_attn.md). Both call Triton's `gdc_wait` /
-# `gdc_launch_dependents` (triton.language.extra.cuda) first thing. LAUNCH_PDL = False turns it off everywhere.
+# Gluon sparse decode and by the portable sparse-attention kernel and its merge (its rule: `sparse_attn.PDL_MODES`;
+# measurements: docs/kernels/sparse_attn.md). All call Triton's `gdc_wait` (triton.language.extra.cuda) first thing;
+# `gdc_launch_dependents` comes first too, or, in the portable kernel's large decode grids, after the loop.
+# LAUNCH_PDL = False turns it off everywhere.
 LAUNCH_PDL = True
 
 

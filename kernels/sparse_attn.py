@@ -94,11 +94,16 @@ DEFAULT_JOINT = True  # E8M0 V factors through the softmax max (see _attend)
 # keeps num_stages - 2 tiles' K/V copies in flight while one is computed; 3 stages measured best on the H200 (more
 # cost shared memory and programs per SM; docs/kernels/sparse_attn.md)
 DEFAULT_STAGES = {2: 1, 1: 3, 0: 2}
-# Programmatic dependent launch of the portable kernel and its combine (see _launch): option pdl -> kernel PDL mode.
-# Grids of at most PDL_EARLY_MAX_PROGRAMS programs per SM release the next launch at their start, larger ones after
-# their loop (as vLLM's decode kernel does).
-PDL_MODES = {False: 0, "early": 1, "late": 2}
+# Programmatic dependent launch of the portable kernel and its combine (see _launch): option pdl -> the PDL modes of
+# (kernel, combine): 1 the next launch released at the start, 2 after the loop (kernel) or the stores (combine).
+# "late-main": the kernel late, the combine at its start (vLLM's decode kernel and merge). Default: grids of at most
+# PDL_EARLY_MAX_PROGRAMS programs per SM "early"; larger decode grids by their tiles per program (PDL_LATE_TILES:
+# the first entry whose bound the program's tiles do not exceed; past the last, no PDL). Measured on the H200 at
+# M3's decode shape (docs/kernels/sparse_attn.md, session 29): 1-2 tiles a program (batch 16) fastest "late",
+# 4 (batch 64) "late-main", 16 (batch 256) without PDL, for bf16 and fp8 alike.
+PDL_MODES = {False: (0, 0), "early": (1, 1), "late": (2, 2), "late-main": (2, 1)}
 PDL_EARLY_MAX_PROGRAMS = 1
+PDL_LATE_TILES = ((2, "late"), (4, "late-main"))
 
 
 # ------------------------------------------------------------------------------------------- host-side helpers
@@ -315,11 +320,13 @@ def _combine_kernel(
     v_scalar,  # V's folded whole-tensor scalar
     num_splits,
     BLOCK_S: tl.constexpr, D: tl.constexpr,
-    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (as _sparse_attn_kernel)
+    PDL: tl.constexpr = 0,  # programmatic dependent launch (PDL_MODES): 0 none, 1 (or True) the next launch released
+                            # at the start, 2 after the store
 ):
     """One program per flat (row, query head) n: merge its num_splits partials (acc, m, l) into its output row."""
     if PDL:  # the partials come from the kernel before: wait for it before the first load
         gdc_wait()
+    if PDL == 1:
         gdc_launch_dependents()
     n = tl.program_id(0).to(tl.int64)
     sp = tl.arange(0, BLOCK_S)
@@ -337,6 +344,8 @@ def _combine_kernel(
     empty = total == 0.0
     out = tl.where(empty, 0.0, o / tl.where(empty, 1.0, total)) * v_scalar
     tl.store(out_ptr + n * D + cols, out.to(out_ptr.dtype.element_ty))
+    if PDL == 2:
+        gdc_launch_dependents()
 
 
 # ------------------------------------------------------------------------------------------------------ launchers
@@ -459,17 +468,19 @@ def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_
     launch_opts = {"maxnreg": int(maxnreg)} if maxnreg and q.device.type == "cuda" and torch.version.cuda else {}
     # programmatic dependent launch (platform.LAUNCH_PDL): grids of at most PDL_EARLY_MAX_PROGRAMS programs per SM
     # release the next launch at their start (about a microsecond a layer saved, H200); larger decode grids release
-    # it after their loop, since dependents resident early beside a full machine of these programs cost time
-    # (docs/kernels/sparse_attn.md); larger prefill grids launch without it; option pdl: "early", "late" or False
+    # it later or not at all (PDL_LATE_TILES), since dependents resident early beside a full machine of these
+    # programs cost time (docs/kernels/sparse_attn.md); larger prefill grids launch without it; option pdl instead
     if pdl is not None and pdl not in PDL_MODES:
-        raise KernelArgumentError(f"pdl must be 'early', 'late', False or None, got {pdl!r}")
+        raise KernelArgumentError(f"pdl must be one of {sorted(map(str, PDL_MODES))} or None, got {pdl!r}")
     if interp or not pdl_ok(q.device):
-        pdl = 0
+        pdl, pdl_combine = PDL_MODES[False]
     elif pdl is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        pdl = 1 if rows * hkv * splits <= PDL_EARLY_MAX_PROGRAMS * sms else 2 if decode else 0
+        late = next((mode for most, mode in PDL_LATE_TILES if tiles_per_split <= most), False)
+        pdl, pdl_combine = PDL_MODES["early" if rows * hkv * splits <= PDL_EARLY_MAX_PROGRAMS * sms
+                                     else late if decode else False]
     else:
-        pdl = PDL_MODES[pdl]
+        pdl, pdl_combine = PDL_MODES[pdl]
     if pdl:
         launch_opts["launch_pdl"] = True
     if e2m1 and any(
@@ -513,8 +524,8 @@ def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_
     )
     if splits > 1:
         _combine_kernel[(rows * hq,)](part, ml, out, v_scalar, splits,
-                                      BLOCK_S=triton.next_power_of_2(splits), D=d, PDL=pdl > 0, num_warps=COMBINE_WARPS,
-                                      **({"launch_pdl": True} if pdl else {}))
+                                      BLOCK_S=triton.next_power_of_2(splits), D=d, PDL=pdl_combine, num_warps=COMBINE_WARPS,
+                                      **({"launch_pdl": True} if pdl_combine else {}))
     return out
 
 
@@ -588,8 +599,9 @@ def sparse_decode(q: torch.Tensor, k_cache, v_cache, block_table: torch.Tensor,
     integer ops, but slower on the H200; default off), True for K and V, "k" for K only, see
     `kc.e2m1_words_paired`; lazy_l: softmax denominators as per-column sums reduced after the loop (default on for
     quantized formats); joint_max: E8M0 V factors through the softmax max (default on), see `_attend`; pdl:
-    programmatic dependent launch releasing the next launch "early" (at the start) or "late" (after the loop), or
-    False: none; default by grid size, PDL_EARLY_MAX_PROGRAMS). gluon: the
+    programmatic dependent launch releasing the next launch "early" (at the start) or "late" (after the loop and
+    the combine's stores), "late-main" (the combine at its start), or False: none; default by grid size,
+    PDL_EARLY_MAX_PROGRAMS and PDL_LATE_TILES). gluon: the
     NVIDIA fast path forced (True), refused (False) or where it applies (None, see `_use_gluon`); with gluon=True,
     gluon_tile (its tokens per tile, 64 or 128) and fused_combine (the split merge in the decode's last program, or
     the combine kernel) tune it (defaults: `attn_gluon.plan`, `attn_gluon.sparse_decode`). No host synchronization,

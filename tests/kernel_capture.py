@@ -306,11 +306,12 @@ def compile_thunk(thunk: Callable[[], Any], target: Target) -> dict:
 def switches(launch: Launch) -> dict:
     """The device-dependent choices a launch carries: hardware fp8 conversion, the interpreter's fp32 dots (the
     index scorer's DOT_F32, attention's FP32_DOT), warps, the register cap and programmatic dependent launch (the
-    sparse decode kernels' PDL and the launcher's launch_pdl)."""
+    sparse decode kernels' PDL and the launcher's launch_pdl; the portable attention kernel's tiles per program, which
+    its PDL mode follows)."""
     kw = launch.kwargs
     return {"name": launch.name, "native_fp8": kw.get("NATIVE_FP8"), "fp32_dots": kw.get("DOT_F32", kw.get("FP32_DOT")),
             "num_warps": kw.get("num_warps"), "maxnreg": launch.options.get("maxnreg"), "pdl": kw.get("PDL"),
-            "launch_pdl": kw.get("launch_pdl"),
+            "launch_pdl": kw.get("launch_pdl"), "tiles": kw.get("TILES"),
             "programs": math.prod(launch.grid) if isinstance(launch.grid, tuple) else None}
 
 

@@ -67,9 +67,10 @@ SWEEP = (
     ("prefetch=1 tile=128", {"prefetch": 1, "tile_tokens": 128}),
     ("prefetch=2 tile=128", {"prefetch": 2, "tile_tokens": 128}),
     ("prefetch=1 stages=4", {"prefetch": 1, "num_stages": 4}),
-    # programmatic dependent launch of large decode grids (default: the next launch released after the loop,
-    # sparse_attn.PDL_EARLY_MAX_PROGRAMS) off, or released at the start as small grids do
-    ("pdl=0", {"pdl": False}), ("pdl=early", {"pdl": "early"}),
+    # programmatic dependent launch of large decode grids (default: the next launch released after the loop and the
+    # combine's stores, sparse_attn.PDL_MODES) off, released at the start as small grids do, or with the combine
+    # releasing it at its start (vLLM's arrangement)
+    ("pdl=0", {"pdl": False}), ("pdl=early", {"pdl": "early"}), ("pdl=late-main", {"pdl": "late-main"}),
 )
 
 # Probes of the fixed cost per layer (sweep only): the default launch with only the first k selected blocks of every

@@ -275,18 +275,23 @@ def test_default_launch_compiles(workers, target, case):
         capped = target == "cuda:90" and sw["name"] == "sparse_attn._sparse_attn_kernel" \
             and not case.endswith("/bf16") and sw["num_warps"] == 4
         assert sw["maxnreg"] == (128 if capped else None), f"{case}: {sw}"
-    # programmatic dependent launch, CUDA only: the Gluon decode always; the portable attention kernel releasing the
-    # next launch at its start for grids of at most one program per SM (mode 1), else after its loop in decode (mode
-    # 2) and not at all in prefill; the split merge as the launch before it
-    decode_pdl = None
+    # programmatic dependent launch, CUDA only: the Gluon decode always (its merge: mode 1); the portable attention
+    # kernel and its merge releasing the next launch at the start for grids of at most one program per SM, else in
+    # decode by tiles per program (sparse_attn.PDL_LATE_TILES) and not at all in prefill
+    from kvtool.kernels import sparse_attn as SA
+
+    combine_pdl = None
     for sw in r["switches"]:
         if sw["name"] == "sparse_attn_gluon.decode_kernel":
-            pdl = decode_pdl = target == "cuda:90"
+            pdl = combine_pdl = target == "cuda:90"
         elif sw["name"] == "sparse_attn._sparse_attn_kernel":
+            late = next((m for most, m in SA.PDL_LATE_TILES if sw["tiles"] <= most), False)
             small = sw["programs"] <= kernel_capture.TARGETS[target].sms
-            pdl = decode_pdl = 0 if target != "cuda:90" else 1 if small else 2 if group.startswith("attn-decode") else 0
+            mode = False if target != "cuda:90" else "early" if small else \
+                late if group.startswith("attn-decode") else False
+            pdl, combine_pdl = SA.PDL_MODES[mode]
         elif sw["name"] == "sparse_attn._combine_kernel":
-            pdl = bool(decode_pdl)
+            pdl = combine_pdl
         else:
             continue
         assert sw["pdl"] == pdl and sw["launch_pdl"] == (True if pdl else None), f"{case}: {sw}"

@@ -465,13 +465,14 @@ def test_gpu_pdl_chain_equals_plain_launches(fmt, gluon, splits, monkeypatch):
 def test_gpu_pdl_modes_chain_at_large_grids(fmt):
     """The portable kernel's PDL modes at grids of several programs an SM (64 rows: the default "late" releases the
     next launch after its loop): six chained layers in one CUDA graph give the same output bit for bit with the
-    next launch released late, early (at the start) or without PDL, for one split (no combine) and the default."""
+    next launch released late, late by the kernel and early by the combine, early (at the start) or without PDL, for
+    one split (no combine) and the default."""
     lens = [300, 5000, 20000, 9, 129, 1000, 32768, 2048] * 8
     q, kc, vc, table, ctx, ids = make_decode(fmt, lens, M3["hq"], M3["hkv"], M3["d"], M3["page"], M3["bs"],
                                              M3["topk"], seed=11)
     for splits in (1, None):
         outs = {}
-        for mode in ("late", "early", False):
+        for mode in ("late", "late-main", "early", False):
             def chain():
                 x = q
                 for _ in range(6):
@@ -485,7 +486,7 @@ def test_gpu_pdl_modes_chain_at_large_grids(fmt):
             graph.replay()
             torch.cuda.synchronize()
             outs[mode] = out.clone()
-        assert torch.equal(outs["late"], outs[False]) and torch.equal(outs["early"], outs[False]), splits
+        assert all(torch.equal(outs[m], outs[False]) for m in ("late", "late-main", "early")), splits
         assert torch.isfinite(outs[False].float()).all() and outs[False].float().abs().max() > 0
 
 
@@ -494,7 +495,7 @@ def test_pdl_option_is_checked():
     with pytest.raises(KernelArgumentError, match="pdl"):
         sparse_decode(q, kc, vc, table, ctx, ids, 16, pdl="sometimes")
     want = sparse_decode(q, kc, vc, table, ctx, ids, 16)
-    for mode in ("late", "early", False):  # no PDL off CUDA: the same launch
+    for mode in ("late", "late-main", "early", False):  # no PDL off CUDA: the same launch
         assert torch.equal(sparse_decode(q, kc, vc, table, ctx, ids, 16, pdl=mode), want)
 
 
