@@ -16,11 +16,13 @@ quantized format (bf16 for bf16), in element order:
   output needs no permutation. For V, even / odd byte decodes would let Triton load the bytes straight into the dot
   operand layout (no decoded V tile through shared memory), but only without block scales: the scale multiply, a
   second tensor operand, stops that hoist (offline sm_90 TTGIR probe). NVFP4 block scales multiply in
-  fp16 exactly (code * scale has <= 5 significant bits). MXFP4 scales 2**e leave fp16's range, so each token is normalized by its largest block (2**e_tok, applied in fp32
+  fp16 exactly (code * scale has <= 5 significant bits). MXFP4 scales 2**e leave fp16's range, so each token is
+  normalized by its largest block (2**e_tok, applied in fp32
   to the score column for K and to the probability column for V); the remaining 2**(e - e_tok) is exact in fp16
   while a token's blocks lie within 2**9 of each other (see `tiles.decode`).
 - E4M3 (fp8): `e4m3_decode` by bits (portable, tested), or the hardware fp8 conversion behind `native_fp8`
-  (`store.native_fp8`: CUDA capability >= 8.9 only, not ROCm); E4M3 values are exact in fp16. Per-token fp32 scales multiply score columns (K)
+  (`store.native_fp8`: CUDA capability >= 8.9 only, not ROCm); E4M3 values are exact in fp16. Per-token fp32
+  scales multiply score columns (K)
   and probability columns (V, over the tile's largest so that P stays within fp16's range).
 - Whole-tensor scalars (fp8 `tensor` scale, nvfp4 outer scale g_dec) fold into the softmax scale (K) and the final
   normalization (V): one multiply per row instead of one per element.
@@ -77,7 +79,8 @@ __all__ = [
 
 LOG2E = 1.4426950408889634
 # What the launchers read of a cache (kvtool.paged.PagedCache has them): the format, the uint8 pages [num_pages, H,
-# page_bytes], the page size, heads, head dim and the whole-tensor amax the fp8 `tensor` / nvfp4 `auto` scales come from.
+# page_bytes], the page size, heads, head dim and the whole-tensor amax the fp8 `tensor` / nvfp4 `auto` scales come
+# from.
 PAGED_FIELDS = ("fmt", "data", "page_size", "num_heads", "head_dim", "tensor_amax")
 E2M1_UNIT = 2.0**14  # e2m1_words_f16 returns value * 2**-14
 DEFAULT_TILE = 64  # tokens per tile on the GPU (launch_plan)
@@ -185,8 +188,10 @@ def _attend(q, acc, m_i, l_i, mv_i, kp, ks, vp, vs, valid, qk_scale, D: tl.const
 @triton.jit
 def _sparse_attn_kernel(
     q_ptr, k_ptr, v_ptr,  # q bf16 [R, Hq, D]; K / V cache data (bf16 view for bf16, else uint8) [pages, Hkv, bytes]
-    out_ptr, part_ptr, ml_ptr,  # out bf16 / fp32 [R, Hq, D]; split partials: acc fp32 [R, Hq, S, D], (m, l) [R, Hq, S, 2]
-    table_ptr, ctx_ptr, req_ptr, pos_ptr, ids_ptr,  # block_table int32 [B, W]; context_lens [B]; rows' request/pos [R]; ids [R, Hkv, topk]
+    out_ptr, part_ptr, ml_ptr,  # out bf16 / fp32 [R, Hq, D]; split partials: acc fp32 [R, Hq, S, D],
+                                # (m, l) [R, Hq, S, 2]
+    table_ptr, ctx_ptr, req_ptr, pos_ptr, ids_ptr,  # block_table int32 [B, W]; context_lens [B]; rows' request / pos
+                                                    # [R]; ids [R, Hkv, topk]
     qk_scale, v_scalar,  # softmax scale * log2(e) * K's folded factors; V's folded factors
     stride_qr, stride_qh,  # q strides (elements)
     stride_kp, stride_kh, stride_vp, stride_vh,  # cache strides in BYTES (page, head)
@@ -209,8 +214,8 @@ def _sparse_attn_kernel(
                            # order too), 2 K only (q in that order), 0 neither
     LAZY_L: tl.constexpr,  # softmax denominators as per-column partial sums, reduced after the loop (see _attend)
     JOINT: tl.constexpr,  # E8M0 V factors through one joint max with the softmax max (see _attend)
-    PDL: tl.constexpr = 0,  # programmatic dependent launch (see _launch): 0 none; 1 the next launch released at the
-                            # start; 2 released after the loop (PDL_EARLY_MAX_PROGRAMS)
+    PDL: tl.constexpr = 0,  # programmatic dependent launch (PDL_MODES): 0 none; 1 the next launch released at the
+                            # start; 2 released after the loop
 ):
     if PDL:  # wait for the kernels before ahead of any global access (every input may come from the kernel before)
         gdc_wait()
@@ -524,8 +529,8 @@ def _launch(q, k_cache, v_cache, block_table, block_ids, block_size, scale, num_
     )
     if splits > 1:
         _combine_kernel[(rows * hq,)](part, ml, out, v_scalar, splits,
-                                      BLOCK_S=triton.next_power_of_2(splits), D=d, PDL=pdl_combine, num_warps=COMBINE_WARPS,
-                                      **({"launch_pdl": True} if pdl_combine else {}))
+                                      BLOCK_S=triton.next_power_of_2(splits), D=d, PDL=pdl_combine,
+                                      num_warps=COMBINE_WARPS, **({"launch_pdl": True} if pdl_combine else {}))
     return out
 
 
@@ -550,7 +555,8 @@ def _use_gluon(q, k_cache, v_cache, block_size: int, want: bool | None, portable
             raise KernelArgumentError(f"sparse_decode: gluon=True needs a positive softmax scale, got {scale}")
         return False
     ok = attn_gluon.device_ok(q.device) and attn_gluon.applies(q, k_cache, v_cache, block_size)
-    if want is None and ok and q.shape[0] * k_cache.num_heads < attn_gluon.MIN_PROGRAMS[attn_gluon.format_key(k_cache.fmt)]:
+    least = attn_gluon.MIN_PROGRAMS[attn_gluon.format_key(k_cache.fmt)] if ok else 0
+    if want is None and ok and q.shape[0] * k_cache.num_heads < least:
         return False  # small batches: the portable kernel's splits were faster (attn_gluon.MIN_PROGRAMS)
     if want and not ok:
         raise KernelArgumentError("sparse_decode: gluon=True needs a CUDA device with capability >= 8.9, nvfp4 or "

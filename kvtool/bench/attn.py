@@ -98,8 +98,8 @@ class _Step:
         for _ in range(layers):
             for caches in (self.k, self.v):
                 x = (torch.randn(batch * context, hkv, d, device=device) * 2).to(torch.bfloat16)
-                c = PagedCache.allocate(self.fmt, batch * pages, p, hkv, d, device=device,
-                                        tensor_amax=float(x.float().abs().max()) if self.fmt.needs_tensor_amax else None)
+                amax = float(x.float().abs().max()) if self.fmt.needs_tensor_amax else None
+                c = PagedCache.allocate(self.fmt, batch * pages, p, hkv, d, device=device, tensor_amax=amax)
                 c.store(x, slots)
                 caches.append(c)
             ids = random_block_selection(pos, bs, geo["topk"], hkv, gen).transpose(0, 1).contiguous()
@@ -141,7 +141,8 @@ class _Step:
 
 
 def _gather(cache: PagedCache, table, ctx, ids, block_size):
-    """Selected tokens of each (request, KV head), dequantized: values [B, Hkv, N, D] fp32 and visibility [B, Hkv, N]."""
+    """Selected tokens of each (request, KV head), dequantized: values [B, Hkv, N, D] fp32 and visibility
+    [B, Hkv, N]."""
     b, hkv, topk = ids.shape
     p = cache.page_size
     tok = (ids.long()[..., None] * block_size + torch.arange(block_size, device=ids.device)).reshape(b, hkv, -1)

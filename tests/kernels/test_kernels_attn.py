@@ -39,6 +39,24 @@ def make_decode(fmt, lens, hq=4, hkv=2, d=64, page=16, bs=32, topk=3, seed=0, ho
     return q, kc, vc, table, ctx, ids
 
 
+def graph_chain(q, layer, n=6):
+    """n layers chained (each one's output is the next one's query), run once to compile, then captured in one
+    CUDA graph and replayed: the replay's output."""
+    def chain():
+        x = q
+        for _ in range(n):
+            x = layer(x)
+        return x
+    chain()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    graph.replay()
+    torch.cuda.synchronize()
+    return out.clone()
+
+
 def check_close(out, ref, tol=TOL_MAX_REL):
     assert out.shape == ref.shape and torch.isfinite(out).all()
     m = value_metrics(out.float(), ref.float())
@@ -439,23 +457,11 @@ def test_gpu_pdl_chain_equals_plain_launches(fmt, gluon, splits, monkeypatch):
     q, kc, vc, table, ctx, ids = make_decode(fmt, lens, M3["hq"], M3["hkv"], M3["d"], M3["page"], M3["bs"],
                                              M3["topk"], seed=10)
 
-    def chain():
-        x = q
-        for _ in range(6):
-            x = sparse_decode(x, kc, vc, table, ctx, ids, 128, num_splits=splits, gluon=gluon)
-        return x
-
     outs = {}
     for pdl in (False, True):
         monkeypatch.setattr(platform, "LAUNCH_PDL", pdl)
-        chain()  # compile outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = chain()
-        graph.replay()
-        torch.cuda.synchronize()
-        outs[pdl] = out.clone()
+        outs[pdl] = graph_chain(q, lambda x: sparse_decode(x, kc, vc, table, ctx, ids, 128, num_splits=splits,
+                                                           gluon=gluon))
     assert torch.equal(outs[True], outs[False])
     assert torch.isfinite(outs[True].float()).all() and outs[True].float().abs().max() > 0
 
@@ -463,29 +469,17 @@ def test_gpu_pdl_chain_equals_plain_launches(fmt, gluon, splits, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
 def test_gpu_pdl_modes_chain_at_large_grids(fmt):
-    """The portable kernel's PDL modes at grids of several programs an SM (64 rows: the default "late" releases the
-    next launch after its loop): six chained layers in one CUDA graph give the same output bit for bit with the
-    next launch released late, late by the kernel and early by the combine, early (at the start) or without PDL, for
-    one split (no combine) and the default."""
+    """The portable kernel's PDL modes (sparse_attn.PDL_MODES) at grids of several programs an SM (64 rows, where
+    the default releases the next launch after the loop or not at all): six chained layers in one CUDA graph give the
+    same output bit for bit with the next launch released late, late by the kernel and early by the combine, early
+    (at the start) or without PDL, for one split (no combine) and the default."""
     lens = [300, 5000, 20000, 9, 129, 1000, 32768, 2048] * 8
     q, kc, vc, table, ctx, ids = make_decode(fmt, lens, M3["hq"], M3["hkv"], M3["d"], M3["page"], M3["bs"],
                                              M3["topk"], seed=11)
     for splits in (1, None):
-        outs = {}
-        for mode in ("late", "late-main", "early", False):
-            def chain():
-                x = q
-                for _ in range(6):
-                    x = sparse_decode(x, kc, vc, table, ctx, ids, 128, num_splits=splits, gluon=False, pdl=mode)
-                return x
-            chain()  # compile outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = chain()
-            graph.replay()
-            torch.cuda.synchronize()
-            outs[mode] = out.clone()
+        outs = {mode: graph_chain(q, lambda x, mode=mode: sparse_decode(x, kc, vc, table, ctx, ids, 128,
+                                                                        num_splits=splits, gluon=False, pdl=mode))
+                for mode in ("late", "late-main", "early", False)}
         assert all(torch.equal(outs[m], outs[False]) for m in ("late", "late-main", "early")), splits
         assert torch.isfinite(outs[False].float()).all() and outs[False].float().abs().max() > 0
 
