@@ -71,6 +71,8 @@ SWEEP = (
     # combine's stores, sparse_attn.PDL_MODES) off, released at the start as small grids do, or with the combine
     # releasing it at its start (vLLM's arrangement)
     ("pdl=0", {"pdl": False}), ("pdl=early", {"pdl": "early"}), ("pdl=late-main", {"pdl": "late-main"}),
+    # one split (no merge launch; vLLM's 256-program grid at batch 256), not yet timed (docs/kernels/sparse_attn.md)
+    ("splits=1", {"num_splits": 1}), ("tile=128 splits=1", {"tile_tokens": 128, "num_splits": 1}),
 )
 
 # Probes of the fixed cost per layer (sweep only): the default launch with only the first k selected blocks of every
