@@ -475,8 +475,8 @@ if gluon is not None:
 # no faster. Numbers: docs/kernels/index_gluon.md.
 MAXNREG = {"e4m3": None, "e8m0": 128}
 # The query operand (B of every tile's dot, [128, 8 or 16] fp16) in shared memory, read by ldmatrix each tile, rather
-# than held in registers: 16 / 32 registers a thread of the query's 16 / 32 become 4 / 8 LDSM a tile (offline sm_90:
-# nvfp4 85 -> 75 registers, mxfp4 114 -> 89). Measured 2-5 % faster on the H200 (docs/kernels/index_gluon.md).
+# than held in registers: 16 / 32 registers a thread of the query's 16 / 32 become 4 / 8 LDSM a tile, which leaves
+# registers for more programs per SM; faster on the H200 (numbers: docs/kernels/index_gluon.md).
 QUERY_SMEM = True
 
 

@@ -101,9 +101,8 @@ DEFAULT_STAGES = {2: 1, 1: 3, 0: 2}
 # (kernel, combine): 1 the next launch released at the start, 2 after the loop (kernel) or the stores (combine).
 # "late-main": the kernel late, the combine at its start (vLLM's decode kernel and merge). Default: grids of at most
 # PDL_EARLY_MAX_PROGRAMS programs per SM "early"; larger decode grids by their tiles per program (PDL_LATE_TILES:
-# the first entry whose bound the program's tiles do not exceed; past the last, no PDL). Measured on the H200 at
-# M3's decode shape (docs/kernels/sparse_attn.md, session 29): 1-2 tiles a program (batch 16) fastest "late",
-# 4 (batch 64) "late-main", 16 (batch 256) without PDL, for bf16 and fp8 alike.
+# the first entry whose bound the program's tiles do not exceed; past the last, no PDL): short programs gain most
+# from overlapping the launches, long ones not at all (the table measured on the H200: docs/kernels/sparse_attn.md).
 PDL_MODES = {False: (0, 0), "early": (1, 1), "late": (2, 2), "late-main": (2, 1)}
 PDL_EARLY_MAX_PROGRAMS = 1
 PDL_LATE_TILES = ((2, "late"), (4, "late-main"))
