@@ -73,6 +73,9 @@ SWEEP = (
     ("pdl=0", {"pdl": False}), ("pdl=early", {"pdl": "early"}), ("pdl=late-main", {"pdl": "late-main"}),
     # one split (no merge launch; vLLM's 256-program grid at batch 256), not yet timed (docs/kernels/sparse_attn.md)
     ("splits=1", {"num_splits": 1}), ("tile=128 splits=1", {"tile_tokens": 128, "num_splits": 1}),
+    ("splits=1 pdl=early", {"num_splits": 1, "pdl": "early"}), ("splits=1 pdl=late", {"num_splits": 1, "pdl": "late"}),
+    ("tile=128 splits=1 pdl=late", {"tile_tokens": 128, "num_splits": 1, "pdl": "late"}),
+    ("tile=128 splits=1 warps=8", {"tile_tokens": 128, "num_splits": 1, "num_warps": 8}),
 )
 
 # Probes of the fixed cost per layer (sweep only): the default launch with only the first k selected blocks of every
