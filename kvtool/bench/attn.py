@@ -77,7 +77,8 @@ SWEEP = (
     ("tile=128 splits=1 pdl=late", {"tile_tokens": 128, "num_splits": 1, "pdl": "late"}),
     ("tile=128 splits=1 warps=8", {"tile_tokens": 128, "num_splits": 1, "num_warps": 8}),
     ("splits=2", {"num_splits": 2}), ("splits=3", {"num_splits": 3}), ("splits=5", {"num_splits": 5}),
-    ("splits=6", {"num_splits": 6}),
+    ("splits=6", {"num_splits": 6}), ("splits=4 pdl=late", {"num_splits": 4, "pdl": "late"}),
+    ("splits=4 pdl=late-main", {"num_splits": 4, "pdl": "late-main"}),
     ("tile=128 splits=2", {"tile_tokens": 128, "num_splits": 2}),
     ("tile=128 splits=3", {"tile_tokens": 128, "num_splits": 3}),
 )
