@@ -73,7 +73,8 @@ from kvtool.kernels.store import native_fp8 as store_native_fp8
 
 __all__ = [
     "DEFAULT_JOINT", "DEFAULT_LAZY_L", "DEFAULT_STAGES", "DEFAULT_TILE", "E2M1_UNIT", "LOG2E", "PAGED_FIELDS",
-    "RESIDENT", "launch_plan", "paired_order", "sparse_decode", "sparse_prefill", "uses_fp16_dots", "uses_gluon"
+    "RESIDENT", "launch_plan", "paired_order", "pairs_whole_pages", "sparse_decode", "sparse_prefill",
+    "uses_fp16_dots", "uses_gluon"
 ]
 
 
@@ -105,7 +106,7 @@ DEFAULT_STAGES = {2: 1, 1: 3, 0: 2}
 # from overlapping the launches, long ones not at all (the table measured on the H200: docs/kernels/sparse_attn.md).
 PDL_MODES = {False: (0, 0), "early": (1, 1), "late": (2, 2), "late-main": (2, 1)}
 PDL_EARLY_MAX_PROGRAMS = 1
-PDL_LATE_TILES = ((2, "late"), (4, "late-main"))
+PDL_LATE_TILES = ((2, "late"), (8, "late-main"))
 
 
 # ------------------------------------------------------------------------------------------- host-side helpers
@@ -396,26 +397,33 @@ def launch_plan(rows: int, num_kv_heads: int, topk: int, block_size: int, page_s
     - quantized formats (fp16 dots) with enough tiles to fill every SM's `RESIDENT` programs: 2 warps per program
       and splits = RESIDENT x SMs // (rows x KV heads), one wave (faster than 4 warps on the H200 at M3's shape,
       docs/kernels/sparse_attn.md);
-    - otherwise (bf16, or too few tiles: batch 16 and below at M3's shape, not re-measured) 4 warps and about two
-      programs per SM, never more splits than tiles; bf16 with fewer (rows x KV heads) than SMs about `RESIDENT`
-      per SM instead (measured faster there on the H200, slower at batch 256; docs/kernels/sparse_attn.md).
-    Warps are capped at tile / 8 (the score dot [16, T] spreads its T columns over the warps 8 at a time; beyond
-    that warps only hold copies)."""
+    - bf16: 4 warps and the largest power-of-two number of splits that keeps the grid within `RESIDENT` programs
+      per SM (one wave), never more splits than tiles; where rows x KV heads fill two programs per SM to within
+      1/8 (`pairs_whole_pages`), one split of whole-page tiles (up to 128 tokens) instead, which drops the combine
+      launch and the partials (both rules measured on the H200 at M3's shape, batch 1 to 512;
+      docs/kernels/sparse_attn.md);
+    - quantized formats with too few tiles (batch 16 and below at M3's shape, not re-measured): 4 warps and about
+      two programs per SM, never more splits than tiles.
+    Explicit options win (a given tile keeps the power-of-two splits). Warps are capped at tile / 8 (the score dot
+    [16, T] spreads its T columns over the warps 8 at a time; beyond that warps only hold copies)."""
     interp = INTERPRET
-    t = min(tile_tokens or (128 if interp else DEFAULT_TILE), page_size)
-    if page_size % t or (t < 16 and not interp):
-        raise KernelArgumentError(f"a tile of {t} tokens must divide the page size {page_size} and be >= 16")
-    n_tiles = topk * (block_size // t)
     programs = max(1, rows * num_kv_heads)
     if sms is None and torch.device(device).type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
+    whole = (not quantized and sms is not None and num_splits is None and tile_tokens is None
+             and pairs_whole_pages(programs, sms))
+    t = min(tile_tokens or (128 if interp or whole else DEFAULT_TILE), page_size)
+    if page_size % t or (t < 16 and not interp):
+        raise KernelArgumentError(f"a tile of {t} tokens must divide the page size {page_size} and be >= 16")
+    n_tiles = topk * (block_size // t)
     fill = quantized and sms is not None and programs * n_tiles >= RESIDENT * sms
     if num_splits is None:
         splits = 1
-        if sms is not None:
-            per_sm = RESIDENT if not quantized and programs < sms else 2
-            splits = RESIDENT * sms // programs if fill else math.ceil(per_sm * sms / programs)
-            splits = max(1, min(n_tiles, splits))
+        if sms is not None and not quantized and not whole:
+            splits = 1 << (max(1, RESIDENT * sms // programs).bit_length() - 1)
+        elif sms is not None and quantized:
+            splits = RESIDENT * sms // programs if fill else math.ceil(2 * sms / programs)
+        splits = max(1, min(n_tiles, splits))
     else:
         splits = int(num_splits)
     if splits < 1:
@@ -426,6 +434,14 @@ def launch_plan(rows: int, num_kv_heads: int, topk: int, block_size: int, page_s
     warps = max(1, min(warps, t // 8))
     per = max(1, math.ceil(n_tiles / splits))
     return t, max(1, math.ceil(n_tiles / per)), per, warps  # no empty trailing splits
+
+
+def pairs_whole_pages(programs: int, sms: int) -> bool:
+    """Whether a bf16 decode grid of `programs` (rows x KV heads) runs one split of whole-page tiles by default:
+    where they fill two programs per SM to within 1/8, the one grid size at which that measured faster than the
+    split 64-token tiles on the H200 (M3's shape; below and above two per SM it was slower: docs/kernels/
+    sparse_attn.md)."""
+    return 2 * sms - sms // 8 <= programs <= 2 * sms
 
 
 def uses_fp16_dots(fmt) -> bool:

@@ -1,5 +1,5 @@
 """`kvtool bench attn`: one decode step of M3 sparse attention at the TP4 shape (16 query heads, 1 KV head, head dim
-128, 128-token blocks and pages, top-16 blocks per request) for batch 1, 16, 64, 256, per cache format.
+128, 128-token blocks and pages, top-16 blocks per request) for batch 1, 16, 64, 128, 256, per cache format.
 
 Rows per (batch, format): the Triton kernel (`kvtool.kernels.sparse_attn.sparse_decode`'s default launch: for nvfp4
 and mxfp4 on CUDA >= 8.9, from 16 requests x KV heads, the Gluon fast path of `kernels/sparse_attn_gluon.py`, with
@@ -45,7 +45,7 @@ __all__ = [
 
 GEOMETRY = {"num_q_heads": 16, "num_kv_heads": 1, "head_dim": 128, "block_size": 128, "page_size": 128, "topk": 16}
 DEFAULT_FORMATS = ("bf16", "fp8", "fp8-token", "nvfp4", "mxfp4")
-DEFAULT_BATCHES = (1, 16, 64, 256)
+DEFAULT_BATCHES = (1, 16, 64, 128, 256)
 L2_TARGET_BYTES = 150e6  # three times the H200's 50 MB L2
 MAX_LAYERS = 57  # M3's sparse layers
 # Launch variants tried with --sweep (name, sparse_decode keyword options): the tuning rounds' candidates worth

@@ -75,7 +75,7 @@ def bench_codecs(
 ))
 @handle_errors
 def bench_attn(
-    batches: Annotated[str, typer.Option("--batches", help="Comma-separated batch sizes.")] = "1,16,64,256",
+    batches: Annotated[str, typer.Option("--batches", help="Comma-separated batch sizes.")] = "1,16,64,128,256",
     formats: Annotated[str, typer.Option("--formats", help="Comma-separated formats / labels.")]
     = "bf16,fp8,fp8-token,nvfp4,mxfp4",
     context: Annotated[int, typer.Option("--context", help="Tokens per request (16 of its blocks are read).")] = 8000,
@@ -98,7 +98,7 @@ def bench_attn(
     try:
         sizes = [int(b) for b in batches.split(",") if b.strip()]
     except ValueError:
-        raise InputError(f"bad --batches {batches!r} (example: 1,16,64,256)") from None
+        raise InputError(f"bad --batches {batches!r} (example: 1,16,64,128,256)") from None
     names = tuple(f.strip() for f in formats.split(",") if f.strip())
     if not sizes or min(sizes) < 1 or not names or context < 1:
         raise InputError("--batches, --formats and --context need positive values")

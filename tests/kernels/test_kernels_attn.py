@@ -18,7 +18,7 @@ from conftest import DEVICE, HAS_CUDA
 from kvtool.attention import paged_sparse_decode_ref, paged_sparse_prefill_ref, random_block_selection
 from kvtool.errors import KernelArgumentError
 from kvtool.formats import all_formats, get_format
-from kvtool.kernels.sparse_attn import launch_plan, sparse_decode, sparse_prefill
+from kvtool.kernels.sparse_attn import launch_plan, pairs_whole_pages, sparse_decode, sparse_prefill
 from kvtool.metrics import value_metrics
 from kvtool.paged import PagedCache
 from kvtool.workflows.verify_attn import build_paged, synthetic_kv
@@ -175,8 +175,9 @@ def test_launch_plan_caps_warps_at_tile_over_8():
 
 def test_launch_plan_gpu_defaults():
     """The H200-tuned defaults at M3's shape (132 SMs, top-16 x 128 tokens = 32 tiles of 64): quantized formats
-    with enough tiles for 4 resident programs per SM get 2 warps and one wave of splits; bf16 and small batches keep
-    4 warps and about two programs per SM, bf16 with fewer rows than SMs about four. Explicit options win."""
+    with enough tiles for 4 resident programs per SM get 2 warps and one wave of splits, small batches 4 warps and
+    about two programs per SM; bf16 4 warps and the largest power-of-two splits within 4 programs per SM, or one
+    split of whole pages at two programs per SM. Explicit options win."""
     cpu = torch.device("cpu")
     plan = lambda rows, q=True, **kw: launch_plan(rows, 1, 16, 128, 128, cpu, quantized=q, sms=132,  # noqa: E731
                                                   tile_tokens=kw.pop("tile_tokens", 64), **kw)
@@ -184,9 +185,26 @@ def test_launch_plan_gpu_defaults():
     assert plan(64) == (64, 8, 4, 2)
     assert plan(16) == (64, 16, 2, 4)  # 16 x 32 tiles < 4 x 132: the 4-warp plan (17 splits of 2 tiles -> 16)
     assert plan(1) == (64, 32, 1, 4)
-    assert plan(256, q=False) == (64, 2, 16, 4)
-    assert plan(64, q=False) == (64, 8, 4, 4)  # 4 x 132 / 64 -> 9 splits of 4 tiles -> 8
-    assert plan(132, q=False) == (64, 2, 16, 4)  # as many rows as SMs: two per SM
+    assert plan(256, q=False) == (64, 2, 16, 4)  # a given tile: the power-of-two rule
+    assert plan(64, q=False) == (64, 8, 4, 4)  # 4 x 132 / 64 = 8.25 -> 8
+    assert plan(96, q=False) == (64, 4, 8, 4)  # 5.5 -> 4, not 5 or 6
+    assert plan(128, q=False) == (64, 4, 8, 4)
+    assert plan(132, q=False) == (64, 4, 8, 4)  # as many rows as SMs: four per SM
+    assert plan(160, q=False) == (64, 2, 16, 4)
+    assert plan(320, q=False) == (64, 1, 32, 4)  # 1.65 -> 1
+    assert plan(600, q=False) == (64, 1, 32, 4)  # past one wave: still one split
+    assert plan(16, q=False) == (64, 32, 1, 4)  # 33 -> 32, capped at the tiles
+    # bf16 at two programs per SM (to within 1/8): one split of whole pages, unless a tile or splits are given
+    whole = lambda rows, **kw: launch_plan(rows, 1, 16, 128, 128, cpu, quantized=False, sms=132, **kw)  # noqa: E731
+    assert whole(256) == (128, 1, 16, 4)
+    assert whole(248) == whole(264) == (128, 1, 16, 4)
+    assert whole(247)[1] == 2 and whole(265)[1] == 1  # split tiles (64 tokens on the GPU, pages interpreted)
+    assert launch_plan(128, 2, 16, 128, 128, cpu, quantized=False, sms=132) == (128, 1, 16, 4)  # rows x KV heads
+    assert whole(256, num_splits=2) == (128, 2, 8, 4)
+    assert whole(256, tile_tokens=64) == (64, 2, 16, 4)
+    assert launch_plan(256, 1, 16, 128, 64, cpu, quantized=False, sms=132)[:2] == (64, 1)  # pages of 64: the page
+    assert not pairs_whole_pages(247, 132) and pairs_whole_pages(248, 132) and not pairs_whole_pages(265, 132)
+    assert launch_plan(256, 1, 16, 128, 128, cpu, quantized=True, sms=132)[1] == 2  # quantized: never one split
     assert plan(256, num_warps=4, num_splits=3) == (64, 3, 11, 4)
     assert launch_plan(256, 1, 16, 128, 128, cpu, tile_tokens=64, quantized=True)[1:] == (1, 32, 4)  # off GPU
 
