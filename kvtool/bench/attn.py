@@ -79,6 +79,9 @@ SWEEP = (
     ("splits=2", {"num_splits": 2}), ("splits=3", {"num_splits": 3}), ("splits=5", {"num_splits": 5}),
     ("splits=6", {"num_splits": 6}), ("splits=4 pdl=late", {"num_splits": 4, "pdl": "late"}),
     ("splits=4 pdl=late-main", {"num_splits": 4, "pdl": "late-main"}),
+    ("splits=2 warps=8", {"num_splits": 2, "num_warps": 8}), ("splits=4 warps=8", {"num_splits": 4, "num_warps": 8}),
+    ("splits=4 stages=3", {"num_splits": 4, "num_stages": 3}),
+    ("tile=128 splits=2 warps=8", {"tile_tokens": 128, "num_splits": 2, "num_warps": 8}),
     ("tile=128 splits=2", {"tile_tokens": 128, "num_splits": 2}),
     ("tile=128 splits=3", {"tile_tokens": 128, "num_splits": 3}),
 )
