@@ -83,7 +83,8 @@ SWEEP = (
     ("splits=4 stages=3", {"num_splits": 4, "num_stages": 3}),
     ("tile=128 splits=2 warps=8", {"tile_tokens": 128, "num_splits": 2, "num_warps": 8}),
     # 128-token tiles capped at 168 registers (no spills: 3 programs per SM instead of 2), 1-4 splits
-    *((f"tile=128 maxnreg=168 splits={s}", {"tile_tokens": 128, "maxnreg": 168, "num_splits": s}) for s in (1, 2, 3, 4)),
+    *((f"tile=128 maxnreg=168 splits={s}", {"tile_tokens": 128, "maxnreg": 168, "num_splits": s})
+      for s in (1, 2, 3, 4)),
     ("tile=128 splits=2", {"tile_tokens": 128, "num_splits": 2}),
     ("tile=128 splits=3", {"tile_tokens": 128, "num_splits": 3}),
 )
