@@ -1,6 +1,7 @@
 """The committed bench scripts that run without a GPU: `bench/sass_index_gluon.py` (offline sm_90 SASS of the Gluon
-index scorer, in a child process without TRITON_INTERPRET, as kernel_capture's workers) and the argument checks of
-`bench/sweep_rows.py` (its rows run only at the GPU sweep shapes)."""
+index scorer, in a child process without TRITON_INTERPRET, as kernel_capture's workers), the argument checks of
+`bench/sweep_rows.py` (its rows run only at the GPU sweep shapes) and `bench/profile_kernels.py`'s small attention
+cases (kvtool's and vLLM's kernel) in the interpreter."""
 
 import os
 import re
@@ -46,3 +47,20 @@ def test_sweep_rows_rejects_unknown_rows():
     for args in (["index", "ch8"], ["nothing", "ch8", "--"]):  # no "--", an unknown bench: the usage
         r = _run(["bench/sweep_rows.py", *args], interpret=True)
         assert r.returncode != 0 and "sweep_rows.py" in r.stderr
+
+
+def test_profile_kernels_attn_small_runs_kvtool_and_vllm():
+    r = _run(["bench/profile_kernels.py", "attn", "bf16", "--small", "--batch", "3"], interpret=True)
+    assert r.returncode == 0 and "profiled: attn bf16 (small) batch 3" in r.stdout, r.stderr[-2000:]
+    r = _run(["bench/profile_kernels.py", "store", "nvfp4", "--small", "--batch", "3"], interpret=True)
+    assert r.returncode != 0 and "apply to attn only" in r.stderr
+    from kvtool.engines.vllm_m3 import load_ops
+    from kvtool.engines.wheels import EngineUnavailable
+
+    try:
+        load_ops()
+    except EngineUnavailable as err:
+        pytest.skip(str(err))
+    r = _run(["bench/profile_kernels.py", "attn", "bf16", "--small", "--batch", "3", "--peer", "vllm"],
+             interpret=True)
+    assert r.returncode == 0 and "peer vllm" in r.stdout, r.stderr[-2000:]
