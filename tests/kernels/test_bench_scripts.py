@@ -64,3 +64,24 @@ def test_profile_kernels_attn_small_runs_kvtool_and_vllm():
     r = _run(["bench/profile_kernels.py", "attn", "bf16", "--small", "--batch", "3", "--peer", "vllm"],
              interpret=True)
     assert r.returncode == 0 and "peer vllm" in r.stdout, r.stderr[-2000:]
+
+
+def test_timeline_attn_summary_splits_a_step_into_kernels_and_gaps(tmp_path):
+    """Two layers of (main kernel, merge) from an nsys GPU trace: durations, the gaps between consecutive kernels
+    (negative where PDL overlapped them) and the time a layer."""
+    rows = [("Start (ns)", "Duration (ns)", "Name"), ("0", "500", "[CUDA memcpy Host-to-Device]"),
+            ("1000", "38000", "_sparse_attn_kernel"), ("38500", "4500", "_combine_kernel"),
+            ("43500", "38000", "_sparse_attn_kernel"), ("81000", "4000", "_combine_kernel")]
+    path = tmp_path / "trace.csv"
+    path.write_text("\n".join(",".join(r) for r in rows) + "\n")
+    r = _run(["bench/timeline_attn.py", "summary", str(path), "--last", "2"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    assert lines[1].split() == ["_sparse_attn_kernel", "38.00"]  # the first kernel has no gap before it
+    assert lines[2].split() == ["_combine_kernel", "4.50", "-0.50"]  # it started before the main kernel ended
+    assert lines[3].split() == ["_sparse_attn_kernel", "38.00", "0.50"]
+    assert "4 kernels, 84.00 us from the first start to the last end, 42.00 us a layer" in r.stdout
+    empty = tmp_path / "empty.csv"
+    empty.write_text("Start (ns),Duration (ns),Name\n")
+    r = _run(["bench/timeline_attn.py", "summary", str(empty)])
+    assert r.returncode != 0 and "no kernel rows" in r.stderr
