@@ -1,17 +1,16 @@
-"""The sparse-attention decode step as the benchmark replays it (a CUDA graph of several layers), for a timeline:
-run it under Nsight Systems with graph nodes traced, then summarize the kernels' starts and ends per layer.
+"""The sparse-attention decode step as the benchmark replays it (a CUDA graph of several layers), as a timeline of
+its kernels: when each starts and ends on the GPU, per layer.
 
-    PYTHONPATH=. nsys profile --cuda-graph-trace=node -o attn128 -f true \\
-        python3 bench/timeline_attn.py run bf16 --batch 128 --layers 2 [--peer vllm]
-    nsys stats -r cuda_gpu_trace -f csv -o attn128 attn128.nsys-rep
-    python3 bench/timeline_attn.py summary attn128_cuda_gpu_trace.csv --last 4
+    PYTHONPATH=. python3 bench/timeline_attn.py run bf16 --batch 128 --layers 2 [--peer vllm] --csv attn128.csv
+    python3 bench/timeline_attn.py summary attn128.csv --last 4
 
 `run` builds `kvtool bench attn`'s inputs (`kvtool.bench.attn._Step`: M3's TP4 shape, 8000-token contexts), captures
-the step (kvtool's `sparse_decode`, or with `--peer` the engine's decode kernel and merge) in one CUDA graph and
-replays it `--replays` times. `summary` reads the GPU trace CSV and prints, for the kernels of the last `--last`
-layers, each kernel's duration and the gap from the end of the kernel before it to its start (negative: the two
-overlapped, as programmatic dependent launch allows), so that a step's time splits into kernels and the gaps
-between them.
+the step (kvtool's `sparse_decode`, or with `--peer` the engine's decode kernel and merge) in one CUDA graph,
+replays it `--replays` times under torch.profiler (CUPTI kernel records, graph-launched kernels included) and
+writes each GPU kernel's start, duration and name to `--csv` (the columns of `nsys stats -r cuda_gpu_trace`, whose
+CSV `summary` reads as well). `summary` prints, for the kernels of the last `--last` layers, each kernel's duration
+and the gap from the end of the kernel before it to its start (negative: the two overlapped, as programmatic
+dependent launch allows), so that a step's time splits into kernels and the gaps between them.
 """
 
 from __future__ import annotations
@@ -43,11 +42,22 @@ def run(args) -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    for _ in range(args.replays):
-        graph.replay()
+    graph.replay()
     torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels = sorted((e.start_ns(), e.duration_ns(), e.name()) for e in prof.profiler.kineto_results.events()
+                     if e.device_type() == torch.autograd.DeviceType.CUDA and not e.name().startswith("Memcpy"))
+    with open(args.csv, "w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(["Start (ns)", "Duration (ns)", "Name"])
+        out.writerows(kernels)
     print(f"replayed: {args.format} batch {args.batch} x {args.layers} layers x {args.replays}"
-          f"{f' peer {args.peer}' if args.peer else ''}")
+          f"{f' peer {args.peer}' if args.peer else ''}: {len(kernels)} kernels -> {args.csv}")
 
 
 def summary(args) -> None:
@@ -75,13 +85,14 @@ def summary(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="replay the step's CUDA graph (run it under nsys)")
+    r = sub.add_parser("run", help="replay the step's CUDA graph and record its kernels")
     r.add_argument("format", help="a kvtool format label, e.g. bf16, fp8")
     r.add_argument("--batch", type=int, default=128)
     r.add_argument("--layers", type=int, default=2)
     r.add_argument("--replays", type=int, default=20)
     r.add_argument("--peer", default=None, help="an engine's decode kernel instead of kvtool's (vllm)")
-    s = sub.add_parser("summary", help="kernels and gaps from `nsys stats -r cuda_gpu_trace -f csv`")
+    r.add_argument("--csv", default="attn_timeline.csv", help="where the kernel records go")
+    s = sub.add_parser("summary", help="kernels and gaps from run's CSV (or `nsys stats -r cuda_gpu_trace -f csv`)")
     s.add_argument("csv")
     s.add_argument("--last", type=int, default=4, help="layers to print, from the end")
     args = ap.parse_args()
