@@ -85,3 +85,25 @@ def test_timeline_attn_summary_splits_a_step_into_kernels_and_gaps(tmp_path):
     empty.write_text("Start (ns),Duration (ns),Name\n")
     r = _run(["bench/timeline_attn.py", "summary", str(empty)])
     assert r.returncode != 0 and "no kernel rows" in r.stderr
+
+
+def test_ptxas_attn_counts_the_programs_per_sm_launch_plan_assumes():
+    """`launch_plan`'s bf16 rules rest on the compiled kernel's residency on an H100 / H200 SM: 64-token tiles fit
+    `RESIDENT` (4) programs, and 128-token tiles (the one-split launch at two programs per SM) fit 2. A kernel change
+    that moves either breaks the rule's premise, and this test says so."""
+    from kvtool.kernels.sparse_attn import RESIDENT
+
+    line = re.compile(r"grid \((\d+), 1, (\d+)\), (\d+) warps, \d+ stages, (\d+) registers, (\d+) spill bytes, "
+                      r"(\d+) B shared -> (\d+) programs per SM")
+    r = _run(["bench/ptxas_attn.py", "bf16", "--batch", "128"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    m = line.search(r.stdout)
+    assert m and m.group(1, 2, 3) == ("128", "4", "4") and int(m.group(7)) == RESIDENT, r.stdout
+    r = _run(["bench/ptxas_attn.py", "bf16", "--batch", "256"])
+    m = line.search(r.stdout)
+    assert r.returncode == 0 and m and m.group(1, 2) == ("256", "1") and int(m.group(7)) == 2, r.stdout + r.stderr
+    assert m.group(5) == "0"  # no spills
+    r = _run(["bench/ptxas_attn.py", "bf16", "--opt", "tile_tokens"])
+    assert r.returncode == 2 and "NAME=VALUE" in r.stderr
+    r = _run(["bench/ptxas_attn.py", "bf16"], interpret=True)
+    assert r.returncode == 2 and "TRITON_INTERPRET" in r.stderr
