@@ -71,7 +71,8 @@ SWEEP = (
     # combine's stores, sparse_attn.PDL_MODES) off, released at the start as small grids do, or with the combine
     # releasing it at its start (vLLM's arrangement)
     ("pdl=0", {"pdl": False}), ("pdl=early", {"pdl": "early"}), ("pdl=late-main", {"pdl": "late-main"}),
-    # one split (no merge launch; vLLM's 256-program grid at batch 256), not yet timed (docs/kernels/sparse_attn.md)
+    # the bf16 launch rule's neighbours (launch_plan, docs/kernels/sparse_attn.md): one split (no merge launch) and
+    # 1-6 splits at both tile sizes, with PDL modes, 8 warps or 3 stages beside them
     ("splits=1", {"num_splits": 1}), ("tile=128 splits=1", {"tile_tokens": 128, "num_splits": 1}),
     ("splits=1 pdl=early", {"num_splits": 1, "pdl": "early"}), ("splits=1 pdl=late", {"num_splits": 1, "pdl": "late"}),
     ("tile=128 splits=1 pdl=late", {"tile_tokens": 128, "num_splits": 1, "pdl": "late"}),
