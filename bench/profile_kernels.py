@@ -47,12 +47,9 @@ def attn_case(fmt_name: str, small: bool, device: str, batch=None, peer=None):
     rows, context = (2, 3000) if small else (256, 8000)
     st = _Step(fmt_name, batch or rows, context, 1, device, torch.Generator().manual_seed(0))
     if peer:
-        from kvtool.bench.index import _peer_fn
         from kvtool.engines.protocol import resolve_impl
 
-        impl = resolve_impl(peer, "attend")
-        return _peer_fn(impl, "bench_attn_decode")(impl, st.q, st.k[0], st.v[0], st.table, st.ctx, st.ids[0],
-                                                   GEOMETRY["block_size"])
+        return st.engine(resolve_impl(peer, "attend"))
     return lambda: sparse_decode(st.q, st.k[0], st.v[0], st.table, st.ctx, st.ids[0], GEOMETRY["block_size"])
 
 

@@ -22,18 +22,13 @@ import csv
 def run(args) -> None:
     import torch
 
-    from kvtool.bench.attn import GEOMETRY, _Step
+    from kvtool.bench.attn import _Step
 
     step = _Step(args.format, args.batch, 8000, args.layers, "cuda", torch.Generator().manual_seed(0))
     if args.peer:
-        from kvtool.bench.index import _peer_fn
         from kvtool.engines.protocol import resolve_impl
 
-        impl = resolve_impl(args.peer, "attend")
-        make = _peer_fn(impl, "bench_attn_decode")
-        fns = [make(impl, step.q, k, v, step.table, step.ctx, ids, GEOMETRY["block_size"])
-               for k, v, ids in zip(step.k, step.v, step.ids)]
-        fn = lambda: [f() for f in fns]  # noqa: E731
+        fn = step.engine(resolve_impl(args.peer, "attend"))
     else:
         fn = step.kernel()
     for _ in range(2):  # compile, warm caches

@@ -152,6 +152,17 @@ class _Step:
         return lambda: [sparse_decode(self.q, k, v, self.table, self.ctx, ids, bs, **options)
                         for k, v, ids in zip(self.k, self.v, ids_per_layer)]
 
+    def engine(self, impl, ids_per_layer: list[torch.Tensor] | None = None) -> Callable[[], object]:
+        """The engine's decode over the layers, as `kernel` runs kvtool's: `impl`'s module entry point
+        `bench_attn_decode` (kvtool.engines.vllm_m3), set up once per layer here and run by the callable."""
+        from kvtool.bench.index import _peer_fn
+
+        make = _peer_fn(impl, "bench_attn_decode")
+        ids_per_layer = self.ids if ids_per_layer is None else ids_per_layer
+        fns = [make(impl, self.q, k, v, self.table, self.ctx, ids, GEOMETRY["block_size"])
+               for k, v, ids in zip(self.k, self.v, ids_per_layer)]
+        return lambda: [f() for f in fns]
+
     def eager(self) -> Callable[[], object]:
         return lambda: [eager_sparse_decode(self.q, k, v, self.table, self.ctx, ids, GEOMETRY["block_size"])
                         for k, v, ids in zip(self.k, self.v, self.ids)]
@@ -276,18 +287,12 @@ def run_attn_bench(batches=DEFAULT_BATCHES, formats=DEFAULT_FORMATS, context: in
                 if why or make is None:
                     skipped.append(f"{impl.name} {group} {label}: {why or 'no decode entry point'}")
                     continue
-
-                def engine_step(ids_per_layer, impl=impl, make=make, step=step):
-                    fns = [make(impl, step.q, k, v, step.table, step.ctx, ids, GEOMETRY["block_size"])
-                           for k, v, ids in zip(step.k, step.v, ids_per_layer)]
-                    return lambda: [f() for f in fns]
-
-                cases.append(BenchCase(f"{impl.name} {label}", engine_step(step.ids), step.bytes, group,
+                cases.append(BenchCase(f"{impl.name} {label}", step.engine(impl), step.bytes, group,
                                        f"{how} x {layers} layers", cuda_graph=device.startswith("cuda")))
                 for keep in PROBE_KEEP if sweep else ():  # the engine's fixed cost, probed as kvtool's
                     ids = step.probe_ids(keep)
                     cases.append(BenchCase(f"{impl.name} {label} probe: {keep} of {GEOMETRY['topk']} blocks",
-                                           engine_step(ids), step.selection_bytes(ids), group,
+                                           step.engine(impl, ids), step.selection_bytes(ids), group,
                                            f"{how} x {layers} layers", cuda_graph=device.startswith("cuda")))
                 pairs.append((group, f"triton {label}", f"{impl.name} {label}"))
             if peers:
