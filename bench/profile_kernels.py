@@ -7,7 +7,8 @@ Shapes (the goals of issues 3-5, with the inputs the benchmarks build): `store` 
 shuffled 128-token pages (`kernels/store.py`, validation off, as engines call it); `index` one layer of the decode
 score + top-k at batch 64 x 150K (the scorer and the select pass); `attn` one layer of the sparse decode at batch 256,
 M3's TP4 shape (`--batch` another batch; `--peer vllm` runs vLLM 0.33.0's decode kernel and merge on the same
-inputs instead, through `kvtool.engines.vllm_m3`, for a profile side by side). Every kernel runs twice first (compile, autotune, warm caches), then once inside the NVTX range
+inputs instead, through `kvtool.engines.vllm_m3`, for a profile side by side). Every kernel runs twice first
+(compile, autotune, warm caches), then once inside the NVTX range
 `profile`, so `--nvtx-include "profile/"` keeps exactly the launches of one call. `--small` shrinks the shapes (a
 smoke run; under TRITON_INTERPRET=1 it also runs on the CPU).
 """
@@ -65,7 +66,7 @@ def main() -> None:
     ap.add_argument("--peer", default=None, help="attn: an engine's kernel instead of kvtool's (vllm)")
     args = ap.parse_args()
     if (args.batch or args.peer) and args.kernel != "attn":
-        raise SystemExit("profile_kernels: --batch and --peer apply to attn only")
+        ap.error("--batch and --peer apply to attn only")
     cuda = torch.cuda.is_available()
     if not cuda and not interpreting():
         raise SystemExit("profile_kernels: needs a CUDA device (or TRITON_INTERPRET=1 with --small)")

@@ -61,7 +61,8 @@ def resources(fmt: str, batch: int, options: dict) -> dict:
     spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", out))
     warps = comp.metadata.num_warps
     shared = comp.metadata.shared
-    per_sm = min(SM_REGISTERS // (regs * 32 * warps), SM_SHARED // max(1, shared), 32)
+    per_warp = -(-regs * 32 // 256) * 256  # registers are allocated per warp in units of 256
+    per_sm = min(SM_REGISTERS // (per_warp * warps), SM_SHARED // max(1, shared), 32)
     return {"grid": tuple(launch.grid), "warps": warps, "stages": comp.metadata.num_stages, "registers": regs,
             "spill_bytes": spills, "shared": shared, "per_sm": per_sm}
 
